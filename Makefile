@@ -1,0 +1,45 @@
+# The two commands of the README:
+#   make serve   - set up .venv, fetch the default model once, serve it on 127.0.0.1:8000
+#   make test    - set up .venv, run the test suite (GPU tests skip without a GPU)
+# Extra server flags: make serve ARGS="--quant int4"   (or WOQ_* environment variables)
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+ARGS   ?=
+CUDA_ARCHS ?= 75 80 86 89 90
+NVCC   ?= nvcc
+
+.PHONY: install serve test test-fast compile-cuda lint-docker clean
+
+# torch is pinned first: 2.13.0 resolves to the local CPU wheel on CPU machines, while an
+# unpinned torch would pull GBs of CUDA packages. The project then installs in editable mode.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/woq serve $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Compile-only check of every CUDA source for T4 (sm_75), A100 (sm_80), A10/3090 (sm_86),
+# L4/4090 (sm_89) and H100 (sm_90): the kernels are framework-free, so nvcc alone builds them.
+compile-cuda:
+	@for f in kernels/csrc/*.cu; do for a in $(CUDA_ARCHS); do \
+	  echo "nvcc sm_$$a $$f"; \
+	  $(NVCC) -std=c++17 -O3 -Xptxas -warn-spills -gencode arch=compute_$$a,code=sm_$$a -c $$f -o /dev/null || exit 1; \
+	done; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

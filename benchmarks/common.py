@@ -1,0 +1,89 @@
+"""Measurement helpers shared by the benchmarks (METHOD.md: events/graph replays, rotated
+weights past L2, medians, a measured bandwidth ceiling)."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def copies_to_defeat_l2(nbytes: int, factor: int = 4, cap: int = 64) -> int:
+    """How many copies of a weight make the rotation exceed ``factor`` x L2."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(cap, math.ceil(factor * l2 / max(nbytes, 1))))
+
+
+def time_calls(fns: Sequence[Callable[[], object]], calls_per_graph: int = 20, reps: int = 15) -> float:
+    """Median microseconds per call of a CUDA graph replaying ``fns`` round-robin.
+
+    Rotating over several weight copies keeps them out of L2; a graph removes the CPU
+    launch gaps, so the number is the kernels' own time back to back.
+    """
+    for f in fns[:3]:
+        f()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / calls_per_graph)
+    del graph
+    return statistics.median(times)
+
+
+def gpu_info() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": p.name, "sms": p.multi_processor_count, "l2_bytes": p.L2_cache_size,
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything the GPU machine does, in one call (device time is scarce): install the
+# carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
+# Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
+#   stages: env build test sanitize bench split e2e engine serving metrics
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/woq-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 WOQ_CACHE=${WOQ_CACHE:-/tmp/woq-cache} HF_HUB_OFFLINE=1
+PY=python3
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+
+status=0
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  echo "=== $name rc=$rc ($((SECONDS - t0)) s)"
+  [ $rc -eq 0 ] || status=1
+}
+
+for stage in "$@"; do
+  case $stage in
+    env) run env bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
+    build) run build $PY -c "from woq.kernels import ops; import logging; logging.basicConfig(level=logging.INFO); assert ops.available()" ;;
+    test) run test $PY -m pytest -q -x -m gpu tests/ ;;
+    sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
+    bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
+    split) run split $PY benchmarks/kernels.py --split-sweep ${SPLIT_ARGS:-} ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status

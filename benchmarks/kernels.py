@@ -1,0 +1,258 @@
+"""Kernel benchmark on the GPU: the woq GEMV against the peers, in one run.
+
+For each weight shape W[N, K] (nn.Linear layout) and M: our GEMV (int4 g128 with zeros,
+int8 per-channel; fp16 and bf16 activations), cuBLAS fp16/bf16 (F.linear), torch tinygemm
+int4 g128 (bf16), and gemlite / bitsandbytes when installed. Each figure is the median
+microseconds per call of a CUDA graph of 20 calls rotating over enough weight copies to
+exceed 4x L2. Roofline = bytes that must move (weights + scales/zeros + x + y) / the
+measured copy bandwidth.
+
+    python benchmarks/kernels.py --out docs/bench            # full table
+    python benchmarks/kernels.py --split-sweep               # tune the split-K heuristic
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copies_to_defeat_l2, copy_bandwidth, gpu_info, markdown_table, time_calls, write_json  # noqa: E402
+
+from woq.kernels import ops  # noqa: E402
+from woq.kernels.format import QuantSpec, quantize  # noqa: E402
+from woq.kernels.layout import pack_for_gpu  # noqa: E402
+
+SHAPES = [(28672, 8192), (21504, 14336), (14336, 4096), (4096, 14336), (4096, 4096)]
+MS = [1, 2, 4, 8, 16]
+FORMATS = {"int4_g128": QuantSpec(4, 128, False), "int8_channel": QuantSpec(8, None, True)}
+
+
+def io_bytes(M: int, N: int, K: int) -> int:
+    return 2 * M * K + 2 * M * N
+
+
+class Peers:
+    """The alternatives a user could run instead, built once per shape."""
+
+    def __init__(self, w: torch.Tensor, copies: int):
+        N, K = w.shape
+        self.dense16 = [w.clone() for _ in range(max(2, min(copies, copies_to_defeat_l2(N * K * 2))))]
+        self.dense_bf16 = [t.to(torch.bfloat16) for t in self.dense16]
+        self.tiny = self._tinygemm(w, copies)
+        self.gl4, self.gl8 = self._gemlite(w, copies)
+        self.bnb = self._bnb(w, copies)
+
+    @staticmethod
+    def _tinygemm(w, copies):
+        try:
+            N, K = w.shape
+            g = 128
+            wf = w.float().reshape(N, K // g, g)
+            mx, mn = wf.amax(-1, keepdim=True), wf.amin(-1, keepdim=True)
+            sc = (mx - mn).clamp(min=1e-6) / 15
+            q = ((wf - mn) / sc).round().clamp(0, 15).to(torch.int32).reshape(N, K)
+            zeros = mn + 8 * sc  # tinygemm: w = (q - 8) * scale + zero
+            sz = torch.cat([sc.reshape(N, K // g, 1), zeros.reshape(N, K // g, 1)], -1)
+            sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+            packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+            return [(packed.clone(), sz) for _ in range(copies)]
+        except Exception as exc:
+            print("tinygemm unavailable:", repr(exc)[:200])
+            return []
+
+    @staticmethod
+    def _gemlite(w, copies):
+        try:
+            from gemlite.helper import A16W8_INT8, A16Wn
+        except Exception:
+            return [], []
+        N, K = w.shape
+        g = 128
+        wf = w.float().reshape(N, K // g, g)
+        mx, mn = wf.amax(-1, keepdim=True), wf.amin(-1, keepdim=True)
+        sc = (mx - mn).clamp(min=1e-6) / 15
+        zq = -mn / sc
+        q = (wf / sc + zq).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
+        n = min(copies, 16)
+        gl4 = [A16Wn(device="cuda", dtype=torch.float16).from_weights(q.clone(), sc.reshape(N, -1).half(),
+                                                                      zq.reshape(N, -1).half(), 4, g) for _ in range(n)]
+        gl8 = [A16W8_INT8(device="cuda", dtype=torch.float16).from_weights(w.clone()) for _ in range(n)]
+        return gl4, gl8
+
+    @staticmethod
+    def _bnb(w, copies):
+        try:
+            import bitsandbytes as bnb
+            import bitsandbytes.functional as bnbF
+        except Exception:
+            return []
+        return [(bnb, *bnbF.quantize_4bit(w.clone(), quant_type="nf4", blocksize=64)) for _ in range(min(copies, 16))]
+
+    def timings(self, x16: torch.Tensor) -> dict[str, float]:
+        xb = x16.to(torch.bfloat16)
+        out = {
+            "cublas_fp16": time_calls([lambda W=W: F.linear(x16, W) for W in self.dense16]),
+            "cublas_bf16": time_calls([lambda W=W: F.linear(xb, W) for W in self.dense_bf16]),
+        }
+        if self.tiny:
+            out["tinygemm_int4_bf16"] = time_calls(
+                [lambda p=p, z=z: torch._weight_int4pack_mm(xb, p, 128, z) for p, z in self.tiny])
+        if self.gl4:
+            out["gemlite_w4_fp16"] = time_calls([lambda L=L: L(x16) for L in self.gl4])
+            out["gemlite_w8_fp16"] = time_calls([lambda L=L: L(x16) for L in self.gl8])
+        if self.bnb:
+            out["bnb_nf4_fp16"] = time_calls(
+                [lambda b=b, q=q, s=s: b.matmul_4bit(x16, q.t(), quant_state=s) for b, q, s in self.bnb])
+        return out
+
+
+def ours(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, copies: int):
+    qw = quantize(w.float(), QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=dtype))
+    gws = [ops.prepare(pack_for_gpu(qw, dtype)) for _ in range(copies)]
+    return gws, gws[0].nbytes()
+
+
+def run(shapes, ms, out_dir: Path, dtypes) -> dict:
+    info = gpu_info()
+    bw = copy_bandwidth()
+    print(f"{info['gpu']}: copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    for N, K in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        copies = copies_to_defeat_l2(N * K // 2)
+        peers = Peers(w, copies)
+        packs = {}
+        for fmt, spec in FORMATS.items():
+            for dtype in dtypes:
+                c = copies_to_defeat_l2(N * K * spec.bits // 8)
+                packs[(fmt, dtype)] = ours(w, spec, dtype, c)
+        for M in ms:
+            x16 = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            t = peers.timings(x16)
+            for (fmt, dtype), (gws, wbytes) in packs.items():
+                x = x16.to(dtype)
+                name = f"woq_{fmt}_{str(dtype).split('.')[-1]}"
+                t[name] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                roof = (wbytes + io_bytes(M, N, K)) / bw * 1e6
+                rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name], roof_us=roof, bytes=wbytes,
+                                 split_k=gws[0].split_k))
+            for name in [k for k in t if not k.startswith("woq_")]:
+                rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name]))
+            line = "  ".join(f"{k}={v:.1f}" for k, v in t.items())
+            print(f"N={N} K={K} M={M}: {line}", flush=True)
+        del peers, packs
+        torch.cuda.empty_cache()
+    result = dict(info, bandwidth_bytes_per_s=bw, rows=rows)
+    write_json(out_dir / "kernels.json", result)
+    (out_dir / "kernels.md").write_text(summary(result))
+    plot(result, out_dir / "kernels.png")
+    return result
+
+
+def _get(rows, N, K, M, impl):
+    r = [x for x in rows if (x["N"], x["K"], x["M"], x["impl"]) == (N, K, M, impl)]
+    return r[0] if r else None
+
+
+def summary(result: dict) -> str:
+    rows = result["rows"]
+    shapes = sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1])
+    ms = sorted({r["M"] for r in rows})
+    head = ["N×K", "M", "int4 µs", "int4 % roof", "int4 bf16 µs", "int8 µs", "int8 % roof", "int8 bf16 µs",
+            "cuBLAS fp16 µs", "tinygemm µs", "gemlite w4 µs", "gemlite w8 µs", "bnb nf4 µs", "int4 vs cuBLAS"]
+    table = []
+    for N, K in shapes:
+        for M in ms:
+            g = lambda impl: _get(rows, N, K, M, impl)  # noqa: E731
+            i4, i4b, i8, i8b = g("woq_int4_g128_float16"), g("woq_int4_g128_bfloat16"), g("woq_int8_channel_float16"), g("woq_int8_channel_bfloat16")
+            cb = g("cublas_fp16")
+            opt = lambda r: r["us"] if r else "-"  # noqa: E731
+            table.append([f"{N}×{K}", M, opt(i4), 100 * i4["roof_us"] / i4["us"] if i4 else "-", opt(i4b), opt(i8),
+                          100 * i8["roof_us"] / i8["us"] if i8 else "-", opt(i8b), opt(cb), opt(g("tinygemm_int4_bf16")),
+                          opt(g("gemlite_w4_fp16")), opt(g("gemlite_w8_fp16")), opt(g("bnb_nf4_fp16")),
+                          f"{cb['us'] / i4['us']:.2f}×" if (cb and i4) else "-"])
+    bw = result["bandwidth_bytes_per_s"] / 1e12
+    hdr = (f"GPU: {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, CUDA {result['cuda']}; "
+           f"copy bandwidth {bw:.2f} TB/s (read+write). Median µs per call, CUDA graph of 20 calls, weights "
+           f"rotated past 4× L2. % roof = (weight+scale+zero bytes + x + y) / bandwidth ÷ time.\n\n")
+    return hdr + markdown_table(head, table) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        print("matplotlib unavailable, no plot:", exc)
+        return
+    rows = result["rows"]
+    shapes = sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1])
+    impls = ["woq_int4_g128_float16", "woq_int8_channel_float16", "cublas_fp16", "tinygemm_int4_bf16",
+             "gemlite_w4_fp16", "gemlite_w8_fp16", "bnb_nf4_fp16"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), sharey=False)
+    for ax, (N, K) in zip(list(axes) if len(shapes) > 1 else [axes], shapes):
+        for impl in impls:
+            pts = sorted((r["M"], r["us"]) for r in rows if (r["N"], r["K"], r["impl"]) == (N, K, impl))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl.replace("_float16", "").replace("woq_", "woq "))
+        roof = sorted((r["M"], r["roof_us"]) for r in rows if (r["N"], r["K"], r["impl"]) == (N, K, "woq_int4_g128_float16"))
+        if roof:
+            ax.plot(*zip(*roof), "k--", label="int4 roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{N}×{K}")
+        ax.set_xlabel("M")
+        ax.set_ylabel("µs")
+    (axes[0] if len(shapes) > 1 else axes).legend(fontsize=7)
+    fig.suptitle(f"weight-only GEMV on {result['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def split_sweep(shapes, ms) -> None:
+    """Time every split-K factor; print the best against the heuristic's choice."""
+    for N, K in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        for fmt, spec in FORMATS.items():
+            gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
+            chunks = math.ceil(gws[0].K_pad / (8 * (64 if spec.bits == 4 else 32)))
+            for M in ms:
+                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                res = {}
+                for s in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32}):
+                    if s <= chunks:
+                        ops.prepare(gws[0], split_k=s)
+                        res[s] = time_calls([lambda g=g: ops.gemv(x, g, split_k=s) for g in gws])
+                best = min(res, key=res.get)
+                h = ops.default_split_k(gws[0])
+                print(f"SPLIT {N}x{K} {fmt} M={M}: best s={best} {res[best]:.1f}us, heuristic s={h} {res.get(h, float('nan')):.1f}us "
+                      + " ".join(f"{s}:{v:.1f}" for s, v in res.items()), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--split-sweep", action="store_true")
+    a = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    ms = [int(m) for m in a.ms.split(",")]
+    assert ops.available(), "woq CUDA kernels unavailable"
+    if a.split_sweep:
+        split_sweep(shapes, ms)
+        return
+    res = run(shapes, ms, a.out, [getattr(torch, d) for d in a.dtypes.split(",")])
+    print(summary(res))
+
+
+if __name__ == "__main__":
+    main()

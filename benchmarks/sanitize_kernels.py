@@ -1,0 +1,22 @@
+"""A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
+split-K on and off, M = 1 and 16. Run by benchmarks/gpu_check.sh under the sanitizer."""
+import itertools
+
+import torch
+
+from woq.kernels import ops
+from woq.kernels.format import QuantSpec, quantize
+from woq.kernels.layout import pack_for_gpu
+
+assert ops.available()
+torch.manual_seed(0)
+for (N, K), bits, group, sym, dtype in itertools.product(
+    [(1000, 576), (24, 4104)], [4, 8], [None, 128], [True, False], [torch.float16, torch.bfloat16]
+):
+    qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
+    gw = ops.prepare(pack_for_gpu(qw, dtype), split_k=3)
+    for M, split in [(1, 1), (16, 1), (7, 3), (16, 3)]:
+        ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype), split_k=split)
+    ops.dequantize(gw)
+torch.cuda.synchronize()
+print("sanitizer workload done")

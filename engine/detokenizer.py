@@ -1,0 +1,74 @@
+"""Incremental detokenization with stop strings.
+
+Token-by-token decoding of byte-level BPE can split a UTF-8 character across tokens, and
+some tokenizers change the text of earlier tokens when later ones arrive (leading spaces).
+We decode a short window of recent tokens twice (with and without the newest) and emit
+the difference only when it is complete text. Text that could be the beginning of a stop
+string is held back until it either completes the stop string (and is dropped, with
+everything after it) or is known not to.
+"""
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: tokens before it are settled text
+        self.read_offset = 0  # tokens decoded into self.text so far
+        self.text = ""  # all text produced so far (stop string removed)
+        self.emitted = 0  # characters of self.text handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the text that can be released now ("" if none)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._apply_stop()
+        return self._release()
+
+    def finish(self) -> str:
+        """Release whatever is held back (the request ends)."""
+        tail = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return tail
+
+    def _apply_stop(self) -> None:
+        if not self.stop:
+            return
+        longest = max(map(len, self.stop))
+        start = max(0, self.emitted - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        if self.stopped:
+            return 0
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _release(self) -> str:
+        end = len(self.text) - self._held_back()
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

@@ -1,0 +1,311 @@
+"""Continuous-batching generation engine.
+
+One background thread owns the model and the KV cache and loops:
+
+1. admit waiting requests while a KV slot is free, prefilling each newcomer (its prompt
+   in one forward, M = prompt length) and sampling its first token; prefill work per
+   iteration is bounded so that running decodes are not stalled for long;
+2. run one decode step for every running sequence together (one forward, M = batch);
+3. hand each request its new text through its sink, and free the slots of finished or
+   cancelled requests.
+
+KV memory is fixed (``max_batch_size`` slots × ``max_seq_len`` positions); requests beyond
+the free slots wait in a bounded queue, and beyond that ``submit`` refuses them
+(``QueueFullError``: the HTTP layer answers 429).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..models.kv_cache import KVCache
+from ..models.llama import Batch, CausalLM
+from .detokenizer import TextStream
+from .sampling import SamplingParams, sample
+
+log = logging.getLogger("woq.engine")
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class RequestTooLongError(ValueError):
+    pass
+
+
+class EngineStoppedError(RuntimeError):
+    pass
+
+
+@dataclass
+class StreamEvent:
+    """What a request receives after each step: new text (maybe empty) and, at the end,
+    the finish reason ("stop" | "length" | "abort" | "error") with token counts."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class EngineObserver(Protocol):
+    def on_step(self, batch_size: int, prefill_tokens: int) -> None: ...
+
+    def on_first_token(self, seconds: float) -> None: ...
+
+    def on_token_latency(self, seconds: float) -> None: ...
+
+    def on_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, seconds: float) -> None: ...
+
+
+Sink = Callable[[StreamEvent], None]
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    seed: int
+    stream: TextStream
+    submitted: float
+    slot: int = -1
+    generated: list[int] = field(default_factory=list)
+    last_token_time: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def next_position(self) -> int:
+        """Cache position of the token fed next (the last sampled one)."""
+        return len(self.prompt_ids) + len(self.generated) - 1
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer,
+        eos_token_ids: set[int],
+        max_batch_size: int = 16,
+        max_queue: int = 64,
+        max_seq_len: int | None = None,
+        max_prefill_tokens: int = 4096,
+        observer: EngineObserver | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.max_seq_len = min(max_seq_len or model.max_seq_len, model.max_seq_len)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.observer = observer
+        cfg = model.cfg
+        self.cache = KVCache(cfg.num_layers, max_batch_size, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim,
+                             model.dtype, model.device)
+        self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.by_id: dict[str, _Sequence] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    # -- public API (any thread) ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="woq-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens < 1:
+            raise RequestTooLongError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.max_seq_len:
+            raise RequestTooLongError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"of {self.max_seq_len} tokens"
+            )
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None) -> str:
+        """Queue a request; its events go to ``sink`` (called on the engine thread)."""
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        rid = request_id or f"req-{next(self._ids)}"
+        seq = _Sequence(rid, list(prompt_ids), params, sink, seed, TextStream(self.tokenizer, params.stop),
+                        time.perf_counter())
+        with self._cv:
+            if self._stop:
+                raise EngineStoppedError("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
+            self.waiting.append(seq)
+            self.by_id[rid] = seq
+            self._cv.notify_all()
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request (client gone): its slot is freed at the next step."""
+        with self._cv:
+            seq = self.by_id.get(request_id)
+            if seq is not None:
+                seq.cancelled = True
+                self._cv.notify_all()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> StreamEvent:
+        """Blocking convenience: the whole completion as one event (text, ids, reason)."""
+        done = threading.Event()
+        parts: list[StreamEvent] = []
+
+        def sink(ev: StreamEvent) -> None:
+            parts.append(ev)
+            if ev.finish_reason:
+                done.set()
+
+        self.submit(prompt_ids, params, sink)
+        done.wait()
+        last = parts[-1]
+        return StreamEvent("".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
+                           last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error)
+
+    # -- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                self._reap_cancelled()
+                while not self._stop and not self.running and not self.waiting:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                admitted = self._take_admissible()
+            try:
+                prefill_tokens = sum(self._prefill(seq) for seq in admitted)
+                if self.running:
+                    self._decode_step(prefill_tokens)
+            except Exception as exc:  # never let one bad step kill the server
+                log.exception("engine step failed")
+                for seq in {id(s): s for s in admitted + self.running}.values():
+                    self._finish(seq, "error", error=f"generation failed: {type(exc).__name__}")
+        for seq in list(self.running) + list(self.waiting):
+            self._finish(seq, "abort", error="the server shut down")
+
+    def _take_admissible(self) -> list[_Sequence]:
+        """Pop waiting requests that get a slot now, within the prefill token budget."""
+        taken, budget = [], self.max_prefill_tokens
+        while self.waiting and self.free_slots:
+            seq = self.waiting[0]
+            if taken and len(seq.prompt_ids) > budget:
+                break
+            self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            budget -= len(seq.prompt_ids)
+            taken.append(seq)
+        return taken
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            self._finish(seq, "abort")
+        for seq in [s for s in self.running if s.cancelled]:
+            self._finish(seq, "abort")
+
+    def _prefill(self, seq: _Sequence) -> int:
+        dev = self.model.device
+        ids = torch.tensor([seq.prompt_ids], device=dev)
+        P = ids.shape[1]
+        batch = Batch(torch.arange(P, device=dev)[None], torch.tensor([seq.slot], device=dev), P)
+        logits = self.model(ids, batch, self.cache, last_only=True)
+        self.running.append(seq)
+        self._emit_tokens([seq], logits)
+        return P
+
+    def _decode_step(self, prefill_tokens: int) -> None:
+        seqs = [s for s in self.running if not s.cancelled]
+        if not seqs:
+            return
+        dev = self.model.device
+        ids = torch.tensor([[s.generated[-1]] for s in seqs], device=dev)
+        positions = torch.tensor([[s.next_position] for s in seqs], device=dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        batch = Batch(positions, slots, int(positions.max()) + 1)
+        logits = self.model(ids, batch, self.cache, last_only=True)
+        if self.observer:
+            self.observer.on_step(len(seqs), prefill_tokens)
+        self._emit_tokens(seqs, logits)
+
+    def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        dev = logits.device
+        p = [s.params for s in seqs]
+        tokens = sample(
+            logits,
+            torch.tensor([x.temperature for x in p], device=dev),
+            torch.tensor([x.top_k for x in p], device=dev),
+            torch.tensor([x.top_p for x in p], device=dev),
+            torch.tensor([s.seed for s in seqs], device=dev),
+            torch.tensor([len(s.generated) for s in seqs], device=dev),
+        ).tolist()
+        now = time.perf_counter()
+        for seq, tok in zip(seqs, tokens):
+            self._accept(seq, tok, now)
+
+    def _accept(self, seq: _Sequence, token: int, now: float) -> None:
+        if self.observer:
+            if seq.generated:
+                self.observer.on_token_latency(now - seq.last_token_time)
+            else:
+                self.observer.on_first_token(now - seq.submitted)
+        seq.last_token_time = now
+        seq.generated.append(token)
+        if token in self.eos and not seq.params.ignore_eos:
+            self._finish(seq, "stop", token_ids=[token])
+            return
+        text = seq.stream.add(token)
+        if seq.stream.stopped:
+            self._finish(seq, "stop", text=text, token_ids=[token])
+        elif len(seq.generated) >= seq.params.max_tokens or seq.next_position >= self.max_seq_len:
+            self._finish(seq, "length", text=text, token_ids=[token])
+        else:
+            seq.sink(StreamEvent(text, [token]))
+
+    def _finish(self, seq: _Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
+                error: str | None = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+        self.by_id.pop(seq.request_id, None)
+        if reason != "error" and reason != "abort":
+            text += seq.stream.finish()
+        n_out = len(seq.generated)
+        if self.observer:
+            self.observer.on_finish(reason, len(seq.prompt_ids), n_out, time.perf_counter() - seq.submitted)
+        seq.sink(StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error))

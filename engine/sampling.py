@@ -1,0 +1,99 @@
+"""Per-request sampling for a whole batch in one pass (greedy, temperature, top-k, top-p, seed).
+
+Random draws come from a counter-based hash of (request seed, step, token id) rather than
+from a stateful generator: a request's tokens then depend only on its own seed and
+logits, never on which other requests share its batch, and the whole batch samples in a
+handful of tensor ops on whatever device the logits live (only the chosen ids move to
+the host). Sampling is exact: Gumbel-max over the temperature-scaled, top-k/top-p
+filtered logits draws from their softmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 = no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores (arithmetic wraps mod 2**64)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_STEP = _signed(0xD1B54A32D192ED03)
+_TOKEN = _signed(0xAEF17502108EF2D9)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` fp32 uniforms in (0, 1), a pure function of (seed, step, token id).
+
+    splitmix64's finaliser over a linear combination of the three counters.
+    """
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    z = seeds[:, None] * _GOLDEN + steps[:, None] * _STEP + tok[None, :] * _TOKEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """Next token ids ``[B]`` (int64) from fp32 ``logits`` ``[B, V]`` and per-row parameters."""
+    logits = logits.float()
+    greedy = (temperature == 0) | (top_k == 1)
+    if bool(greedy.all()):
+        return logits.argmax(-1)
+    B, V = logits.shape
+    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    drop = rank >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop |= (mass_before >= top_p[:, None]) & (rank > 0)  # keep the smallest set reaching top_p
+    filtered = sorted_logits.masked_fill(drop, float("-inf"))
+    # Noise belongs to token ids (not sorted ranks), so ties in the sort cannot change a draw.
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, V)))
+    choice = (filtered + gumbel.gather(1, order)).argmax(-1)
+    sampled = order.gather(1, choice[:, None]).squeeze(1)
+    return torch.where(greedy, logits.argmax(-1), sampled)

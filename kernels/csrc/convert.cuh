@@ -1,0 +1,167 @@
+// Fast int8/int4 -> fp16/bf16 conversion for weight-only kernels (framework-free).
+//
+// A cvt instruction per element is slow (low throughput, MIO pressure). Instead we build
+// the float directly from the integer's bits, as in FasterTransformer / TensorRT-LLM
+// (seeds 000, 001, 003):
+//
+//   fp16:  for 0 <= Y < 1024, the half with exponent field 25 (bias 15 -> 2^10) and
+//          mantissa Y is exactly 1024 + Y. Its bits are 0x6400 | Y. So OR-ing a code
+//          into 0x6400 yields 1024 + code, and one half subtraction of (1024 + z)
+//          leaves code - z, exact (every integer below 2048 is a half).
+//
+//          0x6400 | Y  =  0 11001 00YYYYYYYY   (sign, exponent 25, 10-bit mantissa)
+//
+//   bf16:  only 7 mantissa bits, so the same trick works for nibbles only:
+//          0x4300 | Y = 128 + Y for 0 <= Y < 128 (exponent 134 -> 2^7, mantissa Y).
+//          A byte does not fit; int8 -> bf16 goes through fp32 instead:
+//          0x4B000000 | Y = 2^23 + Y (23 mantissa bits), subtract 2^23 + z in fp32,
+//          and keep the high half of the fp32 (exact: |code - z| < 256 needs 8
+//          significant bits, which bf16 has).
+//
+// Codes are stored *unsigned* (the logical format's symmetric codes are biased by 128 or
+// 8), so no sign extension is ever needed; the bias/zero point is folded into the
+// subtraction. All conversions are exact: the kernels' A fragments hold the integers
+// (code - z), and scales are applied to the fp32 accumulators.
+//
+// Interleaving (done at pack time, kernels/layout.py) puts the codes where these bit
+// tricks find them, so that each 32-bit result register is one mma A-fragment register:
+//
+//   int8, one 32-bit word -> 2 registers (4 codes e0..e3; e0,e1 go to register 0):
+//       byte:      3    2    1    0
+//       code:     e3   e1   e2   e0          (logical order 0,2,1,3)
+//       prmt(word, 0x64646464, 0x5250) -> [0x64|e1 : 0x64|e0] = half2(1024+e0, 1024+e1)
+//       prmt(word, 0x64646464, 0x5351) -> [0x64|e3 : 0x64|e2] = half2(1024+e2, 1024+e3)
+//
+//   int4, one 32-bit word -> 4 registers (8 codes e0..e7; register r gets e(2r), e(2r+1)):
+//       nibble:    7    6    5    4    3    2    1    0
+//       code:     e7   e5   e3   e1   e6   e4   e2   e0   (logical order 0,2,4,6,1,3,5,7)
+//       fp16: lop3(word, 0x000f000f, 0x64006400, (a&b)|c) picks nibbles 0 and 4 ->
+//             half2(1024+e0, 1024+e1). Mask 0x00f0_00f0 picks nibbles 1 and 5, still
+//             shifted by 4 bits: half2(1024+16*e2, 1024+16*e3); the shift is undone by
+//             one fma: x * (1/16) - (64 + z). The same two masks on word >> 8 give
+//             (e4, e5) and (e6, e7). Shifting the word left instead would collide with
+//             the 0x64 exponent byte, hence the ">> 8" (seed 000, "top_i4s").
+//       bf16: the x16 trick overflows 7 mantissa bits, so each pair is masked with
+//             0x000f000f from word, word>>4, word>>8, word>>12 (same layout).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace woq {
+
+// lop3 look-up table for (a & b) | c, computed from the canonical inputs
+// a = 0xF0, b = 0xCC, c = 0xAA.
+constexpr int kLutAndOr = (0xF0 & 0xCC) | 0xAA;
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kLutAndOr));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Per-group constants folding the zero point into the magic-number subtraction, for the
+// two output rows a thread owns (row gid -> "lo", row gid + 8 -> "hi").
+template <typename T, int BITS>
+struct ZeroConsts;
+
+template <>
+struct ZeroConsts<__half, 8> {
+  uint32_t sub_lo, sub_hi;  // half2(1024 + z)
+  __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi)
+      : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))) {}
+};
+
+template <>
+struct ZeroConsts<__half, 4> {
+  uint32_t sub_lo, sub_hi;  // half2(1024 + z) for the unshifted nibbles
+  uint32_t add_lo, add_hi;  // half2(-(64 + z)) for the nibbles shifted by 4 bits
+  __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi)
+      : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))),
+        add_lo(as_u32(__float2half2_rn(-64.f - z_lo))), add_hi(as_u32(__float2half2_rn(-64.f - z_hi))) {}
+};
+
+template <>
+struct ZeroConsts<__nv_bfloat16, 4> {
+  uint32_t neg_lo, neg_hi;  // bf16x2(-(128 + z))
+  __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi) {
+    __nv_bfloat162 lo = __float2bfloat162_rn(-128.f - z_lo), hi = __float2bfloat162_rn(-128.f - z_hi);
+    neg_lo = *reinterpret_cast<uint32_t*>(&lo);
+    neg_hi = *reinterpret_cast<uint32_t*>(&hi);
+  }
+};
+
+template <>
+struct ZeroConsts<__nv_bfloat16, 8> {
+  float sub_lo, sub_hi;  // 2^23 + z, in fp32
+  __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi) : sub_lo(8388608.f + z_lo), sub_hi(8388608.f + z_hi) {}
+};
+
+// d = a * b + c on packed pairs (bf16x2 needs sm_80; sub.bf16x2 would need sm_90).
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  d = 0;  // bf16 kernels are not launched below sm_80 (checked on the host)
+#endif
+  return d;
+}
+
+// --- int8: two words (8 codes) -> the 4 A-fragment registers of one k16 block ----------
+__device__ __forceinline__ void convert_k16(uint32_t w0, uint32_t w1, const ZeroConsts<__half, 8>& z, uint32_t a[4]) {
+  constexpr uint32_t kExp = 0x64646464, kSel01 = 0x5250, kSel23 = 0x5351;
+  a[0] = as_u32(__hsub2(as_h2(prmt(w0, kExp, kSel01)), as_h2(z.sub_lo)));  // row gid,   k 2t..2t+1
+  a[1] = as_u32(__hsub2(as_h2(prmt(w0, kExp, kSel23)), as_h2(z.sub_hi)));  // row gid+8, k 2t..2t+1
+  a[2] = as_u32(__hsub2(as_h2(prmt(w1, kExp, kSel01)), as_h2(z.sub_lo)));  // row gid,   k 2t+8..2t+9
+  a[3] = as_u32(__hsub2(as_h2(prmt(w1, kExp, kSel23)), as_h2(z.sub_hi)));  // row gid+8, k 2t+8..2t+9
+}
+
+__device__ __forceinline__ void convert_k16(uint32_t w0, uint32_t w1, const ZeroConsts<__nv_bfloat16, 8>& z,
+                                            uint32_t a[4]) {
+  // byte i -> fp32 2^23 + byte: selector (i, 4, 4, 7) takes byte i of the word, then two
+  // zero bytes and the 0x4B exponent byte of 0x4B000000.
+  constexpr uint32_t kExp = 0x4B000000;
+  const uint32_t words[2] = {w0, w1};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float f0 = __uint_as_float(prmt(words[h], kExp, 0x7440)) - z.sub_lo;  // e0 (row gid)
+    float f1 = __uint_as_float(prmt(words[h], kExp, 0x7442)) - z.sub_lo;  // e1 (row gid)
+    float f2 = __uint_as_float(prmt(words[h], kExp, 0x7441)) - z.sub_hi;  // e2 (row gid+8)
+    float f3 = __uint_as_float(prmt(words[h], kExp, 0x7443)) - z.sub_hi;  // e3 (row gid+8)
+    // high halves of two fp32 -> one bf16x2 (exact for these small integers)
+    a[2 * h + 0] = prmt(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
+    a[2 * h + 1] = prmt(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
+  }
+}
+
+// --- int4: one word (8 codes) -> the 4 A-fragment registers of one k16 block -----------
+__device__ __forceinline__ void convert_k16(uint32_t w, const ZeroConsts<__half, 4>& z, uint32_t a[4]) {
+  constexpr uint32_t kLo = 0x000f000f, kHi = 0x00f000f0, kExp = 0x64006400;
+  const uint32_t kSixteenth = 0x2c002c00;  // half2(1/16, 1/16)
+  const uint32_t top = w >> 8;
+  a[0] = as_u32(__hsub2(as_h2(lop3_and_or(w, kLo, kExp)), as_h2(z.sub_lo)));
+  a[1] = as_u32(__hfma2(as_h2(lop3_and_or(w, kHi, kExp)), as_h2(kSixteenth), as_h2(z.add_hi)));
+  a[2] = as_u32(__hsub2(as_h2(lop3_and_or(top, kLo, kExp)), as_h2(z.sub_lo)));
+  a[3] = as_u32(__hfma2(as_h2(lop3_and_or(top, kHi, kExp)), as_h2(kSixteenth), as_h2(z.add_hi)));
+}
+
+__device__ __forceinline__ void convert_k16(uint32_t w, const ZeroConsts<__nv_bfloat16, 4>& z, uint32_t a[4]) {
+  constexpr uint32_t kLo = 0x000f000f, kExp = 0x43004300, kOne = 0x3f803f80;  // bf16x2(1, 1)
+  a[0] = fma_bf16x2(lop3_and_or(w, kLo, kExp), kOne, z.neg_lo);
+  a[1] = fma_bf16x2(lop3_and_or(w >> 4, kLo, kExp), kOne, z.neg_hi);
+  a[2] = fma_bf16x2(lop3_and_or(w >> 8, kLo, kExp), kOne, z.neg_lo);
+  a[3] = fma_bf16x2(lop3_and_or(w >> 12, kLo, kExp), kOne, z.neg_hi);
+}
+
+}  // namespace woq

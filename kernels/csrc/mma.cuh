@@ -1,0 +1,102 @@
+// Warp-level tensor-core and copy primitives, with the fallbacks each architecture needs.
+//
+//   sm_80+: mma.m16n8k16 (fp16 and bf16), cp.async with zero-fill.
+//   sm_75 (T4): two mma.m16n8k8 per k16 (fp16 only: Turing has no bf16 tensor cores) and
+//           plain 16-byte copies instead of cp.async. The host refuses bf16 below sm_80.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace woq {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define WOQ_SM80 1
+#else
+#define WOQ_SM80 0
+#endif
+
+// D(16x8, fp32) += A(16x16, row-major) * B(16x8, col-major), A/B in fp16 or bf16.
+// Fragments (g = lane / 4, t = lane % 4):
+//   a[0]: A[g][2t..2t+1]    a[1]: A[g+8][2t..2t+1]    a[2]: A[g][2t+8..]   a[3]: A[g+8][2t+8..]
+//   b[0]: B[2t..2t+1][g]    b[1]: B[2t+8..2t+9][g]
+//   c[0..1]: D[g][2t..2t+1] c[2..3]: D[g+8][2t..2t+1]
+template <typename T>
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]);
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if WOQ_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  // k 0..7 then k 8..15: m16n8k8 takes (a[0], a[1]) with b[0], then (a[2], a[3]) with b[1].
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b[0]));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[2]), "r"(a[3]), "r"(b[1]));
+#endif
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if WOQ_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row (l % 8) of
+// matrix (l / 8), and receives element pair (l / 4, 2 * (l % 4)) of each matrix.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+}
+
+// 16-byte global -> shared copy; bytes past `valid` (0 or 16) are zero-filled.
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+#if WOQ_SM80
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_size));
+#else
+  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if WOQ_SM80
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if WOQ_SM80
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// Streaming 16-byte load of weights: read once, so do not keep them in L1.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+}  // namespace woq

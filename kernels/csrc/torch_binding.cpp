@@ -1,0 +1,110 @@
+// Thin torch binding of the woq kernels: argument checks, output allocation, the current
+// stream. Registered as torch custom ops (torch.ops.woq.*) so they can be captured in
+// CUDA graphs and traced by torch.compile (fake implementations: kernels/ops.py).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "woq_kernels.h"
+
+namespace {
+
+woq::DType dtype_of(const at::Tensor& t) {
+  if (t.scalar_type() == at::kHalf) return woq::DType::kFloat16;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "woq kernels take float16 or bfloat16, got ", t.scalar_type());
+  return woq::DType::kBFloat16;
+}
+
+woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                                int64_t n, int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.is_contiguous(),
+              "qweight must be a contiguous CUDA uint8 [n_tiles, k_tiles, 32, 16] tensor");
+  TORCH_CHECK(qweight.size(2) == 32 && qweight.size(3) == 16, "qweight must be [n_tiles, k_tiles, 32, 16]");
+  TORCH_CHECK(qweight.size(0) == (n + 15) / 16, "qweight has ", qweight.size(0), " n-tiles for n = ", n);
+  TORCH_CHECK(scales.is_cuda() && scales.dim() == 3 && scales.size(0) == qweight.size(0) && scales.size(2) == 16 &&
+                  scales.is_contiguous(),
+              "scales must be a contiguous CUDA [n_tiles, groups, 16] tensor");
+  if (zeros) {
+    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->scalar_type() == scales.scalar_type() && zeros->is_contiguous(),
+                "zeros must match scales in shape and dtype");
+  }
+  woq::PackedWeight w;
+  w.qweight = qweight.data_ptr();
+  w.scales = scales.data_ptr();
+  w.zeros = zeros ? zeros->data_ptr() : nullptr;
+  w.bits = static_cast<int>(bits);
+  w.N = static_cast<int>(n);
+  w.K = static_cast<int>(k);
+  w.K_pad = static_cast<int>(qweight.size(1) * (bits == 4 ? 64 : 32));
+  w.group_size = static_cast<int>(group_size);
+  w.groups_pad = static_cast<int>(scales.size(1));
+  TORCH_CHECK(w.K_pad >= w.K, "qweight covers ", w.K_pad, " input features, fewer than k = ", k);
+  return w;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
+                int64_t group_size, int64_t n, int64_t k, int64_t split_k, at::Tensor& workspace, at::Tensor& counters) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 16, "the GEMV takes 1 to 16 rows, got ", x.size(0));
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
+  if (bias) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
+  const c10::cuda::CUDAGuard guard(x.device());
+  woq::GemvArgs a;
+  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  a.x = x.data_ptr();
+  a.bias = bias ? bias->data_ptr() : nullptr;
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  a.y = y.data_ptr();
+  a.M = static_cast<int>(x.size(0));
+  a.split_k = static_cast<int>(split_k);
+  a.dtype = dtype_of(x);
+  if (split_k > 1) {
+    const int64_t n_pad = (n + 15) / 16 * 16;
+    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.numel() >= split_k * x.size(0) * n_pad,
+                "workspace too small for split_k = ", split_k);
+    TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
+                "too few split-K counters");
+    a.workspace = workspace.data_ptr<float>();
+    a.counters = counters.data_ptr<int>();
+  } else {
+    a.workspace = nullptr;
+    a.counters = nullptr;
+  }
+  const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "woq gemv launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
+void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                int64_t bits, int64_t group_size, int64_t n, int64_t k, at::Tensor& out) {
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.numel() >= n * k && out.scalar_type() == scales.scalar_type(),
+              "out must be a contiguous CUDA tensor of at least n * k elements of the scales' dtype");
+  const c10::cuda::CUDAGuard guard(out.device());
+  woq::DequantArgs a;
+  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  a.out = out.data_ptr();
+  a.dtype = dtype_of(out);
+  const cudaError_t err = woq::launch_dequant(a, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "woq dequantize launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(woq, m) {
+  m.def(
+      "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
+      "int k, int split_k, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+  m.def(
+      "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
+      "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(woq, CUDA, m) {
+  m.impl("gemv", &gemv);
+  m.impl("dequantize", &dequantize);
+}

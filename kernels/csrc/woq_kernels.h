@@ -1,0 +1,51 @@
+// Host API of the woq CUDA kernels: plain C++, no framework types, so that the kernels
+// build with nvcc alone (CI compiles them for sm_75..sm_90) and any binding can call them.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace woq {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// One quantized weight in the GPU layout (kernels/layout.py).
+struct PackedWeight {
+  const void* qweight;  // [n_tiles, K_pad / KT, 32 lanes, 16 bytes]
+  const void* scales;   // [n_tiles, groups_pad, 16], activation dtype
+  const void* zeros;    // same layout, or nullptr for symmetric weights
+  int bits;             // 4 or 8
+  int N, K, K_pad;      // logical output/input features, padded K
+  int group_size;       // >= K_pad means per-channel
+  int groups_pad;
+};
+
+struct GemvArgs {
+  PackedWeight weight;
+  const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
+  const void* bias;  // [N] or nullptr
+  void* y;           // [M, N]
+  int M;             // 1..16
+  int split_k;       // >= 1; > 1 needs workspace and counters
+  float* workspace;  // >= split_k * M * n_tiles * 16 floats
+  int* counters;     // >= gemv_grid_columns(N) ints, zero-initialised
+  DType dtype;
+};
+
+struct DequantArgs {
+  PackedWeight weight;
+  void* out;  // [N, K] row-major
+  DType dtype;
+};
+
+// Grid columns of the GEMV (blocks along N): the number of split-K counters needed.
+int gemv_grid_columns(int N);
+// K chunks of one weight: split_k must not exceed it.
+int gemv_num_chunks(int bits, int K_pad);
+
+// Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
+// M, alignment, bf16 below sm_80), else the launch status.
+cudaError_t launch_gemv(const GemvArgs& args, cudaStream_t stream);
+cudaError_t launch_dequant(const DequantArgs& args, cudaStream_t stream);
+
+}  // namespace woq

@@ -1,0 +1,8 @@
+"""Names of the implementations a linear layer can run through (see ``models/dispatch.py``)."""
+
+DENSE = "dense"  # unquantized layer: F.linear
+CPU_REFERENCE = "cpu_reference"  # quantized, off CUDA (or no compiled kernels): torch reference
+GEMV = "gemv"  # CUDA, M <= 16: weight-only GEMV kernel
+MIXED_GEMM = "mixed_gemm"  # CUDA, mid M: tensor-core GEMM with fused dequantization
+DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buffer + cuBLAS
+PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS)

@@ -1,0 +1,116 @@
+"""Load a model by name or path: config, tokenizer and weights from local files only.
+
+Accepted sources:
+* ``smollm2-135m-instruct`` (the default): fetched once into the cache (``models/fetch.py``);
+* a Hugging Face directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer;
+* a ``.gguf`` file, through transformers' ``gguf_file=`` loader.
+Nothing is ever fetched from a model hub.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .builder import QuantConfig, build_model
+from .fetch import DEFAULT_MODEL, fetch_default_model
+from .llama import CausalLM
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only, whatever a caller forgets
+
+
+class ModelSourceError(FileNotFoundError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: object
+    hf_config: object
+    name: str
+    load_seconds: float
+
+
+def resolve_source(model: str) -> tuple[Path, str | None]:
+    """(directory, gguf file name or None) for a model name or path."""
+    if model == DEFAULT_MODEL:
+        return fetch_default_model(), None
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p.parent, p.name
+    if p.is_dir() and (p / "config.json").exists():
+        return p, None
+    raise ModelSourceError(
+        f"model {model!r} is neither {DEFAULT_MODEL!r}, a Hugging Face directory with config.json, nor a .gguf file"
+    )
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"no *.safetensors weights in {directory}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(directory / f))
+    return state
+
+
+def read_checkpoint(directory: Path, gguf_file: str | None):
+    """HF config, tokenizer and state dict (HF tensor names) from local files."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(local_files_only=True)
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    config = AutoConfig.from_pretrained(directory, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
+    if gguf_file:
+        state = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kw).state_dict()
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+    else:
+        state = read_safetensors(directory)
+    return config, tokenizer, dict(state)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(
+    model: str = DEFAULT_MODEL,
+    quant: QuantConfig = QuantConfig(),
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "auto",
+    max_seq_len: int | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    t0 = time.perf_counter()
+    device = resolve_device(device) if isinstance(device, str) else device
+    dtype = dtype or default_dtype(device)
+    directory, gguf_file = resolve_source(model)
+    config, tokenizer, state = read_checkpoint(directory, gguf_file)
+    from .config import ArchConfig
+
+    limit = ArchConfig.from_hf(config).context_limit
+    max_seq_len = min(max_seq_len or limit, limit)
+    built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress)
+    name = DEFAULT_MODEL if model == DEFAULT_MODEL else Path(model).stem if gguf_file else directory.name
+    return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0)

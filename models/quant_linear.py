@@ -1,0 +1,112 @@
+"""Linear layers that route every call through ``models.dispatch``.
+
+``WeightOnlyLinear`` holds a weight in the logical quantized format (``kernels/format.py``)
+and, on CUDA, the same weight repacked once into the GPU kernels' layout.
+``DenseLinear`` is the unquantized twin (``--quant none``), so that metrics see every layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import reference
+from ..kernels.format import QuantizedWeight, QuantSpec, quantize
+from . import dispatch
+
+
+def _forward(layer: dispatch.Dispatchable, x: torch.Tensor) -> torch.Tensor:
+    y = dispatch.linear(x.reshape(-1, x.shape[-1]), layer)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class DenseLinear(nn.Module):
+    bits = 16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layer_kind: str):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.layer_kind = layer_kind
+        self.out_features, self.in_features = weight.shape
+
+    def has_gpu_kernels(self) -> bool:
+        return False
+
+    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _forward(self, x)
+
+
+class WeightOnlyLinear(nn.Module):
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        layer_kind: str,
+        cache_dequantized: bool = True,
+    ):
+        super().__init__()
+        self.layer_kind = layer_kind
+        self.bits = qweight.bits
+        self.group_size = qweight.group_size
+        self.in_features = qweight.in_features
+        self.out_features = qweight.out_features
+        self.register_buffer("packed", qweight.packed)
+        self.register_buffer("scales", qweight.scales)
+        self.register_buffer("zeros", qweight.zeros)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.cache_dequantized = cache_dequantized
+        self._dequantized: torch.Tensor | None = None
+        self.gpu = None  # kernels.layout.GpuWeight once prepared for CUDA
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec, layer_kind: str, **kw):
+        return cls(quantize(weight, spec), bias, layer_kind, **kw)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.packed, self.scales, self.zeros, self.bits, self.group_size, self.in_features, self.out_features
+        )
+
+    def extra_repr(self) -> str:
+        g = "channel" if self.group_size >= self.in_features else f"g{self.group_size}"
+        sym = "sym" if self.zeros is None else "asym"
+        return f"{self.layer_kind}: {self.in_features}->{self.out_features}, int{self.bits} {g} {sym}"
+
+    # -- GPU layout --------------------------------------------------------------------
+    def has_gpu_kernels(self) -> bool:
+        return self.gpu is not None
+
+    def prepare_gpu(self, act_dtype: torch.dtype) -> bool:
+        """Repack the weight into the GPU kernels' layout (once, at load). False if the
+        kernels are unavailable here, in which case the layer keeps the reference path."""
+        from ..kernels import ops  # lazy: CPU machines never import the CUDA binding
+
+        if not (self.packed.is_cuda and ops.available()):
+            return False
+        from ..kernels.layout import pack_for_gpu
+
+        self.gpu = ops.prepare(pack_for_gpu(self.qweight, act_dtype))
+        return True
+
+    # -- paths -------------------------------------------------------------------------
+    def _cpu_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self.cache_dequantized:
+            return reference.dequantize(self.qweight, dtype)
+        if self._dequantized is None or self._dequantized.dtype != dtype:
+            self._dequantized = reference.dequantize(self.qweight, dtype)
+        return self._dequantized
+
+    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        if path == dispatch.CPU_REFERENCE:
+            return reference.linear(x, self.qweight, self.bias, weight=self._cpu_weight(x.dtype))
+        from ..kernels import ops
+
+        return ops.run_path(path, x, self.gpu, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _forward(self, x)

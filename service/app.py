@@ -1,0 +1,225 @@
+"""The HTTP surface: OpenAI-compatible completions and chat completions, streaming or not."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import __version__
+from ..engine.engine import Engine, EngineStoppedError, QueueFullError, RequestTooLongError, StreamEvent
+from ..engine.sampling import SamplingParams
+from .errors import APIError, install_handlers
+from .metrics import Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage, new_id, now
+
+log = logging.getLogger("woq.service")
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    metrics: Metrics
+
+
+# -- request → engine ------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, requested: str | None) -> None:
+    if requested is not None and requested != state.model_name:
+        raise APIError(404, f"the model '{requested}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def _sampling(state: ServerState, req, prompt_len: int) -> SamplingParams:
+    room = state.engine.max_seq_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context length of "
+                            f"{state.engine.max_seq_len} tokens", param="messages", code="context_length_exceeded")
+    wanted = req.wanted_max_tokens()
+    max_tokens = wanted if wanted is not None else room
+    if max_tokens > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                            f"of {state.engine.max_seq_len} tokens", param="max_tokens", code="context_length_exceeded")
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                          seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    tok = state.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
+    if isinstance(req.prompt, list):
+        vocab = len(state.tokenizer)
+        if any(not 0 <= t < vocab for t in req.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(req.prompt)
+    return state.tokenizer.encode(req.prompt)
+
+
+def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    try:
+        rid = state.engine.submit(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+    except QueueFullError as e:
+        raise APIError(429, f"{e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}) from e
+    except RequestTooLongError as e:
+        raise APIError(400, str(e), code="context_length_exceeded") from e
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), "server_error") from e
+    return rid, queue
+
+
+async def _next_event(queue: asyncio.Queue, request: Request) -> StreamEvent | None:
+    """The next engine event, or None once the client has gone away."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: Request) -> StreamEvent:
+    parts: list[str] = []
+    while True:
+        ev = await _next_event(queue, request)
+        if ev is None:
+            state.engine.cancel(rid)
+            raise APIError(499, "client closed the request")
+        parts.append(ev.text)
+        if ev.finish_reason:
+            if ev.error:
+                raise APIError(500, ev.error, "server_error")
+            ev.text = "".join(parts)
+            return ev
+
+
+Render = Callable[[str, str | None], dict]
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Render, first: dict | None,
+                  usage_chunk: Callable[[Usage], dict] | None) -> AsyncIterator[str]:
+    finished = False
+    try:
+        if first is not None:
+            yield _sse(first)
+        while not finished:
+            ev = await queue.get()
+            finished = ev.finish_reason is not None
+            if ev.error:
+                yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
+                break
+            if ev.text or finished:
+                yield _sse(chunk(ev.text, ev.finish_reason))
+            if finished and usage_chunk is not None:
+                yield _sse(usage_chunk(Usage.of(ev.prompt_tokens, ev.completion_tokens)))
+        yield _sse("[DONE]")
+    finally:
+        if not finished:  # client went away mid-stream: free the slot
+            state.engine.cancel(rid)
+
+
+# -- app -------------------------------------------------------------------------------
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="woq", version=__version__, description="Weight-only int8/int4 LLM inference server")
+    app.state.woq = state
+    install_handlers(app)
+    metrics = state.metrics
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "other")
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name)])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        _check_model(state, req.model)
+        prompt = _chat_prompt(state, req)
+        params = _sampling(state, req, len(prompt))
+        rid, queue = _submit(state, prompt, params)
+        cid, created = new_id("chatcmpl"), now()
+        base = {"id": cid, "created": created, "model": state.model_name}
+        if req.stream:
+            def chunk(text: str, reason: str | None) -> dict:
+                delta = {"content": text} if text else {}
+                return {**base, "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+
+            first = {**base, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            usage = None
+            if req.stream_options and req.stream_options.include_usage:
+                def usage(u: Usage) -> dict:
+                    return {**base, "object": "chat.completion.chunk", "choices": [], "usage": u.model_dump()}
+            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage), media_type="text/event-stream")
+        ev = await _collect(state, rid, queue, request)
+        return JSONResponse({
+            **base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
+                         "finish_reason": ev.finish_reason}],
+            "usage": Usage.of(ev.prompt_tokens, ev.completion_tokens).model_dump(),
+        })
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        _check_model(state, req.model)
+        prompt = _completion_prompt(state, req)
+        params = _sampling(state, req, len(prompt))
+        rid, queue = _submit(state, prompt, params)
+        base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": state.model_name}
+        echo = req.echo and isinstance(req.prompt, str)
+        if req.stream:
+            def chunk(text: str, reason: str | None) -> dict:
+                return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+            first = chunk(req.prompt, None) if echo else None
+            usage = None
+            if req.stream_options and req.stream_options.include_usage:
+                def usage(u: Usage) -> dict:
+                    return {**base, "choices": [], "usage": u.model_dump()}
+            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage), media_type="text/event-stream")
+        ev = await _collect(state, rid, queue, request)
+        text = (req.prompt + ev.text) if echo else ev.text
+        return JSONResponse({
+            **base,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}],
+            "usage": Usage.of(ev.prompt_tokens, ev.completion_tokens).model_dump(),
+        })
+
+    return app

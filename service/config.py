@@ -1,0 +1,76 @@
+"""Configuration: one pydantic-settings model per command, read from flags and ``WOQ_*``.
+
+Every field is both a kebab-case flag (``--max-batch-size 8``) and an environment
+variable (``WOQ_MAX_BATCH_SIZE=8``); flags win. ``docs``/README list them all.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..models.builder import QuantConfig
+from ..kernels.cache import cache_dir
+from ..models.fetch import DEFAULT_MODEL
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ModelSettings(BaseSettings):
+    """What model to load and how to quantize it."""
+
+    model_config = SettingsConfigDict(env_prefix="WOQ_", extra="ignore", cli_kebab_case=True,
+                                      cli_implicit_flags=True, protected_namespaces=())
+
+    model: str = Field(DEFAULT_MODEL, description="model alias, Hugging Face directory or .gguf file")
+    quant: Literal["int8", "int4", "none"] = Field("int8", description="weight quantization")
+    group_size: int | None = Field(
+        None, description="0 = per-channel; 32/64/128/256 = group-wise (default: int8 per-channel, int4 128)"
+    )
+    sym: bool | None = Field(None, description="symmetric quantization (default: int8 yes, int4 no: zero points)")
+    quantize_lm_head: bool = Field(False, description="also quantize the LM head")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="activation dtype (auto: float16 on CUDA, float32 on CPU)"
+    )
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    max_seq_len: int = Field(2048, ge=16, description="longest prompt + completion, in tokens")
+    cache: Path = Field(default_factory=cache_dir, description="cache directory for fetched models ($WOQ_CACHE)")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v: int | None) -> int | None:
+        QuantConfig(group_size=v)  # raises a clear message for unsupported sizes
+        return v
+
+    def quant_config(self) -> QuantConfig:
+        return QuantConfig(self.quant, self.group_size, self.sym, self.quantize_lm_head)
+
+    def torch_dtype(self) -> torch.dtype | None:
+        return _DTYPES.get(self.dtype)
+
+
+class ServeSettings(ModelSettings):
+    """Serve the model over OpenAI-compatible HTTP."""
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    served_model_name: str | None = Field(None, description="model name clients send (default: from the model)")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together (KV slots)")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
+    max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps")
+    kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+
+class GenerateSettings(ModelSettings):
+    """Generate a completion for one prompt and print it."""
+
+    max_tokens: int = Field(128, ge=1, description="tokens to generate")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    chat: bool = Field(True, description="wrap the prompt in the model's chat template")

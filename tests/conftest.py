@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random HF checkpoints, the real SmolLM2, a live server."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_hf_checkpoint(tmp: Path, model_type: str = "llama", **overrides) -> Path:
+    """Save a tiny random HF model (config + safetensors + a copy of SmolLM2's tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+    base.update(overrides)
+    config = AutoConfig.for_model(model_type, **base)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits (argmax ties); scale up so greedy is decisive.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    out = tmp / f"tiny-{model_type}"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from woq.models.fetch import fetch_default_model
+
+    return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4(smollm2_dir):
+    from woq.models.builder import QuantConfig
+    from woq.models.loader import load_model
+
+    return load_model(str(smollm2_dir), QuantConfig("int4"), device="cpu", max_seq_len=1024, progress=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """``woq serve`` in a subprocess on loopback: the real CLI, uvicorn and model."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"woq-server-{self.port}.log", "w+")
+        cmd = [sys.executable, "-m", "woq", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()

@@ -1,0 +1,141 @@
+"""Continuous batching, stop strings and the dispatch record, on the real SmolLM2 (int4 g128)."""
+import threading
+
+import pytest
+
+from woq.engine.detokenizer import TextStream
+from woq.engine.engine import Engine, QueueFullError, RequestTooLongError
+from woq.engine.sampling import SamplingParams
+from woq.models import dispatch
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "What is 2+2?", "Name three colors.",
+    "Who wrote Hamlet?", "Explain gravity in one sentence.", "List two fruits.", "What is water made of?",
+    "Say hello in Spanish.", "What day comes after Monday?", "How many legs does a spider have?",
+    "What color is the sky?", "Translate 'cat' to French.", "What is the largest planet?",
+    "Give me a synonym for happy.", "What is the boiling point of water?",
+]
+
+
+def _chat(tok, text):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_int4):
+    lm = smollm2_int4
+    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_batch_size=16, max_queue=64,
+                 max_seq_len=512).start()
+    yield eng
+    eng.shutdown()
+
+
+def test_16_concurrent_greedy_requests_equal_each_alone(engine, smollm2_int4):
+    tok = smollm2_int4.tokenizer
+    prompts = [_chat(tok, p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = [engine.generate(p, params).token_ids for p in prompts]
+    together: list = [None] * len(prompts)
+    steps_seen = []
+    engine.observer = type("Obs", (), {
+        "on_step": lambda self, b, p: steps_seen.append(b), "on_first_token": lambda self, s: None,
+        "on_token_latency": lambda self, s: None, "on_finish": lambda self, *a: None})()
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i):
+        barrier.wait()
+        together[i] = engine.generate(prompts[i], params).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    engine.observer = None
+    assert together == alone
+    assert max(steps_seen) >= 8, "requests should have decoded together in one batch"
+
+
+def test_sampled_request_is_reproducible_in_any_batch(engine, smollm2_int4):
+    tok = smollm2_int4.tokenizer
+    p = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    first = engine.generate(_chat(tok, PROMPTS[1]), p).token_ids
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(engine.generate(_chat(tok, PROMPTS[1]), p).token_ids))]
+    threads += [threading.Thread(target=engine.generate, args=(_chat(tok, q), SamplingParams(max_tokens=20, seed=i)))
+                for i, q in enumerate(PROMPTS[2:6])]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results == [first]
+
+
+def test_stop_strings_and_finish_reasons(engine, smollm2_int4):
+    tok = smollm2_int4.tokenizer
+    prompt = _chat(tok, PROMPTS[0])
+    full = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0))
+    assert "Paris" in full.text and full.finish_reason == "stop"  # EOS
+    cut = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=("Paris",)))
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("Paris")]
+    short = engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0))
+    assert short.finish_reason == "length" and short.completion_tokens == 3
+
+
+def test_admission_limits(smollm2_int4):
+    lm = smollm2_int4
+    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=1, max_queue=1, max_seq_len=64)
+    sink = lambda ev: None  # noqa: E731  (engine not started: requests stay queued)
+    with pytest.raises(RequestTooLongError):
+        eng.submit(list(range(60)), SamplingParams(max_tokens=10), sink)
+    eng.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
+    with pytest.raises(QueueFullError):
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
+
+
+def test_dispatch_records_path_layer_and_m(smollm2_int4):
+    lm = smollm2_int4
+    calls = []
+
+    class Recorder:
+        def record(self, call, seconds):
+            calls.append((call, seconds))
+
+    dispatch.set_observer(Recorder(), sample_every=1)
+    try:
+        import torch
+        lm.model(torch.tensor([[1, 2, 3, 4, 5]]))
+    finally:
+        dispatch.set_observer(None)
+    kinds = {c.layer for c, _ in calls}
+    assert kinds == {"qkv", "o", "gate_up", "down", "lm_head"}
+    quantized = [c for c, _ in calls if c.layer != "lm_head"]
+    assert len(quantized) == 4 * lm.model.cfg.num_layers
+    assert all(c.path == "cpu_reference" and c.bits == 4 and c.m == 5 for c in quantized)
+    assert all(c.path == "dense" and c.bits == 16 for c, _ in calls if c.layer == "lm_head")
+    assert all(s is not None and s > 0 for _, s in calls)
+
+
+class _WordTokenizer:
+    """Decodes ids to fixed strings, to drive the stream byte-exactly."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_text_stream_holds_back_partial_stop_strings():
+    tok = _WordTokenizer(["Hello", " wor", "ld", " EN", "D", " more", "\ufffd"])
+    s = TextStream(tok, stop=(" END",))
+    assert s.add(0) == "Hello"
+    assert s.add(1) == " wor"
+    assert s.add(2) == "ld"
+    assert s.add(3) == ""  # " EN" could begin " END": held back
+    assert s.add(4) == "" and s.stopped  # " END" completes the stop string: dropped
+    assert s.finish() == "" and s.text == "Hello world"
+    s = TextStream(tok, stop=(" END",))
+    s.add(0), s.add(3)
+    assert s.add(5) == " EN more"  # not a stop string after all: released
+    s = TextStream(tok)
+    assert s.add(6) == ""  # an incomplete UTF-8 character is never emitted

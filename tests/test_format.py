@@ -1,0 +1,84 @@
+"""Quantizers, logical packing and the torch reference ops, against fp64 math."""
+import itertools
+
+import pytest
+import torch
+
+from woq.kernels import reference
+from woq.kernels.format import QuantizedWeight, QuantSpec, pack_codes, quantize, unpack_codes
+
+SPECS = [QuantSpec(b, g, s) for b, g, s in itertools.product((8, 4), (None, 32, 64, 128), (True, False))]
+
+
+def _weights(N=96, K=576, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * 0.05
+    w[3] = 0.0  # an all-zero row: scales must stay finite and zeros exact
+    w[5, :40] *= 30  # an outlier block
+    return w
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pack_unpack_roundtrip_bit_exact(bits):
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 1 << bits, (37, 130), generator=g, dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (37, 130 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits, 130), codes)
+    if bits == 4:  # element 2j in the low nibble, 2j+1 in the high nibble
+        assert int(packed[0, 0]) == int(codes[0, 0]) | int(codes[0, 1]) << 4
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe().replace(" ", "-"))
+def test_quantize_error_bound_and_codes(spec):
+    w = _weights()
+    qw = quantize(w.float(), spec)
+    N, K = w.shape
+    G = spec.group_size or K
+    assert qw.num_groups == -(-K // G) and qw.scales.shape == (N, qw.num_groups)
+    codes = qw.codes().long()
+    assert codes.max() < (1 << spec.bits)
+    deq = reference.dequantize(qw, torch.float64)
+    # fp64 reference of the same formula, independent of the implementation's grouping code
+    s = qw.scales.double().repeat_interleave(G, 1)[:, :K]
+    z = qw.zero_points().double().repeat_interleave(G, 1)[:, :K]
+    assert torch.equal(deq, (codes.double() - z) * s)
+    # round-to-nearest: every weight within half a step of its dequantized value (the
+    # slack covers only the fp32 arithmetic of the quantizer)
+    assert ((w - deq).abs() <= s / 2 + w.abs() * 2**-21).all()
+    assert torch.equal(deq[3], torch.zeros(K, dtype=torch.float64))  # zero row stays zero
+    if spec.symmetric:
+        assert qw.zeros is None
+        if spec.bits == 8:
+            assert codes.min() >= 1  # int8 symmetric is [-127, 127] + 128
+
+
+def test_asymmetric_uses_full_range_and_beats_symmetric_on_skewed_weights():
+    w = torch.rand(64, 256, dtype=torch.float64) * 0.1 + 0.02  # all positive
+    err = {}
+    for sym in (True, False):
+        qw = quantize(w.float(), QuantSpec(4, 64, sym))
+        err[sym] = (reference.dequantize(qw, torch.float64) - w).pow(2).mean()
+    assert err[False] < err[True] / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_linear_matches_fp64(dtype):
+    w = _weights(N=80, K=256)
+    qw = quantize(w.float(), QuantSpec(4, 64, False))
+    x = torch.randn(7, 256, dtype=torch.float64)
+    bias = torch.randn(80, dtype=torch.float64)
+    ref = x @ reference.dequantize(qw, torch.float64).T + bias
+    out = reference.linear(x.to(dtype), qw, bias.to(dtype)).double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out - ref).norm() / ref.norm() < tol
+
+
+def test_validation_names_the_problem():
+    qw = quantize(torch.randn(8, 64), QuantSpec(4, 32, False))
+    with pytest.raises(ValueError, match="scales"):
+        QuantizedWeight(qw.packed, qw.scales[:, :1], qw.zeros, 4, 32, 64, 8)
+    with pytest.raises(ValueError, match="packed"):
+        QuantizedWeight(qw.packed[:, :-1], qw.scales, qw.zeros, 4, 32, 64, 8)
+    with pytest.raises(ValueError, match="bits"):
+        QuantSpec(bits=3)

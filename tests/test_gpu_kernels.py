@@ -1,0 +1,131 @@
+"""CUDA kernels against an fp64 reference (skipped without a GPU; run by benchmarks/gpu_check.sh)."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from woq.kernels import reference
+from woq.kernels.format import QuantSpec, quantize
+from woq.kernels.layout import pack_for_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+if torch.cuda.is_available():
+    from woq.kernels import ops
+
+# N not a multiple of 64 (nor 16 for one), K of several groups (and a partial last g128 group)
+SHAPES = [(1000, 576), (4104, 1536), (200, 4096), (24, 128)]
+FORMATS = list(itertools.product([4, 8], [None, 64, 128], [True, False]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    assert ops.available(), "the CUDA kernels failed to build"
+
+
+def _poison_next_alloc(numel: int, dtype) -> None:
+    """Leave a NaN-filled block in the caching allocator: the next output of this size
+    reuses it, so an element the kernel forgets to write stays NaN."""
+    t = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+    del t
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def _case(N, K, bits, group, sym, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.05
+    qw = quantize(w, QuantSpec(bits, group, sym, scale_dtype=dtype))
+    w64 = reference.dequantize(qw, torch.float64)
+    return qw, w64, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group,sym", FORMATS)
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
+    qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=N + K + bits)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    w_lowp = w64.to(dtype)  # what dequant + cuBLAS would multiply
+    for M in range(1, 17):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
+        ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
+        _poison_next_alloc(M * N, dtype)
+        y = ops.gemv(x, gw, bias)
+        assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M}: unwritten or non-finite output"
+        cublas = F.linear(x, w_lowp, bias)
+        err, err_cublas = _rel(y, ref), _rel(cublas, ref)
+        assert err <= 2 * err_cublas + 1e-6, f"M={M}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_split_k_is_exact_and_rearms(bits, dtype):
+    """Every split-K factor gives the same bits (fixed-order reduction), call after call."""
+    qw, w64, g = _case(3000, 4096, bits, 128, False, dtype, seed=7)
+    gw = ops.prepare(pack_for_gpu(qw, dtype), split_k=16)
+    x = torch.randn(5, 4096, device="cuda", generator=g).to(dtype)
+    ref = x.double() @ w64.T
+    base = ops.gemv(x, gw, split_k=1)
+    assert _rel(base, ref) < 2e-3
+    for s in (2, 3, 5, 8, 16):
+        for _ in range(3):  # counters must be re-armed by the last block each time
+            _poison_next_alloc(5 * 3000, dtype)
+            y = ops.gemv(x, gw, split_k=s)
+            assert torch.isfinite(y).all()
+            assert _rel(y, ref) < 2e-3, f"split_k={s}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group,sym", FORMATS)
+def test_dequantize_kernel_is_bit_exact(bits, group, sym, dtype):
+    qw, w64, _ = _case(1000, 576, bits, group, sym, dtype, seed=3)
+    gw = pack_for_gpu(qw, dtype)
+    out = torch.full((1000 * 576,), float("nan"), dtype=dtype, device="cuda")
+    dense = ops.dequantize(gw, out)
+    assert torch.equal(dense, reference.dequantize(qw, torch.float32).to(dtype))
+
+
+def test_gemv_under_cuda_graph_and_dispatch():
+    from woq.models import dispatch
+    from woq.models.quant_linear import WeightOnlyLinear
+
+    torch.manual_seed(0)
+    layer = WeightOnlyLinear.from_float(torch.randn(4096, 4096, device="cuda") * 0.02, None,
+                                        QuantSpec(4, 128, False), "down")
+    assert layer.prepare_gpu(torch.float16)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
+    assert dispatch.choose_path(x, layer) == dispatch.GEMV
+    assert dispatch.choose_path(torch.randn(64, 4096, device="cuda", dtype=torch.float16), layer) == dispatch.DEQUANT_CUBLAS
+    eager = layer(x)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        out = layer(static_x)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ref = x.double() @ reference.dequantize(layer.qweight, torch.float64).T
+    big = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+    assert _rel(layer(big), big.double() @ reference.dequantize(layer.qweight, torch.float64).T) < 2e-3
+    assert _rel(eager, ref) < 2e-3
+
+
+def test_bad_arguments_raise_clear_errors():
+    qw = quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 64, False))
+    gw = ops.prepare(pack_for_gpu(qw, torch.float16))
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), gw)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.gemv(torch.randn(2, 64, device="cuda", dtype=torch.float16), gw)
+    with pytest.raises(TypeError, match="packed for"):
+        ops.run_path("gemv", torch.randn(2, 128, device="cuda", dtype=torch.bfloat16), gw, None)

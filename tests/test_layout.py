@@ -1,0 +1,77 @@
+"""The GPU layout and the fast converters, checked bit-exactly on the CPU (no GPU needed)."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from woq.kernels import emulate, reference
+from woq.kernels.format import QuantSpec, quantize
+from woq.kernels.layout import INT4_NIBBLE_ORDER, INT8_BYTE_ORDER, pack_for_gpu, padded_codes
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _int4_word(e):  # e: [n, 8] element codes -> interleaved 32-bit words
+    return sum((e[:, el].astype(np.uint32) << np.uint32(4 * nib)) for nib, el in enumerate(INT4_NIBBLE_ORDER))
+
+
+def _int8_words(e):
+    w = [sum((e[:, el + 4 * h].astype(np.uint32) << np.uint32(8 * b)) for b, el in enumerate(INT8_BYTE_ORDER))
+         for h in range(2)]
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_converter_gives_the_exact_integer_for_every_code_and_zero_point(bits, dtype):
+    q = 1 << bits
+    # every code at every element position, against every zero point (row g and g+8 apart)
+    v, z = np.meshgrid(np.arange(q), np.arange(q), indexing="ij")
+    v, z_lo = v.ravel(), z.ravel()
+    z_hi = (q - 1) - z_lo
+    e = np.stack([(v + 5 * i) % q for i in range(8)], 1)
+    words = [_int4_word(e)] if bits == 4 else _int8_words(e)
+    regs = emulate.convert_k16(words, z_lo.astype(float), z_hi.astype(float), bits, dtype)
+    row_z = [z_lo, z_hi, z_lo, z_hi]  # a[0], a[2]: row g; a[1], a[3]: row g + 8
+    for r, reg in enumerate(regs):
+        lo, hi = emulate.register_values(reg, dtype)
+        np.testing.assert_array_equal(lo, e[:, 2 * r] - row_z[r])
+        np.testing.assert_array_equal(hi, e[:, 2 * r + 1] - row_z[r])
+
+
+SHAPES = [(40, 200), (16, 64), (33, 576)]
+
+
+@pytest.mark.parametrize("bits,group,sym", list(itertools.product([4, 8], [None, 32, 128], [True, False])))
+def test_unpack_of_pack_is_identity(bits, group, sym):
+    for N, K in SHAPES:
+        qw = quantize(torch.randn(N, K), QuantSpec(bits, group, sym))
+        gw = pack_for_gpu(qw, torch.float16)
+        codes, N_pad, K_pad, G, _ = padded_codes(qw)
+        assert gw.qweight.shape == (N_pad // 16, K_pad // (64 if bits == 4 else 32), 32, 16)
+        back = emulate.unpack_codes_gpu(gw)
+        np.testing.assert_array_equal(back, codes.numpy())
+        np.testing.assert_array_equal(back[:N, :K], qw.codes().numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits,group,sym", list(itertools.product([4, 8], [None, 32, 128], [True, False])))
+def test_fragment_level_gemv_emulation_matches_fp64(bits, group, sym, dtype):
+    """The kernel's data path (layout -> converter -> mma fragment map -> group scaling)
+    reproduces x @ dequant(W)^T in float64 exactly up to float64 rounding."""
+    g = torch.Generator().manual_seed(bits * 100 + (group or 0))
+    N, K = 40, 200 if group != 128 else 576
+    qw = quantize(torch.randn(N, K, generator=g), QuantSpec(bits, group, sym, scale_dtype=dtype))
+    gw = pack_for_gpu(qw, dtype)
+    x = torch.randn(3, K, generator=g, dtype=torch.float64)
+    ref = (x @ reference.dequantize(qw, torch.float64).T).numpy()
+    out = emulate.emulate_gemv(x, gw)
+    np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_layout_requirements_are_checked():
+    with pytest.raises(ValueError, match="% 8"):
+        pack_for_gpu(quantize(torch.randn(16, 36), QuantSpec(8)), torch.float16)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        pack_for_gpu(quantize(torch.randn(16, 64), QuantSpec(8)), torch.float32)

@@ -1,0 +1,101 @@
+"""Our Llama-family forward against Hugging Face transformers' (the reference)."""
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_hf_checkpoint
+from woq.engine.engine import Engine
+from woq.engine.sampling import SamplingParams
+from woq.kernels import reference
+from woq.models.builder import QuantConfig
+from woq.models.loader import load_model
+from woq.models.quant_linear import WeightOnlyLinear
+
+VOCAB = 49152  # SmolLM2's tokenizer is copied into the tiny checkpoints
+
+ARCHS = {
+    "llama": dict(model_type="llama"),
+    "llama-bias-tied": dict(model_type="llama", attention_bias=True, tie_word_embeddings=True),
+    "llama3-rope": dict(model_type="llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "qwen2": dict(model_type="qwen2"),  # q/k/v bias, o without
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny(request, tmp_path_factory, smollm2_dir):
+    path = tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), vocab_size=VOCAB, **ARCHS[request.param])
+    for f in smollm2_dir.glob("tokenizer*"):
+        shutil.copy(f, path)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, ref
+
+
+def _ids(B, T, seed=0):
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_engine(lm, prompt, steps):
+    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=2, max_seq_len=256).start()
+    try:
+        return eng.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)).token_ids
+    finally:
+        eng.shutdown()
+
+
+def test_tiny_logits_match_transformers(tiny):
+    path, ref = tiny
+    lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
+    ids = _ids(2, 50)
+    ours, theirs = lm.model(ids), ref(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+
+
+def test_tiny_greedy_32_tokens_match_transformers(tiny):
+    path, ref = tiny
+    lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
+    prompt = _ids(1, 12, seed=1)
+    theirs = ref.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 12:].tolist()
+    assert _greedy_engine(lm, prompt[0].tolist(), 32) == theirs
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_forward_equals_reference_on_dequantized_weights(tiny, quant):
+    """The quantized model is exactly HF's forward with each linear weight replaced by its
+    dequantization: checks fusing, quantize-on-load and the cpu_reference path together."""
+    path, ref = tiny
+    lm = load_model(str(path), QuantConfig(quant), device="cpu", max_seq_len=256, progress=False)
+    sd = ref.state_dict()
+    for i, layer in enumerate(lm.model.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        pieces = {"qkv": [a + "q_proj", a + "k_proj", a + "v_proj"], "o": [a + "o_proj"],
+                  "gate_up": [m + "gate_proj", m + "up_proj"], "down": [m + "down_proj"]}
+        for kind, names in pieces.items():
+            mod = getattr(layer.attn if kind in ("qkv", "o") else layer.mlp, kind)
+            assert isinstance(mod, WeightOnlyLinear) and mod.bits == (8 if quant == "int8" else 4)
+            w = reference.dequantize(mod.qweight)
+            for name, part in zip(names, w.split([sd[n + ".weight"].shape[0] for n in names])):
+                sd[name + ".weight"] = part
+    deq_ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    deq_ref.load_state_dict(sd)
+    ids = _ids(2, 40, seed=2)
+    ours, theirs = lm.model(ids), deq_ref(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_dir):
+    lm = load_model(str(smollm2_dir), QuantConfig("none"), device="cpu", max_seq_len=512, progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ids = _ids(2, 64, seed=3)
+    ours, theirs = lm.model(ids), ref(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}],
+                                              add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert _greedy_engine(lm, prompt, 32) == theirs[0, len(prompt):].tolist()

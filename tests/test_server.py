@@ -1,0 +1,124 @@
+"""A real ``woq serve`` (uvicorn on loopback, real SmolLM2 int4 g128) and a real HTTP client."""
+import json
+
+import httpx
+import pytest
+
+from conftest import LiveServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
+                   "--group-size", "128", "--max-seq-len", "512", "--max-batch-size", "4", "--kernel-timing-every", "1")
+    yield s
+    s.stop()
+
+
+def _chat(content, **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def test_chat_answers_paris(server):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json=_chat("What is the capital of France?", temperature=0, max_tokens=32), timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+    u = body["usage"]
+    assert u["prompt_tokens"] > 10 and 0 < u["completion_tokens"] <= 32
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def _sse_lines(resp):
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def test_chat_streaming_matches_non_streaming(server):
+    req = _chat("Name three colors.", temperature=0, max_tokens=24)
+    whole = httpx.post(server.url + "/v1/chat/completions", json=req, timeout=120).json()
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={**req, "stream": True, "stream_options": {"include_usage": True}}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = list(_sse_lines(r))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) > 3
+    assert text == whole["choices"][0]["message"]["content"]
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finals] == [whole["choices"][0]["finish_reason"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+def test_completions_streaming_and_not(server):
+    req = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=req, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+    with httpx.stream("POST", server.url + "/v1/completions", json={**req, "stream": True}, timeout=120) as s:
+        events = list(_sse_lines(s))
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == body["choices"][0]["text"]
+
+
+def test_models_health_metrics(server):
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("woq_requests_total", "woq_time_to_first_token_seconds_bucket", "woq_inter_token_latency_seconds",
+                 "woq_request_latency_seconds", "woq_prompt_tokens_total", "woq_generation_tokens_total",
+                 "woq_requests_running", "woq_requests_waiting", "woq_batch_size_bucket"):
+        assert name in text, name
+    assert 'woq_kernel_latency_seconds_count{bits="4",layer="gate_up",m_bucket="1",path="cpu_reference"}' in text
+    assert 'woq_kernel_calls_total{bits="16",layer="lm_head"' in text
+
+
+BAD = [
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("max_tokens 0", "/v1/chat/completions", _chat("hi", max_tokens=0), 400, "max_tokens"),
+    ("beyond context", "/v1/chat/completions", _chat("hi", max_tokens=100000), 400, "context"),
+    ("negative temperature", "/v1/chat/completions", _chat("hi", temperature=-1), 400, "temperature"),
+    ("top_p 0", "/v1/chat/completions", _chat("hi", top_p=0), 400, "top_p"),
+    ("top_p > 1", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("wrong model", "/v1/chat/completions", {**_chat("hi"), "model": "gpt-17"}, 404, "gpt-17"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "role"),
+    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("token id out of range", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "token"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error_json(server, case):
+    _, path, body, status, needle = case
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"] or needle == err["param"]
+    assert "Traceback" not in r.text and "/site-packages/" not in r.text
+
+
+def test_malformed_json_and_unknown_route(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()

@@ -1,0 +1,3 @@
+from woq.cli import app
+
+app()
