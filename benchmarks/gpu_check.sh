@@ -36,6 +36,13 @@ for stage in "$@"; do
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     split) run split $PY benchmarks/kernels.py --split-sweep ${SPLIT_ARGS:-} ;;
+    errors) run errors $PY benchmarks/check_errors.py ;;
+    probe) run probe $PY benchmarks/probe_bandwidth.py ;;
+    ncu) run ncu ncu --clock-control none --kernel-name regex:gemv_kernel --launch-skip 2 --launch-count 1 \
+           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+           --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
+           $PY benchmarks/profile_gemv.py ${NCU_SHAPE:-28672 8192 1 4} ;;
+    sass) run sass bash -c 'cuobjdump --dump-sass "$(find "$WOQ_CACHE/torch_extensions" -name "*.so" | head -1)"' ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -24,9 +24,10 @@ from .paths import DEQUANT_CUBLAS, GEMV, MIXED_GEMM
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("woq_kernels.cu", "torch_binding.cpp")
+SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "torch_binding.cpp")
 GEMV_WARPS = 8  # n-tiles per block (csrc/gemv.cuh: kGemvWarps)
-GEMV_STEPS = 8  # lane loads per K chunk (kGemvSteps)
+GEMV_STEPS = 4  # 16-byte lane loads per pipeline stage (kGemvSteps): split-K divides stages
+GEMV_MAX_M = 16
 
 
 def _source_hash() -> str:
@@ -50,8 +51,10 @@ def _build_jit() -> None:
     load(
         name=f"woq_kernels_{tag.replace('-', '_').replace('.', '_')}",
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-Xptxas=-warn-spills"],
+        # No -std flag: the binding must be compiled with the standard libtorch was built
+        # with (a mismatched one crashed every TORCH_CHECK error path on the H100 image).
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-Xptxas=-warn-spills"],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=bool(os.environ.get("WOQ_VERBOSE_BUILD")),
@@ -135,8 +138,8 @@ def default_split_k(gw: GpuWeight, sm_count: int | None = None) -> int:
     """Split K until the grid has about two blocks per SM (each block holds 8 n-tiles)."""
     sm_count = sm_count or torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
     columns = math.ceil(gw.n_tiles / GEMV_WARPS)
-    chunks = math.ceil(gw.K_pad / (GEMV_STEPS * tile_k(gw.bits)))
-    return max(1, min(chunks, math.ceil(2 * sm_count / columns)))
+    stages = math.ceil(gw.K_pad / (GEMV_STEPS * tile_k(gw.bits)))
+    return max(1, min(stages, math.ceil(2 * sm_count / columns)))
 
 
 def prepare(gw: GpuWeight, split_k: int | None = None) -> GpuWeight:
@@ -150,6 +153,12 @@ def prepare(gw: GpuWeight, split_k: int | None = None) -> GpuWeight:
 
 
 def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+    # Checked here as well as in C++: an error raised from the extension crashed the
+    # process on the torch 2.11 image (benchmarks/check_errors.py), a Python one cannot.
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
+        raise ValueError(f"the GEMV takes 1 to {GEMV_MAX_M} rows, got shape {tuple(x.shape)}")
+    if x.shape[1] != gw.K:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {gw.K}")
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
                               split_k or gw.split_k, s.workspace, s.counters)

@@ -28,11 +28,10 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
   const int lane = static_cast<int>(unit % 32), gid = lane >> 2, t4 = lane & 3;
   const int nt = static_cast<int>(tile / ktiles), kt = static_cast<int>(tile % ktiles);
   const uint4 wv = p.w[unit];
-  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
   const T* scales = static_cast<const T*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
   T* out = static_cast<T*>(p.out);
-  const float bias_z = zero_point_bias<T>(BITS);
+  const float bias_z = zero_point_bias(BITS);
 #pragma unroll
   for (int j = 0; j < Shape::kK16; ++j) {
     const int k = kt * Shape::kK + j * 16 + 2 * t4;
@@ -42,7 +41,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
     float2 z = make_float2(bias_z, bias_z);
     if (ZEROS) z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + off)[gid]);
     uint32_t a[4];
-    convert_step<T, BITS>(words, j, ZeroConsts<T, BITS>(z.x, z.y), a);
+    convert_segment_k16<T, BITS>(wv, j, ZeroConsts<T, BITS>(z.x, z.y), a);
     // a[r] holds rows (gid | gid+8) x columns (k | k+8), two consecutive k each
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

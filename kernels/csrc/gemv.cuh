@@ -12,15 +12,16 @@
 // mma that reuses the same converted weight fragment.
 //
 // Work decomposition:
-//   * a warp owns one n-tile (16 output channels) and streams its weights for the
-//     block's K range: each lane loads 16 bytes per step, the warp 512 contiguous bytes
-//     (kernels/layout.py arranges each lane's 16 bytes to be exactly its A fragments for
-//     4 (int4) or 2 (int8) consecutive k16 blocks -- no shuffles, no shared memory);
-//   * a block is 8 warps = 8 adjacent n-tiles sharing one K range; the activations and
-//     the group scales/zeros of the current K chunk are staged in shared memory with
-//     cp.async (double-buffered) and read by all 8 warps (ldmatrix for x);
-//   * weights of the next chunk are prefetched into registers while the current chunk
-//     is computed (8 outstanding 16-byte loads per lane);
+//   * a warp owns one n-tile (16 output channels); each of its lanes owns 16 bytes of
+//     every 512-byte weight segment, which kernels/layout.py arranged to be exactly that
+//     lane's A fragments for 4 (int4) or 2 (int8) consecutive k16 blocks;
+//   * a block is 8 warps = 8 adjacent n-tiles sharing one K range, cut into stages of
+//     kSteps segments per warp. A stage's weights, activations and group scales/zeros are
+//     fetched with cp.async into a kStages-deep shared-memory ring, so ~3 stages of
+//     memory traffic stay in flight without holding registers (measured: a register
+//     prefetch of one chunk left the kernel latency-bound at ~47% of the bandwidth);
+//   * the group size is a template parameter: group boundaries fall at compile-time
+//     positions of the unrolled k16 loop (no counters, no divisions in the hot loop);
 //   * split-K over blockIdx.y gives small-N shapes enough blocks; partial sums go to an
 //     fp32 workspace and the last block of each column reduces them in a fixed order
 //     (deterministic), then re-arms its counter (CUDA-graph safe).
@@ -32,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "convert.cuh"
 #include "mma.cuh"
@@ -48,20 +50,26 @@ struct GemvParams {
   float* workspace;     // [split_k, M, n_tiles * 16] fp32 (split_k > 1)
   int* counters;        // [gridDim.x] zero-initialised, re-armed by the kernel
   int M, N, K, K_pad;
-  int n_tiles, group_size, groups_pad;
-  int split_k, chunks_per_split;
+  int n_tiles, groups_pad;
+  int split_k, stages_per_split;
 };
 
 constexpr int kGemvWarps = 8;
-constexpr int kGemvSteps = 8;  // 16-byte weight loads per lane per K chunk
+constexpr int kGemvStages = 4;  // shared-memory ring depth
+constexpr int kGemvSteps = 4;   // 512-byte weight segments per warp per stage
 
 template <int BITS>
 struct TileShape {
   static constexpr int kK = BITS == 4 ? 64 : 32;       // k covered by one 16-byte lane load
   static constexpr int kK16 = kK / 16;                 // k16 blocks per lane load
-  static constexpr int kChunk = kGemvSteps * kK;       // k per staged chunk
-  static constexpr int kXStride = kChunk + 8;          // +16 B per smem row: conflict-free ldmatrix
+  static constexpr int kStageK = kGemvSteps * kK;      // k per pipeline stage
+  static constexpr int kStageK16 = kStageK / 16;
+  static constexpr int kXStride = kStageK + 8;         // +16 B per smem row: conflict-free ldmatrix
 };
+
+// Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ and friends.
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
@@ -69,10 +77,6 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ and friends.
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 template <typename T>
 __device__ __forceinline__ float2 pair_to_float2(uint32_t u);
@@ -85,14 +89,12 @@ __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t u) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
 }
 
-template <typename T>
-__host__ __device__ constexpr float zero_point_bias(int bits) {
-  return bits == 8 ? 128.f : 8.f;
-}
+__host__ __device__ constexpr float zero_point_bias(int bits) { return bits == 8 ? 128.f : 8.f; }
 
 template <typename T, int BITS>
-__device__ __forceinline__ void convert_step(const uint32_t words[4], int j, const ZeroConsts<T, BITS>& z,
-                                             uint32_t a[4]) {
+__device__ __forceinline__ void convert_segment_k16(const uint4& w, int j, const ZeroConsts<T, BITS>& z,
+                                                    uint32_t a[4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   if constexpr (BITS == 4) {
     convert_k16(words[j], z, a);
   } else {
@@ -100,85 +102,101 @@ __device__ __forceinline__ void convert_step(const uint32_t words[4], int j, con
   }
 }
 
-// Shared-memory bytes for one launch (x double buffer + scales/zeros double buffer).
-template <typename T, int BITS, int MB>
-__host__ __device__ constexpr int gemv_smem_bytes(int groups_per_chunk, bool zeros) {
-  return (2 * MB * 8 * TileShape<BITS>::kXStride + 2 * kGemvWarps * groups_per_chunk * 16 * (zeros ? 2 : 1)) *
-         static_cast<int>(sizeof(T));
+// Groups whose scales/zeros one stage needs per n-tile (per-channel: none, applied at the end).
+template <int BITS, int GROUP>
+__host__ __device__ constexpr int groups_per_stage() {
+  return GROUP == 0 ? 0 : (TileShape<BITS>::kStageK >= GROUP ? TileShape<BITS>::kStageK / GROUP : 1);
 }
 
-template <typename T, int BITS, int MB, bool ZEROS>
-__global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(const GemvParams p) {
+// Shared memory of one pipeline stage, in bytes (all parts 16-byte aligned).
+template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+struct StageLayout {
+  static constexpr int kW = kGemvWarps * kGemvSteps * 32 * 16;
+  static constexpr int kX = MB * 8 * TileShape<BITS>::kXStride * static_cast<int>(sizeof(T));
+  static constexpr int kGroups = groups_per_stage<BITS, GROUP>();
+  static constexpr int kS = kGemvWarps * kGroups * 16 * static_cast<int>(sizeof(T));
+  static constexpr int kZ = ZEROS ? kS : 0;
+  static constexpr int kBytes = kW + kX + kS + kZ;
+};
+
+template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+__host__ __device__ constexpr int gemv_smem_bytes() {
+  return kGemvStages * StageLayout<T, BITS, MB, GROUP, ZEROS>::kBytes;
+}
+
+// GROUP: group size in k (a power of two >= 32), or 0 for per-channel scales.
+template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+__global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams p) {
   using Shape = TileShape<BITS>;
-  constexpr int KT = Shape::kK, KC = Shape::kChunk, XS = Shape::kXStride, MP = MB * 8;
+  using Stage = StageLayout<T, BITS, MB, GROUP, ZEROS>;
+  constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride, MP = MB * 8;
   constexpr int kThreads = kGemvWarps * 32;
+  constexpr int kGroupK16 = GROUP / 16;  // k16 blocks per group
+  constexpr int kGroups = Stage::kGroups;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int nt = blockIdx.x * kGemvWarps + warp;
   const bool active = nt < p.n_tiles;
   const int ktiles = p.K_pad / KT;
-  const int nchunks = (p.K_pad + KC - 1) / KC;
-  const int c_begin = blockIdx.y * p.chunks_per_split;
-  const int c_end = min(c_begin + p.chunks_per_split, nchunks);
-  const bool grouped = p.group_size < p.K_pad;
-  const int k16_per_group = p.group_size / 16;
-  const int gpc = grouped ? KC / p.group_size : 0;  // groups per chunk (KC is a multiple of G)
+  const int nstages = (p.K_pad + SK - 1) / SK;
+  const int st_begin = blockIdx.y * p.stages_per_split;
+  const int st_end = min(st_begin + p.stages_per_split, nstages);
 
-  extern __shared__ uint4 smem_raw[];
-  T* xs = reinterpret_cast<T*>(smem_raw);             // [2][MP][XS]
-  T* ss = xs + 2 * MP * XS;                           // [2][warps][gpc][16]
-  T* zs = ss + 2 * kGemvWarps * gpc * 16;             // [2][warps][gpc][16] (ZEROS)
+  extern __shared__ uint4 smem[];
   __shared__ int is_last_block;
-
   const T* x = static_cast<const T*>(p.x);
   const T* scales = static_cast<const T*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
+  auto stage_base = [&](int slot) { return reinterpret_cast<char*>(smem) + slot * Stage::kBytes; };
+  const uint4* wsrc = p.w + (static_cast<size_t>(active ? nt : 0) * ktiles) * 32 + lane;
 
-  // Stage chunk c's activations (rows < M; columns past K zero-filled, since padded
-  // weights are 0 but 0 * garbage could be NaN) and its group scales/zeros.
-  auto stage = [&](int c, int buf) {
-    const int k0 = c * KC;
-    constexpr int kSegs = KC / 8;  // 16-byte segments per row
-    T* xb = xs + buf * MP * XS;
+  // Issue the cp.async copies of stage `st` into ring slot `slot`.
+  auto fetch = [&](int st, int slot) {
+    char* base = stage_base(slot);
+    const int kt0 = st * kGemvSteps;
+    if (active) {  // this lane's own weight bytes (each warp later reads back only its own)
+      uint4* wdst = reinterpret_cast<uint4*>(base) + warp * kGemvSteps * 32 + lane;
+#pragma unroll
+      for (int s = 0; s < kGemvSteps; ++s)
+        if (kt0 + s < ktiles) copy16_async(wdst + s * 32, wsrc + static_cast<size_t>(kt0 + s) * 32, true);
+    }
+    // activations: rows < M; columns past K zero-filled (padded weights are exactly 0,
+    // but 0 * uninitialised memory could be NaN)
+    T* xdst = reinterpret_cast<T*>(base + Stage::kW);
+    constexpr int kSegs = SK / 8;
+    const int k0 = st * SK;
     for (int i = tid; i < p.M * kSegs; i += kThreads) {
       const int m = i / kSegs, s = i % kSegs, k = k0 + s * 8;
       const bool valid = k < p.K;
-      copy16_async(xb + m * XS + s * 8, x + static_cast<size_t>(m) * p.K + (valid ? k : 0), valid);
+      copy16_async(xdst + m * XS + s * 8, x + static_cast<size_t>(m) * p.K + (valid ? k : 0), valid);
     }
-    if (grouped) {
-      const int g0 = k0 / p.group_size;
-      const int segs = kGemvWarps * gpc * 2;  // 16 elements = 2 segments per (tile, group)
-      for (int i = tid; i < segs * (ZEROS ? 2 : 1); i += kThreads) {
-        const bool is_zero = ZEROS && i >= segs;
-        const int j = is_zero ? i - segs : i;
-        const int wt = j / (gpc * 2), r = j % (gpc * 2);
+    if constexpr (kGroups > 0) {  // the 16 scales (and zeros) of each group of each tile
+      const int g0 = (st * SK) / GROUP;
+      constexpr int kSegsS = kGemvWarps * kGroups * 2;  // 16 values = two 16-byte segments
+      for (int i = tid; i < kSegsS * (ZEROS ? 2 : 1); i += kThreads) {
+        const bool is_zero = ZEROS && i >= kSegsS;
+        const int j = is_zero ? i - kSegsS : i;
+        const int wt = j / (kGroups * 2), r = j % (kGroups * 2);
         const int tile = blockIdx.x * kGemvWarps + wt, g = g0 + r / 2;
         const bool valid = tile < p.n_tiles && g < p.groups_pad;
-        const T* src = (is_zero ? zeros : scales) + (static_cast<size_t>(valid ? tile : 0) * p.groups_pad + (valid ? g : 0)) * 16 + (r % 2) * 8;
-        T* dst = (is_zero ? zs : ss) + ((buf * kGemvWarps + wt) * gpc) * 16 + r * 8;
+        const T* src = (is_zero ? zeros : scales) +
+                       (static_cast<size_t>(valid ? tile : 0) * p.groups_pad + (valid ? g : 0)) * 16 + (r % 2) * 8;
+        T* dst = reinterpret_cast<T*>(base + Stage::kW + Stage::kX + (is_zero ? Stage::kS : 0)) + (wt * kGroups) * 16 + r * 8;
         copy16_async(dst, src, valid);
       }
     }
   };
 
-  const uint4* wbase = p.w + (static_cast<size_t>(active ? nt : 0) * ktiles) * 32 + lane;
-  uint4 wr[kGemvSteps];
-  auto load_weights = [&](int c) {
-#pragma unroll
-    for (int s = 0; s < kGemvSteps; ++s) {
-      const int kt = c * kGemvSteps + s;
-      if (active && kt < ktiles) wr[s] = load_stream(wbase + static_cast<size_t>(kt) * 32);
+  // Zero-point constants: symmetric weights use the fixed bias; per-channel ones read
+  // theirs once; grouped ones per group from the stage's copy.
+  const float bz = zero_point_bias(BITS);
+  ZeroConsts<T, BITS> zc(bz, bz);
+  if constexpr (ZEROS && GROUP == 0) {
+    if (active) {
+      const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * 16)[gid]);
+      zc = ZeroConsts<T, BITS>(z.x, z.y);
     }
-  };
-
-  // Zero-point constants: per-channel weights need them once; grouped ones per group.
-  const float bias_z = zero_point_bias<T>(BITS);
-  ZeroConsts<T, BITS> zc(bias_z, bias_z);
-  if (ZEROS && !grouped && active) {
-    const uint32_t zp = reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * p.groups_pad * 16)[gid];
-    const float2 z = pair_to_float2<T>(zp);
-    zc = ZeroConsts<T, BITS>(z.x, z.y);
   }
 
   float acc[MB][4], part[MB][4];
@@ -186,84 +204,102 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(const GemvPara
   for (int h = 0; h < MB; ++h)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[h][i] = part[h][i] = 0.f;
-  float s_lo = 0.f, s_hi = 0.f;
-  int k16_in_group = 0, group_in_chunk = 0;
 
-  load_weights(c_begin);
-  stage(c_begin, 0);
-  cp_async_commit();
-
-  for (int c = c_begin; c < c_end; ++c) {
-    const int buf = (c - c_begin) & 1;
-    if (c + 1 < c_end) stage(c + 1, buf ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    if (active) {
-      const T* xb = xs + buf * MP * XS;
-      const int steps = min(kGemvSteps, ktiles - c * kGemvSteps);
-      const bool prefetch = c + 1 < c_end;
-      group_in_chunk = 0;
+  // The k16 blocks of one stage: convert, mma, and at each group's end scale into acc.
+  auto compute = [&](int st, int slot, auto full_tag) {
+    constexpr bool kFull = decltype(full_tag)::value;
+    const char* base = stage_base(slot);
+    const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp * kGemvSteps * 32 + lane;
+    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (lane & 7) * XS + 8 * (lane >> 3);
+    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + warp * kGroups * 8 + gid;
+    const uint32_t* zsm = ssm + Stage::kS / 4;
+    const int steps = kFull ? kGemvSteps : ktiles - st * kGemvSteps;
+    float s_lo = 0.f, s_hi = 0.f;
 #pragma unroll
-      for (int s = 0; s < kGemvSteps; ++s) {
-        if (s < steps) {
-          const uint4 wv = wr[s];
-          const int kt_next = (c + 1) * kGemvSteps + s;
-          if (prefetch && kt_next < ktiles) wr[s] = load_stream(wbase + static_cast<size_t>(kt_next) * 32);
-          const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-          uint32_t bx[MB][4];
+    for (int s = 0; s < kGemvSteps; ++s) {
+      if (!kFull && s >= steps) break;
+      const uint4 wv = wsm[s * 32];
+      uint32_t bx[MB][4];
 #pragma unroll
-          for (int j = 0; j < Shape::kK16; ++j) {
-            const int kk = s * KT + j * 16;
-            if (j % 2 == 0) {  // one ldmatrix.x4 per 8 rows of x covers two k16 blocks
+      for (int j = 0; j < Shape::kK16; ++j) {
+        const int i = s * Shape::kK16 + j;  // k16 index within the stage (compile-time)
+        if (j % 2 == 0) {  // one ldmatrix.x4 per 8 rows of x covers two k16 blocks
 #pragma unroll
-              for (int h = 0; h < MB; ++h) ldmatrix_x4(bx[h], xb + (h * 8 + (lane & 7)) * XS + kk + 8 * (lane >> 3));
+          for (int h = 0; h < MB; ++h) ldmatrix_x4(bx[h], xsm + h * 8 * XS + i * 16);
+        }
+        if constexpr (GROUP != 0) {
+          if (i % kGroupK16 == 0 || i == 0) {  // a group starts (or continues from the last stage)
+            const int g = kGroupK16 >= Shape::kStageK16 ? 0 : i / kGroupK16;
+            const float2 sc = pair_to_float2<T>(ssm[g * 8]);
+            s_lo = sc.x;
+            s_hi = sc.y;
+            if constexpr (ZEROS) {
+              const float2 z = pair_to_float2<T>(zsm[g * 8]);
+              zc = ZeroConsts<T, BITS>(z.x, z.y);
             }
-            if (grouped && k16_in_group == 0) {  // a new group starts: its scales and zeros
-              const int off = ((buf * kGemvWarps + warp) * gpc + group_in_chunk) * 16;
-              const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(ss + off)[gid]);
-              s_lo = sc.x;
-              s_hi = sc.y;
-              if (ZEROS) {
-                const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zs + off)[gid]);
-                zc = ZeroConsts<T, BITS>(z.x, z.y);
-              }
-            }
-            uint32_t a[4];
-            convert_step<T, BITS>(words, j, zc, a);
+          }
+        }
+        uint32_t a[4];
+        convert_segment_k16<T, BITS>(wv, j, zc, a);
+#pragma unroll
+        for (int h = 0; h < MB; ++h) {
+          const uint32_t b[2] = {bx[h][(j % 2) * 2], bx[h][(j % 2) * 2 + 1]};
+          mma_16816<T>(part[h], a, b);
+        }
+        if constexpr (GROUP != 0) {
+          // group end: compile-time when groups fit in a stage, else at the stage end of
+          // every (group / stage)-th stage
+          const bool end = kGroupK16 <= Shape::kStageK16
+                               ? (i + 1) % kGroupK16 == 0
+                               : (i == Shape::kStageK16 - 1 && ((st + 1) * Shape::kStageK16) % kGroupK16 == 0);
+          if (end) {
 #pragma unroll
             for (int h = 0; h < MB; ++h) {
-              const uint32_t b[2] = {bx[h][(j % 2) * 2], bx[h][(j % 2) * 2 + 1]};
-              mma_16816<T>(part[h], a, b);
-            }
-            if (grouped && ++k16_in_group == k16_per_group) {  // group done: scale into the total
+              acc[h][0] += s_lo * part[h][0];
+              acc[h][1] += s_lo * part[h][1];
+              acc[h][2] += s_hi * part[h][2];
+              acc[h][3] += s_hi * part[h][3];
 #pragma unroll
-              for (int h = 0; h < MB; ++h) {
-                acc[h][0] += s_lo * part[h][0];
-                acc[h][1] += s_lo * part[h][1];
-                acc[h][2] += s_hi * part[h][2];
-                acc[h][3] += s_hi * part[h][3];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) part[h][i] = 0.f;
-              }
-              k16_in_group = 0;
-              ++group_in_chunk;
+              for (int q = 0; q < 4; ++q) part[h][q] = 0.f;
             }
           }
         }
       }
     }
-    __syncthreads();
+  };
+
+  // Pipeline: kStages - 1 stages in flight ahead of the one being computed.
+#pragma unroll
+  for (int q = 0; q < kGemvStages - 1; ++q) {
+    if (st_begin + q < st_end) fetch(st_begin + q, q);
+    cp_async_commit();
+  }
+  for (int st = st_begin; st < st_end; ++st) {
+    cp_async_wait<kGemvStages - 2>();
+    __syncthreads();  // stage st visible to all; slot (st - 1) free to overwrite
+    const int ahead = st + kGemvStages - 1;
+    if (ahead < st_end) fetch(ahead, (ahead - st_begin) % kGemvStages);
+    cp_async_commit();
+    if (active) {
+      const int slot = (st - st_begin) % kGemvStages;
+      if ((st + 1) * kGemvSteps <= ktiles) {
+        compute(st, slot, std::true_type{});
+      } else {
+        compute(st, slot, std::false_type{});
+      }
+    }
   }
 
-  if (!grouped && active) {  // per-channel: one scale per output row, applied once
-    const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * p.groups_pad * 16)[gid]);
+  if constexpr (GROUP == 0) {  // per-channel: one scale per output row, applied once
+    if (active) {
+      const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * 16)[gid]);
 #pragma unroll
-    for (int h = 0; h < MB; ++h) {
-      acc[h][0] = sc.x * part[h][0];
-      acc[h][1] = sc.x * part[h][1];
-      acc[h][2] = sc.y * part[h][2];
-      acc[h][3] = sc.y * part[h][3];
+      for (int h = 0; h < MB; ++h) {
+        acc[h][0] = sc.x * part[h][0];
+        acc[h][1] = sc.x * part[h][1];
+        acc[h][2] = sc.y * part[h][2];
+        acc[h][3] = sc.y * part[h][3];
+      }
     }
   }
 

@@ -1,6 +1,5 @@
 // Instantiations and launchers of the woq kernels (framework-free; see woq_kernels.h).
 #include "dequant.cuh"
-#include "gemv.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
@@ -13,48 +12,26 @@ int device_cc_major() {
   return major;
 }
 
-template <typename T, int BITS, int MB, bool ZEROS>
-cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
-  using Shape = TileShape<BITS>;
-  const PackedWeight& w = a.weight;
-  GemvParams p;
-  p.x = a.x;
-  p.w = static_cast<const uint4*>(w.qweight);
-  p.scales = w.scales;
-  p.zeros = w.zeros;
-  p.bias = a.bias;
-  p.y = a.y;
-  p.workspace = a.workspace;
-  p.counters = a.counters;
-  p.M = a.M;
-  p.N = w.N;
-  p.K = w.K;
-  p.K_pad = w.K_pad;
-  p.n_tiles = (w.N + 15) / 16;
-  p.group_size = w.group_size;
-  p.groups_pad = w.groups_pad;
-  const int nchunks = (w.K_pad + Shape::kChunk - 1) / Shape::kChunk;
-  p.split_k = a.split_k < 1 ? 1 : (a.split_k > nchunks ? nchunks : a.split_k);
-  p.chunks_per_split = (nchunks + p.split_k - 1) / p.split_k;
-  p.split_k = (nchunks + p.chunks_per_split - 1) / p.chunks_per_split;  // no empty splits
-  const bool grouped = w.group_size < w.K_pad;
-  const int gpc = grouped ? Shape::kChunk / w.group_size : 0;
-  const int smem = gemv_smem_bytes<T, BITS, MB>(gpc, ZEROS);
-  auto kernel = gemv_kernel<T, BITS, MB, ZEROS>;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
+// Defined in gemv_launch.cuh, instantiated in gemv_fp16.cu and gemv_bf16.cu.
+template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
+
+template <typename T, int BITS, int MB>
+cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
+  const bool z = a.weight.zeros != nullptr;
+  switch (a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size) {
+    case 0: return z ? gemv_launch<T, BITS, MB, 0, true>(a, stream) : gemv_launch<T, BITS, MB, 0, false>(a, stream);
+    case 32: return z ? gemv_launch<T, BITS, MB, 32, true>(a, stream) : gemv_launch<T, BITS, MB, 32, false>(a, stream);
+    case 64: return z ? gemv_launch<T, BITS, MB, 64, true>(a, stream) : gemv_launch<T, BITS, MB, 64, false>(a, stream);
+    case 128: return z ? gemv_launch<T, BITS, MB, 128, true>(a, stream) : gemv_launch<T, BITS, MB, 128, false>(a, stream);
+    case 256: return z ? gemv_launch<T, BITS, MB, 256, true>(a, stream) : gemv_launch<T, BITS, MB, 256, false>(a, stream);
+    default: return cudaErrorInvalidValue;
   }
-  dim3 grid(gemv_grid_columns(w.N), p.split_k);
-  kernel<<<grid, kGemvWarps * 32, smem, stream>>>(p);
-  return cudaGetLastError();
 }
 
 template <typename T, int BITS>
 cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
-  const bool z = a.weight.zeros != nullptr;
-  if (a.M <= 8) return z ? gemv_launch<T, BITS, 1, true>(a, stream) : gemv_launch<T, BITS, 1, false>(a, stream);
-  return z ? gemv_launch<T, BITS, 2, true>(a, stream) : gemv_launch<T, BITS, 2, false>(a, stream);
+  return a.M <= 8 ? gemv_by_group<T, BITS, 1>(a, stream) : gemv_by_group<T, BITS, 2>(a, stream);
 }
 
 template <typename T>
@@ -81,7 +58,9 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
   if (w.bits != 4 && w.bits != 8) return false;
   if (w.K % 8 != 0 || w.N < 1 || w.K_pad % TileShape<8>::kK != 0) return false;
   if (w.bits == 4 && w.K_pad % TileShape<4>::kK != 0) return false;
-  if (w.group_size < w.K_pad && (w.group_size < 32 || (w.group_size & (w.group_size - 1)) != 0)) return false;
+  if (w.group_size < w.K_pad && w.group_size != 32 && w.group_size != 64 && w.group_size != 128 && w.group_size != 256)
+    return false;
+  if (w.group_size < w.K_pad && w.K_pad % w.group_size != 0) return false;
   if (dtype == DType::kBFloat16 && device_cc_major() < 8) return false;  // no bf16 mma on Turing
   return true;
 }
@@ -90,14 +69,13 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
 
 int gemv_grid_columns(int N) { return ((N + 15) / 16 + kGemvWarps - 1) / kGemvWarps; }
 
-int gemv_num_chunks(int bits, int K_pad) {
-  const int kc = bits == 4 ? TileShape<4>::kChunk : TileShape<8>::kChunk;
-  return (K_pad + kc - 1) / kc;
+int gemv_num_stages(int bits, int K_pad) {
+  const int sk = bits == 4 ? TileShape<4>::kStageK : TileShape<8>::kStageK;
+  return (K_pad + sk - 1) / sk;
 }
 
 cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (!valid_weight(a.weight, a.dtype) || a.M < 1 || a.M > 16) return cudaErrorInvalidValue;
-  if (a.split_k > 1 && (a.workspace == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);
 }

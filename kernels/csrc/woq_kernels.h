@@ -40,8 +40,8 @@ struct DequantArgs {
 
 // Grid columns of the GEMV (blocks along N): the number of split-K counters needed.
 int gemv_grid_columns(int N);
-// K chunks of one weight: split_k must not exceed it.
-int gemv_num_chunks(int bits, int K_pad);
+// K stages of one weight (the unit split-K divides).
+int gemv_num_stages(int bits, int K_pad);
 
 // Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
 // M, alignment, bf16 below sm_80), else the launch status.

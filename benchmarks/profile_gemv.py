@@ -1,0 +1,19 @@
+"""A few GEMV launches of one shape, for ncu: python benchmarks/profile_gemv.py N K M BITS [SPLIT]."""
+import sys
+
+import torch
+
+from woq.kernels import ops
+from woq.kernels.format import QuantSpec, quantize
+from woq.kernels.layout import pack_for_gpu
+
+N, K, M, bits = (int(v) for v in sys.argv[1:5])
+split = int(sys.argv[5]) if len(sys.argv) > 5 else None
+assert ops.available()
+spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
+gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), split_k=split)
+x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+for _ in range(3):
+    ops.gemv(x, gw)
+torch.cuda.synchronize()
+print("split_k", gw.split_k)
