@@ -33,6 +33,9 @@ except RuntimeError as e:
     print("woq op raised:", str(e).splitlines()[0])
 '''
 
+if "--inline-ours" in sys.argv:  # run our case in this process (under a debugger)
+    exec(OURS)
+    sys.exit(0)
 for name, code in (("minimal", MINIMAL), ("woq", OURS)):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     print(f"{name}: exit {r.returncode}; {r.stdout.strip() or r.stderr.strip()[-300:]}")

@@ -37,6 +37,7 @@ for stage in "$@"; do
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     split) run split $PY benchmarks/kernels.py --split-sweep ${SPLIT_ARGS:-} ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
+    gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
     probe) run probe $PY benchmarks/probe_bandwidth.py ;;
     ncu) run ncu ncu --clock-control none --kernel-name regex:gemv_kernel --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

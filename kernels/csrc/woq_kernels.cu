@@ -3,6 +3,11 @@
 #include "woq_kernels.h"
 
 namespace woq {
+
+// Defined in gemv_launch.cuh, instantiated in gemv_fp16.cu and gemv_bf16.cu.
+template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
+
 namespace {
 
 int device_cc_major() {
@@ -11,10 +16,6 @@ int device_cc_major() {
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   return major;
 }
-
-// Defined in gemv_launch.cuh, instantiated in gemv_fp16.cu and gemv_bf16.cu.
-template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
-cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
 
 template <typename T, int BITS, int MB>
 cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
