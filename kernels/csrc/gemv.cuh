@@ -129,7 +129,7 @@ template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams p) {
   using Shape = TileShape<BITS>;
   using Stage = StageLayout<T, BITS, MB, GROUP, ZEROS>;
-  constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride, MP = MB * 8;
+  constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride;
   constexpr int kThreads = kGemvWarps * 32;
   constexpr int kGroupK16 = GROUP / 16;  // k16 blocks per group
   constexpr int kGroups = Stage::kGroups;
@@ -212,9 +212,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp * kGemvSteps * 32 + lane;
     const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (lane & 7) * XS + 8 * (lane >> 3);
     const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + warp * kGroups * 8 + gid;
-    const uint32_t* zsm = ssm + Stage::kS / 4;
+    [[maybe_unused]] const uint32_t* zsm = ssm + Stage::kS / 4;
     const int steps = kFull ? kGemvSteps : ktiles - st * kGemvSteps;
-    float s_lo = 0.f, s_hi = 0.f;
+    [[maybe_unused]] float s_lo = 0.f, s_hi = 0.f;
 #pragma unroll
     for (int s = 0; s < kGemvSteps; ++s) {
       if (!kFull && s >= steps) break;
