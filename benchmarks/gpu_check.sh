@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test sanitize bench split e2e engine serving metrics
+#   stages: env build test errors sanitize bench grid probe ncu sass gdb
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -35,7 +35,7 @@ for stage in "$@"; do
     test) run test $PY -m pytest -q -x -m gpu tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
-    split) run split $PY benchmarks/kernels.py --split-sweep ${SPLIT_ARGS:-} ;;
+    grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
     probe) run probe $PY benchmarks/probe_bandwidth.py ;;

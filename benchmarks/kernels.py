@@ -8,7 +8,7 @@ exceed 4x L2. Roofline = bytes that must move (weights + scales/zeros + x + y) /
 measured copy bandwidth.
 
     python benchmarks/kernels.py --out docs/bench            # full table
-    python benchmarks/kernels.py --split-sweep               # tune the split-K heuristic
+    python benchmarks/kernels.py --grid-sweep                # grid sizes against the default
 """
 from __future__ import annotations
 
@@ -140,8 +140,7 @@ def run(shapes, ms, out_dir: Path, dtypes) -> dict:
                 name = f"woq_{fmt}_{str(dtype).split('.')[-1]}"
                 t[name] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
                 roof = (wbytes + io_bytes(M, N, K)) / bw * 1e6
-                rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name], roof_us=roof, bytes=wbytes,
-                                 split_k=gws[0].split_k))
+                rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name], roof_us=roof, bytes=wbytes))
             for name in [k for k in t if not k.startswith("woq_")]:
                 rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name]))
             line = "  ".join(f"{k}={v:.1f}" for k, v in t.items())
@@ -216,24 +215,20 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def split_sweep(shapes, ms) -> None:
-    """Time every split-K factor; print the best against the heuristic's choice."""
+def grid_sweep(shapes, ms) -> None:
+    """Time several grid sizes against the default (one resident wave)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         for fmt, spec in FORMATS.items():
             gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
-            chunks = math.ceil(gws[0].K_pad / (8 * (64 if spec.bits == 4 else 32)))
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                res = {}
-                for s in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32}):
-                    if s <= chunks:
-                        ops.prepare(gws[0], split_k=s)
-                        res[s] = time_calls([lambda g=g: ops.gemv(x, g, split_k=s) for g in gws])
+                res = {b: time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b) for g in gws])
+                       for b in (0, sms, 2 * sms, 3 * sms, 4 * sms, math.ceil(N / 128))}
                 best = min(res, key=res.get)
-                h = ops.default_split_k(gws[0])
-                print(f"SPLIT {N}x{K} {fmt} M={M}: best s={best} {res[best]:.1f}us, heuristic s={h} {res.get(h, float('nan')):.1f}us "
-                      + " ".join(f"{s}:{v:.1f}" for s, v in res.items()), flush=True)
+                print(f"GRID {N}x{K} {fmt} M={M}: default {res[0]:.1f}us, best {best} blocks {res[best]:.1f}us | "
+                      + " ".join(f"{b}:{v:.1f}" for b, v in res.items()), flush=True)
 
 
 def main() -> None:
@@ -242,13 +237,13 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--dtypes", default="float16,bfloat16")
-    ap.add_argument("--split-sweep", action="store_true")
+    ap.add_argument("--grid-sweep", action="store_true")
     a = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(m) for m in a.ms.split(",")]
     assert ops.available(), "woq CUDA kernels unavailable"
-    if a.split_sweep:
-        split_sweep(shapes, ms)
+    if a.grid_sweep:
+        grid_sweep(shapes, ms)
         return
     res = run(shapes, ms, a.out, [getattr(torch, d) for d in a.dtypes.split(",")])
     print(summary(res))

@@ -1,4 +1,4 @@
-"""A few GEMV launches of one shape, for ncu: python benchmarks/profile_gemv.py N K M BITS [SPLIT]."""
+"""A few GEMV launches of one shape, for ncu: python benchmarks/profile_gemv.py N K M BITS [BLOCKS]."""
 import sys
 
 import torch
@@ -8,12 +8,12 @@ from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
 
 N, K, M, bits = (int(v) for v in sys.argv[1:5])
-split = int(sys.argv[5]) if len(sys.argv) > 5 else None
+blocks = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 assert ops.available()
 spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
-gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), split_k=split)
+gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), max_blocks=blocks)
 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 for _ in range(3):
     ops.gemv(x, gw)
 torch.cuda.synchronize()
-print("split_k", gw.split_k)
+print("max_blocks", gw.max_blocks)

@@ -1,5 +1,5 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
-split-K on and off, M = 1 and 16. Run by benchmarks/gpu_check.sh under the sanitizer."""
+columns cut between blocks or not, M = 1..16. Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
 import torch
@@ -14,9 +14,9 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     [(1000, 576), (24, 4104)], [4, 8], [None, 128], [True, False], [torch.float16, torch.bfloat16]
 ):
     qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
-    gw = ops.prepare(pack_for_gpu(qw, dtype), split_k=3)
-    for M, split in [(1, 1), (16, 1), (7, 3), (16, 3)]:
-        ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype), split_k=split)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    for M, blocks in [(1, 0), (16, 0), (7, 3), (16, 5)]:
+        ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype), max_blocks=blocks)
     ops.dequantize(gw)
 torch.cuda.synchronize()
 print("sanitizer workload done")

@@ -83,7 +83,7 @@ class GpuWeight:
     K_pad: int
     group_size: int  # K_pad when per-channel
     dtype: torch.dtype
-    split_k: int = 1  # GEMV launch configuration, chosen by kernels.ops.prepare
+    max_blocks: int = 0  # GEMV grid size (0: one resident wave), set by kernels.ops.prepare
 
     @property
     def n_tiles(self) -> int:

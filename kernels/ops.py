@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import cache_dir
-from .layout import GpuWeight, tile_k
+from .layout import GpuWeight
 from .paths import DEQUANT_CUBLAS, GEMV, MIXED_GEMM
 
 log = logging.getLogger("woq.kernels")
@@ -26,7 +26,6 @@ log = logging.getLogger("woq.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "torch_binding.cpp")
 GEMV_WARPS = 8  # n-tiles per block (csrc/gemv.cuh: kGemvWarps)
-GEMV_STEPS = 4  # 16-byte lane loads per pipeline stage (kGemvSteps): split-K divides stages
 GEMV_MAX_M = 16
 
 
@@ -89,7 +88,7 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("woq::gemv")
-    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, split_k, workspace, counters):
+    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, workspace, counters):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("woq::dequantize")
@@ -99,7 +98,7 @@ def _register_fakes() -> None:
     _register_fakes.done = True
 
 
-# --- per-device scratch: split-K workspace and counters, the dequantized-weight buffer ---
+# --- per-device scratch: GEMV partial sums and counters, the dequantized-weight buffer ---
 
 
 class _Scratch:
@@ -108,15 +107,14 @@ class _Scratch:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.workspace = torch.empty(0, dtype=torch.float32, device=device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # GEMV partial column sums: 2 x 16 rows x 128 channels per block, for up to 4
+        # resident blocks per SM (the kernel never launches more than this holds).
+        self.workspace = torch.empty(4 * sms * 2 * GEMV_MAX_M * GEMV_WARPS * 16, dtype=torch.float32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
-        n_pad = gw.n_tiles * 16
-        ws = gw.split_k * 16 * n_pad
-        if self.workspace.numel() < ws:
-            self.workspace = torch.empty(ws, dtype=torch.float32, device=self.device)
         cols = math.ceil(gw.n_tiles / GEMV_WARPS)
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
@@ -134,17 +132,10 @@ def scratch(device: torch.device) -> _Scratch:
     return _scratch[device]
 
 
-def default_split_k(gw: GpuWeight, sm_count: int | None = None) -> int:
-    """Split K until the grid has about two blocks per SM (each block holds 8 n-tiles)."""
-    sm_count = sm_count or torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
-    columns = math.ceil(gw.n_tiles / GEMV_WARPS)
-    stages = math.ceil(gw.K_pad / (GEMV_STEPS * tile_k(gw.bits)))
-    return max(1, min(stages, math.ceil(2 * sm_count / columns)))
-
-
-def prepare(gw: GpuWeight, split_k: int | None = None) -> GpuWeight:
-    """Choose the layer's launch configuration and reserve the device scratch for it."""
-    gw.split_k = split_k or default_split_k(gw)
+def prepare(gw: GpuWeight, max_blocks: int = 0) -> GpuWeight:
+    """Set the layer's GEMV grid (0: one resident wave, the kernel's default) and reserve
+    the device scratch it needs."""
+    gw.max_blocks = max_blocks
     scratch(gw.qweight.device).reserve(gw)
     return gw
 
@@ -152,7 +143,7 @@ def prepare(gw: GpuWeight, split_k: int | None = None) -> GpuWeight:
 # --- calls -------------------------------------------------------------------------------
 
 
-def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None) -> torch.Tensor:
     # Checked here as well as in C++: an error raised from the extension crashed the
     # process on the torch 2.11 image (benchmarks/check_errors.py), a Python one cannot.
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
@@ -161,7 +152,7 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, split
         raise ValueError(f"x has {x.shape[1]} features, the weight {gw.K}")
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
-                              split_k or gw.split_k, s.workspace, s.counters)
+                              gw.max_blocks if max_blocks is None else max_blocks, s.workspace, s.counters)
 
 
 def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:

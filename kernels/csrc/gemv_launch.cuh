@@ -2,25 +2,30 @@
 // gemv_fp16.cu / gemv_bf16.cu (separate translation units build in parallel).
 #pragma once
 
+#include <algorithm>
+
 #include "gemv.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
 
-// Stages per split-K slice: a multiple of the stages one group spans, so that every
-// slice starts on a group boundary.
-template <int BITS, int GROUP>
-int gemv_stages_per_split(int nstages, int split_k) {
-  constexpr int kSK = TileShape<BITS>::kStageK;
-  const int align = (GROUP > kSK) ? GROUP / kSK : 1;
-  int per = (nstages + split_k - 1) / split_k;
-  return (per + align - 1) / align * align;
-}
-
 template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   using Shape = TileShape<BITS>;
   const PackedWeight& w = a.weight;
+  constexpr int smem = gemv_smem_bytes<T, BITS, MB, GROUP, ZEROS>();
+  auto kernel = gemv_kernel<T, BITS, MB, GROUP, ZEROS>;
+  // Resident blocks per SM of this instantiation (needs the shared-memory opt-in first).
+  static int resident = 0;
+  if (resident == 0) {
+    if (smem > 48 * 1024) {
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+    }
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kGemvWarps * 32, smem);
+    if (e != cudaSuccess) return e;
+    if (resident < 1) return cudaErrorInvalidConfiguration;
+  }
   GemvParams p;
   p.x = a.x;
   p.w = static_cast<const uint4*>(w.qweight);
@@ -36,22 +41,14 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   p.K_pad = w.K_pad;
   p.n_tiles = (w.N + 15) / 16;
   p.groups_pad = w.groups_pad;
-  const int nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
-  p.stages_per_split = gemv_stages_per_split<BITS, GROUP>(nstages, a.split_k < 1 ? 1 : a.split_k);
-  p.split_k = (nstages + p.stages_per_split - 1) / p.stages_per_split;  // no empty slices
-  constexpr int smem = gemv_smem_bytes<T, BITS, MB, GROUP, ZEROS>();
-  auto kernel = gemv_kernel<T, BITS, MB, GROUP, ZEROS>;
-  if constexpr (smem > 48 * 1024) {
-    static bool configured = false;  // once per instantiation (per process: one device family)
-    if (!configured) {
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-      configured = true;
-    }
-  }
-  if (p.split_k > 1 && (a.workspace == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
-  dim3 grid(gemv_grid_columns(w.N), p.split_k);
-  kernel<<<grid, kGemvWarps * 32, smem, stream>>>(p);
+  p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
+  p.unit_stages = GROUP > Shape::kStageK ? GROUP / Shape::kStageK : 1;  // groups never straddle blocks
+  const long long units = static_cast<long long>(gemv_grid_columns(w.N)) * (p.nstages / p.unit_stages);
+  // One resident wave, unless asked for fewer blocks; never more than the workspace holds.
+  long long blocks = a.max_blocks > 0 ? a.max_blocks : static_cast<long long>(resident) * gemv_sm_count();
+  const long long ws_blocks = a.workspace_floats / (2LL * a.M * kGemvWarps * 16);
+  blocks = std::min(std::min(blocks, units), std::max(1LL, ws_blocks));
+  kernel<<<static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

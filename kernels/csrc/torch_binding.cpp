@@ -6,30 +6,43 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "woq_kernels.h"
 
 namespace {
 
+// Argument errors are thrown as std::invalid_argument with messages built from strings
+// (std::to_string), never through TORCH_CHECK's iostream formatting: on the torch 2.11
+// image, formatting an integer into a TORCH_CHECK message crashed inside this library
+// (benchmarks/check_errors.py; a cuda-gdb backtrace ended in ostream::_M_insert<long>).
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("woq: " + message);
+}
+
+std::string str(int64_t v) { return std::to_string(v); }
+
 woq::DType dtype_of(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return woq::DType::kFloat16;
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "woq kernels take float16 or bfloat16, got ", t.scalar_type());
+  check(t.scalar_type() == at::kBFloat16, "the kernels take float16 or bfloat16 tensors");
   return woq::DType::kBFloat16;
 }
 
 woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& scales,
                                 const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
                                 int64_t n, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.is_contiguous(),
-              "qweight must be a contiguous CUDA uint8 [n_tiles, k_tiles, 32, 16] tensor");
-  TORCH_CHECK(qweight.size(2) == 32 && qweight.size(3) == 16, "qweight must be [n_tiles, k_tiles, 32, 16]");
-  TORCH_CHECK(qweight.size(0) == (n + 15) / 16, "qweight has ", qweight.size(0), " n-tiles for n = ", n);
-  TORCH_CHECK(scales.is_cuda() && scales.dim() == 3 && scales.size(0) == qweight.size(0) && scales.size(2) == 16 &&
-                  scales.is_contiguous(),
-              "scales must be a contiguous CUDA [n_tiles, groups, 16] tensor");
+  check(bits == 4 || bits == 8, "bits must be 4 or 8, got " + str(bits));
+  check(qweight.is_cuda() && qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.is_contiguous(),
+        "qweight must be a contiguous CUDA uint8 [n_tiles, k_tiles, 32, 16] tensor");
+  check(qweight.size(2) == 32 && qweight.size(3) == 16, "qweight must be [n_tiles, k_tiles, 32, 16]");
+  check(qweight.size(0) == (n + 15) / 16, "qweight has " + str(qweight.size(0)) + " n-tiles for n = " + str(n));
+  check(scales.is_cuda() && scales.dim() == 3 && scales.size(0) == qweight.size(0) && scales.size(2) == 16 &&
+            scales.is_contiguous(),
+        "scales must be a contiguous CUDA [n_tiles, groups, 16] tensor");
   if (zeros) {
-    TORCH_CHECK(zeros->sizes() == scales.sizes() && zeros->scalar_type() == scales.scalar_type() && zeros->is_contiguous(),
-                "zeros must match scales in shape and dtype");
+    check(zeros->sizes() == scales.sizes() && zeros->scalar_type() == scales.scalar_type() && zeros->is_contiguous(),
+          "zeros must match scales in shape and dtype");
   }
   woq::PackedWeight w;
   w.qweight = qweight.data_ptr();
@@ -41,18 +54,19 @@ woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& sca
   w.K_pad = static_cast<int>(qweight.size(1) * (bits == 4 ? 64 : 32));
   w.group_size = static_cast<int>(group_size);
   w.groups_pad = static_cast<int>(scales.size(1));
-  TORCH_CHECK(w.K_pad >= w.K, "qweight covers ", w.K_pad, " input features, fewer than k = ", k);
+  check(w.K_pad >= w.K, "qweight covers " + str(w.K_pad) + " input features, fewer than k = " + str(k));
   return w;
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
-                int64_t group_size, int64_t n, int64_t k, int64_t split_k, at::Tensor& workspace, at::Tensor& counters) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 16, "the GEMV takes 1 to 16 rows, got ", x.size(0));
-  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
-  if (bias) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
+                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, at::Tensor& workspace,
+                at::Tensor& counters) {
+  check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
+  check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
+  check(x.size(0) >= 1 && x.size(0) <= 16, "the GEMV takes 1 to 16 rows, got " + str(x.size(0)));
+  check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
+  if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
   const c10::cuda::CUDAGuard guard(x.device());
   woq::GemvArgs a;
   a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
@@ -61,36 +75,32 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   a.y = y.data_ptr();
   a.M = static_cast<int>(x.size(0));
-  a.split_k = static_cast<int>(split_k);
+  a.max_blocks = static_cast<int>(max_blocks);
   a.dtype = dtype_of(x);
-  if (split_k > 1) {
-    const int64_t n_pad = (n + 15) / 16 * 16;
-    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.numel() >= split_k * x.size(0) * n_pad,
-                "workspace too small for split_k = ", split_k);
-    TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
-                "too few split-K counters");
-    a.workspace = workspace.data_ptr<float>();
-    a.counters = counters.data_ptr<int>();
-  } else {
-    a.workspace = nullptr;
-    a.counters = nullptr;
-  }
+  check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * 16 * 128,
+        "workspace must be a CUDA float32 tensor of at least 4096 elements");
+  check(counters.is_cuda() && counters.scalar_type() == at::kInt &&
+            counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
+        "counters must be a CUDA int32 tensor with one element per 128 output features");
+  a.workspace = workspace.data_ptr<float>();
+  a.workspace_floats = workspace.numel();
+  a.counters = counters.data_ptr<int>();
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "woq gemv launch failed: ", cudaGetErrorString(err));
+  check(err == cudaSuccess, std::string("gemv launch failed: ") + cudaGetErrorString(err));
   return y;
 }
 
 void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                 int64_t bits, int64_t group_size, int64_t n, int64_t k, at::Tensor& out) {
-  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.numel() >= n * k && out.scalar_type() == scales.scalar_type(),
-              "out must be a contiguous CUDA tensor of at least n * k elements of the scales' dtype");
+  check(out.is_cuda() && out.is_contiguous() && out.numel() >= n * k && out.scalar_type() == scales.scalar_type(),
+        "out must be a contiguous CUDA tensor of at least n * k elements of the scales' dtype");
   const c10::cuda::CUDAGuard guard(out.device());
   woq::DequantArgs a;
   a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
   a.out = out.data_ptr();
   a.dtype = dtype_of(out);
   const cudaError_t err = woq::launch_dequant(a, at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "woq dequantize launch failed: ", cudaGetErrorString(err));
+  check(err == cudaSuccess, std::string("dequantize launch failed: ") + cudaGetErrorString(err));
 }
 
 }  // namespace
@@ -98,7 +108,7 @@ void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::
 TORCH_LIBRARY(woq, m) {
   m.def(
       "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
-      "int k, int split_k, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+      "int k, int max_blocks, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
   m.def(
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");

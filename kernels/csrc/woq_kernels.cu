@@ -70,13 +70,19 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
 
 int gemv_grid_columns(int N) { return ((N + 15) / 16 + kGemvWarps - 1) / kGemvWarps; }
 
-int gemv_num_stages(int bits, int K_pad) {
-  const int sk = bits == 4 ? TileShape<4>::kStageK : TileShape<8>::kStageK;
-  return (K_pad + sk - 1) / sk;
+int gemv_sm_count() {
+  static int count = 0;
+  if (count == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
+  }
+  return count;
 }
 
 cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (!valid_weight(a.weight, a.dtype) || a.M < 1 || a.M > 16) return cudaErrorInvalidValue;
+  if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);
 }

@@ -25,10 +25,11 @@ struct GemvArgs {
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
   const void* bias;  // [N] or nullptr
   void* y;           // [M, N]
-  int M;             // 1..16
-  int split_k;       // >= 1; > 1 needs workspace and counters
-  float* workspace;  // >= split_k * M * n_tiles * 16 floats
-  int* counters;     // >= gemv_grid_columns(N) ints, zero-initialised
+  int M;                   // 1..16
+  int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
+  float* workspace;        // partial column sums: 2 * M * 128 floats per block
+  long long workspace_floats;
+  int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
 };
 
@@ -38,10 +39,10 @@ struct DequantArgs {
   DType dtype;
 };
 
-// Grid columns of the GEMV (blocks along N): the number of split-K counters needed.
+// Columns of 8 n-tiles (128 output channels): the number of counters the GEMV needs.
 int gemv_grid_columns(int N);
-// K stages of one weight (the unit split-K divides).
-int gemv_num_stages(int bits, int K_pad);
+// Multiprocessors of the current device (cached).
+int gemv_sm_count();
 
 // Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
 // M, alignment, bf16 below sm_80), else the launch status.
