@@ -35,11 +35,16 @@ test-fast: install
 
 # Compile-only check of every CUDA source for T4 (sm_75), A100 (sm_80), A10/3090 (sm_86),
 # L4/4090 (sm_89) and H100 (sm_90): the kernels are framework-free, so nvcc alone builds them.
-compile-cuda:
-	@for f in kernels/csrc/*.cu; do for a in $(CUDA_ARCHS); do \
-	  echo "nvcc sm_$$a $$f"; \
-	  $(NVCC) -std=c++17 -O3 -Xptxas -warn-spills -gencode arch=compute_$$a,code=sm_$$a -c $$f -o /dev/null || exit 1; \
-	done; done
+CUDA_SOURCES := $(wildcard kernels/csrc/*.cu)
+CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a))
+
+compile-cuda: $(CUDA_SOURCES:kernels/csrc/%.cu=build/cuda-check/%.o)
+	@echo "all CUDA sources compile for sm_$(subst $(eval) ,/sm_,$(CUDA_ARCHS))"
+
+build/cuda-check/%.o: kernels/csrc/%.cu kernels/csrc/*.cuh kernels/csrc/*.h
+	@mkdir -p $(@D)
+	@echo "nvcc $< ($(CUDA_ARCHS))"
+	@$(NVCC) -std=c++17 -O3 $(CUDA_GENCODE) -c $< -o $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info

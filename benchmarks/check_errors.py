@@ -26,7 +26,7 @@ from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
 assert ops.available()
 gw = ops.prepare(pack_for_gpu(quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 64, False)), torch.float16))
-x = torch.randn(17, 128, device="cuda", dtype=torch.float16)
+x = torch.randn(65, 128, device="cuda", dtype=torch.float16)
 try:
     torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, None, 4, 64, 64, 128, 0, ops.scratch(x.device).workspace, ops.scratch(x.device).counters)
 except Exception as e:

@@ -35,6 +35,7 @@ for stage in "$@"; do
     test) run test $PY -m pytest -q -x -m gpu tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
+    msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
     grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;

@@ -112,8 +112,9 @@ class Peers:
 
 
 def ours(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, copies: int):
+    """``copies`` packed copies of ``w`` (for rotation), with the grids measured for its shape."""
     qw = quantize(w.float(), QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=dtype))
-    gws = [ops.prepare(pack_for_gpu(qw, dtype)) for _ in range(copies)]
+    gws = [ops.prepare(pack_for_gpu(qw, dtype), tune=True) for _ in range(copies)]
     return gws, gws[0].nbytes()
 
 
@@ -231,6 +232,94 @@ def grid_sweep(shapes, ms) -> None:
                       + " ".join(f"{b}:{v:.1f}" for b, v in res.items()), flush=True)
 
 
+M_SWEEP = [1, 4, 16, 17, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096]
+
+
+def m_sweep(shapes, ms, out_dir: Path) -> dict:
+    """Every path over M (issue 4): GEMV / mixed GEMM, dequantize + cuBLAS, what the
+    dispatcher picks, cuBLAS fp16 and the peers."""
+    info = gpu_info()
+    rows = []
+    for N, K in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        peers = Peers(w, copies_to_defeat_l2(N * K // 2))
+        for fmt, spec in FORMATS.items():
+            gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
+            crossover = gws[0].max_kernel_m
+            for M in ms:
+                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                t = {}
+                if M <= ops.GEMM_MAX_M and (M <= ops.GEMV_MAX_M or ops.supports_mixed_gemm(gws[0])):
+                    t["kernel"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
+                t["dispatched"] = t["kernel"] if (M <= crossover and "kernel" in t) else t["dequant_cublas"]
+                if fmt == "int4_g128":  # peers once per shape
+                    t.update(peers.timings(x))
+                for impl, us in t.items():
+                    rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover))
+                print(f"MSWEEP {N}x{K} {fmt} M={M} (crossover {crossover}): "
+                      + "  ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+        del peers, gws
+        torch.cuda.empty_cache()
+    result = dict(info, rows=rows)
+    write_json(out_dir / "kernels_msweep.json", result)
+    (out_dir / "kernels_msweep.md").write_text(msweep_summary(result))
+    plot_msweep(result, out_dir / "kernels_msweep.png")
+    return result
+
+
+def msweep_summary(result: dict) -> str:
+    rows = result["rows"]
+    head = ["N×K", "M", "int4 dispatched", "int4 kernel", "int4 deq+cuBLAS", "int8 dispatched", "int8 kernel",
+            "int8 deq+cuBLAS", "cuBLAS fp16", "tinygemm", "gemlite w4", "bnb nf4", "int4 vs cuBLAS", "int8 vs cuBLAS"]
+    table = []
+    for N, K in sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1]):
+        for M in sorted({r["M"] for r in rows}):
+            def g(fmt, impl):
+                r = [x for x in rows if (x["N"], x["K"], x["M"], x["fmt"], x["impl"]) == (N, K, M, fmt, impl)]
+                return r[0]["us"] if r else "-"
+            cb = g("int4_g128", "cublas_fp16")
+            d4, d8 = g("int4_g128", "dispatched"), g("int8_channel", "dispatched")
+            table.append([f"{N}×{K}", M, d4, g("int4_g128", "kernel"), g("int4_g128", "dequant_cublas"), d8,
+                          g("int8_channel", "kernel"), g("int8_channel", "dequant_cublas"), cb,
+                          g("int4_g128", "tinygemm_int4_bf16"), g("int4_g128", "gemlite_w4_fp16"),
+                          g("int4_g128", "bnb_nf4_fp16"), f"{cb / d4:.2f}×", f"{cb / d8:.2f}×"])
+    cross = sorted({(r["N"], r["K"], r["fmt"], r["crossover"]) for r in rows})
+    notes = "; ".join(f"{n}×{k} {f}: kernel up to M={c}" for n, k, f, c in cross)
+    return (f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
+            f"fp16 activations. Measured crossovers: {notes}.\n\n" + markdown_table(head, table) + "\n")
+
+
+def plot_msweep(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    shapes = sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.8), squeeze=False)
+    for ax, (N, K) in zip(axes[0], shapes):
+        for fmt, impl, style in [("int4_g128", "kernel", "-o"), ("int4_g128", "dequant_cublas", "--"),
+                                 ("int8_channel", "kernel", "-s"), ("int8_channel", "dequant_cublas", ":"),
+                                 ("int4_g128", "cublas_fp16", "-k"), ("int4_g128", "tinygemm_int4_bf16", "-x")]:
+            pts = sorted((r["M"], r["us"]) for r in rows if (r["N"], r["K"], r["fmt"], r["impl"]) == (N, K, fmt, impl))
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{fmt.split('_')[0]} {impl}" if impl in ("kernel", "dequant_cublas") else impl, ms=3)
+        for fmt, color in (("int4_g128", "C0"), ("int8_channel", "C2")):
+            c = [r["crossover"] for r in rows if (r["N"], r["K"], r["fmt"]) == (N, K, fmt)]
+            if c:
+                ax.axvline(c[0], color=color, alpha=0.4, lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{N}×{K} (lines: measured crossovers)", fontsize=9)
+        ax.set_xlabel("M")
+        ax.set_ylabel("µs")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
@@ -238,12 +327,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--grid-sweep", action="store_true")
+    ap.add_argument("--m-sweep", action="store_true", help="every path over M up to 4096 (crossovers)")
     a = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(m) for m in a.ms.split(",")]
     assert ops.available(), "woq CUDA kernels unavailable"
     if a.grid_sweep:
         grid_sweep(shapes, ms)
+        return
+    if a.m_sweep:
+        print(msweep_summary(m_sweep(shapes, [int(m) for m in a.ms.split(",")] if a.ms != ",".join(map(str, MS)) else M_SWEEP, a.out)))
         return
     res = run(shapes, ms, a.out, [getattr(torch, d) for d in a.dtypes.split(",")])
     print(summary(res))

@@ -44,7 +44,7 @@ two >= 32 (or per-channel).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,7 +83,11 @@ class GpuWeight:
     K_pad: int
     group_size: int  # K_pad when per-channel
     dtype: torch.dtype
-    max_blocks: int = 0  # GEMV grid size (0: one resident wave), set by kernels.ops.prepare
+    # Kernel grid size per row-block count (1, 2, 4, 8 blocks of 8 rows); absent or 0: one
+    # resident wave. Measured per shape at load (kernels/tuning.py).
+    grids: dict = field(default_factory=dict)
+    # Largest M the kernel serves before dequantize + cuBLAS wins (measured, tuning.py).
+    max_kernel_m: int = 64
 
     @property
     def n_tiles(self) -> int:

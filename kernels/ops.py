@@ -24,9 +24,11 @@ from .paths import DEQUANT_CUBLAS, GEMV, MIXED_GEMM
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "torch_binding.cpp")
+SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp")
 GEMV_WARPS = 8  # n-tiles per block (csrc/gemv.cuh: kGemvWarps)
-GEMV_MAX_M = 16
+GEMV_MAX_M = 16  # rows of the GEMV path (MB = 1, 2)
+GEMM_MAX_M = 64  # rows of the mixed GEMM path (MB = 4, 8)
+GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 
 
 def _source_hash() -> str:
@@ -110,7 +112,7 @@ class _Scratch:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # GEMV partial column sums: 2 x 16 rows x 128 channels per block, for up to 4
         # resident blocks per SM (the kernel never launches more than this holds).
-        self.workspace = torch.empty(4 * sms * 2 * GEMV_MAX_M * GEMV_WARPS * 16, dtype=torch.float32, device=device)
+        self.workspace = torch.empty(4 * sms * 2 * GEMM_MAX_M * GEMV_WARPS * 16, dtype=torch.float32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
@@ -132,11 +134,22 @@ def scratch(device: torch.device) -> _Scratch:
     return _scratch[device]
 
 
-def prepare(gw: GpuWeight, max_blocks: int = 0) -> GpuWeight:
-    """Set the layer's GEMV grid (0: one resident wave, the kernel's default) and reserve
-    the device scratch it needs."""
-    gw.max_blocks = max_blocks
+def row_blocks(m: int) -> int:
+    """The kernel variant for M rows: blocks of 8 rows per converted weight fragment."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+
+
+def supports_mixed_gemm(gw: GpuWeight) -> bool:
+    return gw.per_channel or gw.group_size in GEMM_GROUPS
+
+
+def prepare(gw: GpuWeight, tune: bool = False) -> GpuWeight:
+    """Reserve the device scratch for the layer and, with ``tune``, pick its grid sizes."""
     scratch(gw.qweight.device).reserve(gw)
+    if tune:
+        from .tuning import tuned_grids
+
+        gw.grids = tuned_grids(gw)
     return gw
 
 
@@ -144,15 +157,17 @@ def prepare(gw: GpuWeight, max_blocks: int = 0) -> GpuWeight:
 
 
 def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None) -> torch.Tensor:
-    # Checked here as well as in C++: an error raised from the extension crashed the
-    # process on the torch 2.11 image (benchmarks/check_errors.py), a Python one cannot.
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
-        raise ValueError(f"the GEMV takes 1 to {GEMV_MAX_M} rows, got shape {tuple(x.shape)}")
+    """The GEMV (M <= 16) or mixed GEMM (M <= 64) kernel; ``max_blocks`` overrides the grid."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    limit = GEMM_MAX_M if supports_mixed_gemm(gw) else GEMV_MAX_M
+    if not 1 <= m <= limit:
+        raise ValueError(f"the kernel takes 1 to {limit} rows for this weight, got shape {tuple(x.shape)}")
     if x.shape[1] != gw.K:
         raise ValueError(f"x has {x.shape[1]} features, the weight {gw.K}")
+    blocks = gw.grids.get(row_blocks(m), 0) if max_blocks is None else max_blocks
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
-                              gw.max_blocks if max_blocks is None else max_blocks, s.workspace, s.counters)
+                              blocks, s.workspace, s.counters)
 
 
 def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,8 +183,8 @@ def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | Non
     if x.dtype != gw.dtype:
         raise TypeError(f"activations are {x.dtype}, the weight was packed for {gw.dtype}")
     x = x.contiguous()
-    if path == GEMV:
+    if path in (GEMV, MIXED_GEMM):
         return gemv(x, gw, bias)
-    if path in (DEQUANT_CUBLAS, MIXED_GEMM):
+    if path == DEQUANT_CUBLAS:
         return F.linear(x, dequantize(gw), bias)
     raise ValueError(f"unknown kernel path {path!r}")

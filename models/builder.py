@@ -125,7 +125,7 @@ def build_model(
         raise KeyError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
     model = CausalLM(cfg, embed, layers, final_norm, lm_head, rope).eval()
     if device.type == "cuda":
-        for mod in model.modules():
-            if isinstance(mod, WeightOnlyLinear):
-                mod.prepare_gpu(dtype)
+        quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+        for mod in tqdm(quantized, desc="packing for the GPU kernels (tuning new shapes)", disable=not progress):
+            mod.prepare_gpu(dtype)
     return model

@@ -9,8 +9,9 @@ path               when
 ``dense``          unquantized layer (``--quant none``): ``F.linear``
 ``cpu_reference``  quantized layer off CUDA, or CUDA without the compiled kernels
 ``gemv``           CUDA, M <= 16 (decode): the weight-only GEMV kernel
-``mixed_gemm``     CUDA, mid M: tensor-core GEMM with fused dequantization
-``dequant_cublas`` CUDA, large M (prefill): dequantize to a scratch buffer + cuBLAS
+``mixed_gemm``     CUDA, 16 < M <= the measured crossover (at most 64): the same
+                   tensor-core kernel with up to 8 row blocks per weight fragment
+``dequant_cublas`` CUDA, larger M (prefill): dequantize to a scratch buffer + cuBLAS
 =================  ===========================================================
 
 The decision is observable: an observer (the service's Prometheus metrics) receives a
@@ -69,6 +70,9 @@ class Dispatchable(Protocol):
     def has_gpu_kernels(self) -> bool:
         """Whether the layer holds its weight in the GPU kernels' layout."""
 
+    def kernel_max_rows(self) -> int:
+        """Largest M the layer's kernel serves before dequantize + cuBLAS is faster."""
+
     def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
         """Compute the layer through ``path``."""
 
@@ -82,6 +86,8 @@ def choose_path(x: torch.Tensor, layer: Dispatchable) -> str:
     m = x.shape[0]
     if m <= GEMV_MAX_M:
         return GEMV
+    if m <= layer.kernel_max_rows():
+        return MIXED_GEMM
     return DEQUANT_CUBLAS
 
 

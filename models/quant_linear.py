@@ -33,6 +33,9 @@ class DenseLinear(nn.Module):
     def has_gpu_kernels(self) -> bool:
         return False
 
+    def kernel_max_rows(self) -> int:
+        return 0
+
     def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
@@ -81,16 +84,22 @@ class WeightOnlyLinear(nn.Module):
     def has_gpu_kernels(self) -> bool:
         return self.gpu is not None
 
-    def prepare_gpu(self, act_dtype: torch.dtype) -> bool:
-        """Repack the weight into the GPU kernels' layout (once, at load). False if the
-        kernels are unavailable here, in which case the layer keeps the reference path."""
+    def kernel_max_rows(self) -> int:
+        from ..kernels import ops
+
+        return self.gpu.max_kernel_m if ops.supports_mixed_gemm(self.gpu) else ops.GEMV_MAX_M
+
+    def prepare_gpu(self, act_dtype: torch.dtype, tune: bool = True) -> bool:
+        """Repack the weight into the GPU kernels' layout (once, at load) and measure its
+        launch choices (once per shape and GPU, cached). False if the kernels are
+        unavailable here, in which case the layer keeps the reference path."""
         from ..kernels import ops  # lazy: CPU machines never import the CUDA binding
 
         if not (self.packed.is_cuda and ops.available()):
             return False
         from ..kernels.layout import pack_for_gpu
 
-        self.gpu = ops.prepare(pack_for_gpu(self.qweight, act_dtype))
+        self.gpu = ops.prepare(pack_for_gpu(self.qweight, act_dtype), tune=tune)
         return True
 
     # -- paths -------------------------------------------------------------------------

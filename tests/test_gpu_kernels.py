@@ -1,5 +1,6 @@
 """CUDA kernels against an fp64 reference (skipped without a GPU; run by benchmarks/gpu_check.sh)."""
 import itertools
+import json
 
 import pytest
 import torch
@@ -63,6 +64,26 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group,sym", [f for f in FORMATS if f[1] in (None, 64, 128)])
+@pytest.mark.parametrize("N,K", [(1000, 576), (4104, 1536)])
+def test_mixed_gemm_matches_fp64_beyond_the_gemv(N, K, bits, group, sym, dtype):
+    qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=N + 3 * K + bits)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    w_lowp = w64.to(dtype)
+    for M in (17, 31, 32, 33, 48, 64):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
+        ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
+        _poison_next_alloc(M * N, dtype)
+        y = ops.run_path("mixed_gemm", x, gw, bias)
+        assert torch.isfinite(y).all(), f"M={M}: unwritten output"
+        err, err_cublas = _rel(y, ref), _rel(F.linear(x, w_lowp, bias), ref)
+        assert err <= 2 * err_cublas + 1e-6, f"M={M}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+        dense = ops.run_path("dequant_cublas", x, gw, bias)
+        assert _rel(dense, ref) <= 2 * err_cublas + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, 256), (8, None)])
 def test_any_grid_gives_the_same_bits(bits, group, dtype):
     """Cutting columns between blocks (partials reduced in block order) gives exactly the
@@ -94,17 +115,26 @@ def test_dequantize_kernel_is_bit_exact(bits, group, sym, dtype):
     assert torch.equal(dense, reference.dequantize(qw, torch.float32).to(dtype))
 
 
-def test_gemv_under_cuda_graph_and_dispatch():
+def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
+    from woq.kernels import tuning
     from woq.models import dispatch
     from woq.models.quant_linear import WeightOnlyLinear
 
+    monkeypatch.setenv("WOQ_CACHE", str(tmp_path))
+    tuning._tables.clear()
     torch.manual_seed(0)
     layer = WeightOnlyLinear.from_float(torch.randn(4096, 4096, device="cuda") * 0.02, None,
                                         QuantSpec(4, 128, False), "down")
-    assert layer.prepare_gpu(torch.float16)
+    assert layer.prepare_gpu(torch.float16)  # measures grids and the crossover, saves them
+    saved = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())
+    entry = saved[tuning.shape_key(layer.gpu)]
+    assert set(entry["grids"]) == {"1", "2", "4", "8"} and 16 <= entry["max_kernel_m"] <= 64
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     assert dispatch.choose_path(x, layer) == dispatch.GEMV
-    assert dispatch.choose_path(torch.randn(64, 4096, device="cuda", dtype=torch.float16), layer) == dispatch.DEQUANT_CUBLAS
+    for m in (17, 64, 65, 300):
+        path = dispatch.choose_path(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer)
+        expect = dispatch.MIXED_GEMM if m <= entry["max_kernel_m"] else dispatch.DEQUANT_CUBLAS
+        assert path == expect, (m, path)
     eager = layer(x)
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
@@ -127,8 +157,8 @@ def test_gemv_under_cuda_graph_and_dispatch():
 def test_bad_arguments_raise_clear_errors():
     qw = quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 64, False))
     gw = ops.prepare(pack_for_gpu(qw, torch.float16))
-    with pytest.raises(ValueError, match="1 to 16 rows"):
-        ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), gw)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        ops.gemv(torch.randn(65, 128, device="cuda", dtype=torch.float16), gw)
     with pytest.raises(ValueError, match="features"):
         ops.gemv(torch.randn(2, 64, device="cuda", dtype=torch.float16), gw)
     with pytest.raises(TypeError, match="packed for"):

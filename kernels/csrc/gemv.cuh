@@ -1,4 +1,6 @@
-// Weight-only GEMV for M <= 16 rows: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W int8/int4.
+// Weight-only GEMV (M <= 16) and mixed GEMM (M <= 64): y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+// W int8/int4, x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows share each converted weight
+// fragment: the "gemv" path is MB = 1, 2; the "mixed_gemm" path MB = 4, 8.
 //
 // Why tensor cores for a "GEMV": at M = 16, an int4 weight streamed at 3 TB/s feeds
 // ~6e12 weights/s, i.e. ~1e14 multiply-adds/s -- more than the fp32 CUDA cores do
@@ -59,6 +61,7 @@ struct GemvParams {
 };
 
 constexpr int kGemvWarps = 8;
+constexpr int kGemvMaxM = 64;   // MB = 8 blocks of 8 rows
 constexpr int kGemvStages = 4;  // shared-memory ring depth
 constexpr int kGemvSteps = 4;   // 512-byte weight segments per warp per stage
 
@@ -173,10 +176,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   T* y = static_cast<T*>(p.y);
   auto stage_base = [&](int slot) { return reinterpret_cast<char*>(smem) + slot * Stage::kBytes; };
 
-  // Issue the cp.async copies of linear stage L into ring slot `slot`.
-  auto fetch = [&](long long L, int slot) {
+  // Issue the cp.async copies of stage `st` of column `c` into ring slot `slot`.
+  auto fetch = [&](int c, int st, int slot) {
     char* base = stage_base(slot);
-    const int c = static_cast<int>(L / p.nstages), st = static_cast<int>(L % p.nstages);
     const int nt = c * kGemvWarps + warp;
     const int kt0 = st * kGemvSteps;
     if (nt < p.n_tiles) {  // this lane's own weight bytes (each warp reads back only its own)
@@ -352,9 +354,20 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   };
 
   // Pipeline over this block's stages: kStages - 1 in flight ahead of the one computed.
+  // (c_ahead, st_ahead) walks the same sequence as L, without 64-bit divisions.
+  int c_ahead = static_cast<int>(L_begin / p.nstages), st_ahead = static_cast<int>(L_begin % p.nstages);
+  auto advance = [&]() {
+    if (++st_ahead == p.nstages) {
+      st_ahead = 0;
+      ++c_ahead;
+    }
+  };
 #pragma unroll
   for (int q = 0; q < kGemvStages - 1; ++q) {
-    if (L_begin + q < L_end) fetch(L_begin + q, q);
+    if (L_begin + q < L_end) {
+      fetch(c_ahead, st_ahead, q);
+      advance();
+    }
     cp_async_commit();
   }
   long long segment_start = L_begin;  // first stage of the current column segment
@@ -370,7 +383,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     cp_async_wait<kGemvStages - 2>();
     __syncthreads();  // stage L visible to all; the slot of stage L - 1 free to overwrite
     const long long ahead = L + kGemvStages - 1;
-    if (ahead < L_end) fetch(ahead, static_cast<int>((ahead - L_begin) % kGemvStages));
+    if (ahead < L_end) {
+      fetch(c_ahead, st_ahead, static_cast<int>((ahead - L_begin) % kGemvStages));
+      advance();
+    }
     cp_async_commit();
     const int st = static_cast<int>(L - static_cast<long long>(c) * p.nstages);
     if (c * kGemvWarps + warp < p.n_tiles) {

@@ -71,4 +71,19 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1)      \
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2)
 
+// The mixed GEMM (M <= 32, <= 64): per-channel and the common group sizes 64 / 128.
+#define WOQ_GEMM_INSTANTIATE_BITS_MB(T, BITS, MB)                                          \
+  template cudaError_t gemv_launch<T, BITS, MB, 0, false>(const GemvArgs&, cudaStream_t);   \
+  template cudaError_t gemv_launch<T, BITS, MB, 0, true>(const GemvArgs&, cudaStream_t);    \
+  template cudaError_t gemv_launch<T, BITS, MB, 64, false>(const GemvArgs&, cudaStream_t);  \
+  template cudaError_t gemv_launch<T, BITS, MB, 64, true>(const GemvArgs&, cudaStream_t);   \
+  template cudaError_t gemv_launch<T, BITS, MB, 128, false>(const GemvArgs&, cudaStream_t); \
+  template cudaError_t gemv_launch<T, BITS, MB, 128, true>(const GemvArgs&, cudaStream_t);
+
+#define WOQ_GEMM_INSTANTIATE(T)              \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 4)      \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 8)      \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 4)      \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 8)
+
 }  // namespace woq

@@ -64,7 +64,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 at::Tensor& counters) {
   check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
   check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
-  check(x.size(0) >= 1 && x.size(0) <= 16, "the GEMV takes 1 to 16 rows, got " + str(x.size(0)));
+  check(x.size(0) >= 1 && x.size(0) <= 64, "the GEMV/mixed GEMM takes 1 to 64 rows, got " + str(x.size(0)));
   check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
   if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -77,8 +77,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.M = static_cast<int>(x.size(0));
   a.max_blocks = static_cast<int>(max_blocks);
   a.dtype = dtype_of(x);
-  check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * 16 * 128,
-        "workspace must be a CUDA float32 tensor of at least 4096 elements");
+  check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * x.size(0) * 128,
+        "workspace must be a CUDA float32 tensor of at least 256 * M elements");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt &&
             counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
         "counters must be a CUDA int32 tensor with one element per 128 output features");

@@ -20,7 +20,16 @@ int device_cc_major() {
 template <typename T, int BITS, int MB>
 cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
   const bool z = a.weight.zeros != nullptr;
-  switch (a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size) {
+  const int group = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
+  if constexpr (MB > 2) {  // the mixed GEMM is instantiated for per-channel, g64 and g128
+    switch (group) {
+      case 0: return z ? gemv_launch<T, BITS, MB, 0, true>(a, stream) : gemv_launch<T, BITS, MB, 0, false>(a, stream);
+      case 64: return z ? gemv_launch<T, BITS, MB, 64, true>(a, stream) : gemv_launch<T, BITS, MB, 64, false>(a, stream);
+      case 128: return z ? gemv_launch<T, BITS, MB, 128, true>(a, stream) : gemv_launch<T, BITS, MB, 128, false>(a, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (group) {
     case 0: return z ? gemv_launch<T, BITS, MB, 0, true>(a, stream) : gemv_launch<T, BITS, MB, 0, false>(a, stream);
     case 32: return z ? gemv_launch<T, BITS, MB, 32, true>(a, stream) : gemv_launch<T, BITS, MB, 32, false>(a, stream);
     case 64: return z ? gemv_launch<T, BITS, MB, 64, true>(a, stream) : gemv_launch<T, BITS, MB, 64, false>(a, stream);
@@ -32,7 +41,10 @@ cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
 
 template <typename T, int BITS>
 cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
-  return a.M <= 8 ? gemv_by_group<T, BITS, 1>(a, stream) : gemv_by_group<T, BITS, 2>(a, stream);
+  if (a.M <= 8) return gemv_by_group<T, BITS, 1>(a, stream);
+  if (a.M <= 16) return gemv_by_group<T, BITS, 2>(a, stream);
+  if (a.M <= 32) return gemv_by_group<T, BITS, 4>(a, stream);
+  return gemv_by_group<T, BITS, 8>(a, stream);
 }
 
 template <typename T>
@@ -81,7 +93,7 @@ int gemv_sm_count() {
 }
 
 cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
-  if (!valid_weight(a.weight, a.dtype) || a.M < 1 || a.M > 16) return cudaErrorInvalidValue;
+  if (!valid_weight(a.weight, a.dtype) || a.M < 1 || a.M > kGemvMaxM) return cudaErrorInvalidValue;
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);

@@ -25,7 +25,7 @@ struct GemvArgs {
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
   const void* bias;  // [N] or nullptr
   void* y;           // [M, N]
-  int M;                   // 1..16
+  int M;                   // 1..64 (the mixed GEMM above 16: per-channel, g64, g128 only)
   int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
   float* workspace;        // partial column sums: 2 * M * 128 floats per block
   long long workspace_floats;

@@ -1,0 +1,138 @@
+"""Measured launch choices per weight shape, on the GPU at hand (once, then cached).
+
+For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
+  * the grid of the GEMV / mixed GEMM kernel for each row-block variant (M <= 8, 16, 32,
+    64): one resident wave, one block per SM, one block per column, ... -- which one wins
+    depends on how many 128-channel columns the weight has against the SM count;
+  * the crossover from the kernel to dequantize + cuBLAS: the largest M (up to 64) at
+    which the kernel is still faster.
+Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
+defaults for measured GPUs: ``kernels/tuned/``). ``WOQ_TUNE=0`` disables measuring; the
+kernel's own default grid and a fixed crossover are used then.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from .cache import cache_dir
+from .layout import GpuWeight
+
+log = logging.getLogger("woq.kernels")
+
+DEFAULT_MAX_KERNEL_M = 64  # without measurements: the kernel up to its limit
+CROSSOVER_MS = (16, 24, 32, 48, 64)
+_tables: dict[str, dict] = {}
+
+
+def _table_path() -> Path:
+    from .ops import _source_hash
+
+    name = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    return cache_dir() / "tuning" / f"{name}-{_source_hash()}.json"
+
+
+def _shipped_path() -> Path:
+    from .ops import _source_hash
+
+    name = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    return Path(__file__).parent / "tuned" / f"{name}-{_source_hash()}.json"
+
+
+def _table() -> dict:
+    path = _table_path()
+    key = str(path)
+    if key not in _tables:
+        table: dict = {}
+        for p in (_shipped_path(), path):
+            if p.exists():
+                table.update(json.loads(p.read_text()))
+        _tables[key] = table
+    return _tables[key]
+
+
+def _save() -> None:
+    path = _table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_table(), indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def shape_key(gw: GpuWeight) -> str:
+    g = "ch" if gw.per_channel else str(gw.group_size)
+    return f"{gw.N}x{gw.K}-int{gw.bits}-g{g}-{'zeros' if gw.zeros is not None else 'sym'}-{str(gw.dtype)[6:]}"
+
+
+def _median_us(fn, reps: int = 10) -> float:
+    """Median of ``reps`` timed calls, L2 flushed before each (the weight is read cold,
+    as in a decode step that streams every layer once)."""
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
+def measure(gw: GpuWeight) -> dict:
+    """Time the choices for one weight (a few milliseconds of GPU time)."""
+    import torch.nn.functional as F
+
+    from . import ops
+
+    sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
+    columns = math.ceil(gw.N / 128)
+    candidates = sorted({0, sms, 2 * sms, columns, max(1, sms // 2)})
+    variants = (1, 2, 4, 8) if ops.supports_mixed_gemm(gw) else (1, 2)
+    grids: dict[str, int] = {}
+    for mb in variants:
+        x = torch.randn(8 * mb, gw.K, device="cuda", dtype=gw.dtype)
+        t = {b: _median_us(lambda b=b: ops.gemv(x, gw, max_blocks=b)) for b in candidates}
+        grids[str(mb)] = min(t, key=t.get)
+    max_m = ops.GEMV_MAX_M
+    if ops.supports_mixed_gemm(gw):
+        max_m = 0
+        for m in CROSSOVER_MS:
+            x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
+            blocks = grids[str(ops.row_blocks(m))]
+            kernel = _median_us(lambda: ops.gemv(x, gw, max_blocks=blocks))
+            cublas = _median_us(lambda: F.linear(x, ops.dequantize(gw)))
+            if kernel <= cublas:
+                max_m = m
+            else:
+                break
+        max_m = max(max_m, ops.GEMV_MAX_M)  # the GEMV beats dequantize + cuBLAS at M <= 16
+    return {"grids": grids, "max_kernel_m": max_m}
+
+
+def tuned(gw: GpuWeight) -> dict:
+    """The measured choices for this weight's shape (measured now if new and allowed)."""
+    key = shape_key(gw)
+    table = _table()
+    if key not in table:
+        if os.environ.get("WOQ_TUNE", "1") == "0":
+            return {"grids": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M}
+        log.info("tuning the woq kernels for %s on %s", key, torch.cuda.get_device_name())
+        table[key] = measure(gw)
+        _save()
+    return table[key]
+
+
+def tuned_grids(gw: GpuWeight) -> dict[int, int]:
+    entry = tuned(gw)
+    gw.max_kernel_m = entry["max_kernel_m"]
+    return {int(k): v for k, v in entry["grids"].items()}
