@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize bench grid probe ncu sass gdb
+#   stages: env build test errors sanitize model e2e bench msweep grid probe ncu sass gdb
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -32,7 +32,11 @@ for stage in "$@"; do
   case $stage in
     env) run env bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
     build) run build $PY -c "from woq.kernels import ops; import logging; logging.basicConfig(level=logging.INFO); assert ops.available()" ;;
-    test) run test $PY -m pytest -q -x -m gpu tests/ ;;
+    test) run test $PY -m pytest -q -x -m "gpu and not slow" tests/ ;;
+    model)  # the default model's GGUF, carried in two halves (.carry1, .carry2: 64 MiB a call)
+      mkdir -p "$WOQ_CACHE/downloads"
+      run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf'" ;;
+    e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
