@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,21 +71,41 @@ def shape_key(gw: GpuWeight) -> str:
     return f"{gw.N}x{gw.K}-int{gw.bits}-g{g}-{'zeros' if gw.zeros is not None else 'sym'}-{str(gw.dtype)[6:]}"
 
 
-def _median_us(fn, reps: int = 10) -> float:
-    """Median of ``reps`` timed calls, L2 flushed before each (the weight is read cold,
-    as in a decode step that streams every layer once)."""
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
+def _rotation(gw: GpuWeight) -> list[GpuWeight]:
+    """Copies of a small weight, so that a timed sequence reads each from DRAM rather than
+    L2 (a decode step streams every layer once: weights are cold)."""
+    l2 = torch.cuda.get_device_properties(gw.qweight.device).L2_cache_size
+    n = max(1, min(8, math.ceil(2 * l2 / gw.nbytes())))
+
+    def clone(t):
+        return None if t is None else t.clone()
+
+    return [gw] + [replace(gw, qweight=gw.qweight.clone(), scales=gw.scales.clone(), zeros=clone(gw.zeros))
+                   for _ in range(n - 1)]
+
+
+def _time_us(fn, copies: list[GpuWeight], calls: int = 16, reps: int = 5) -> float:
+    """Median microseconds per call of a CUDA graph of ``calls`` calls over the copies."""
+    for g in copies[:2]:
+        fn(g)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(copies[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(copies[i % len(copies)])
+    graph.replay()
     times = []
     for _ in range(reps):
-        flush.zero_()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        graph.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+        times.append(s.elapsed_time(e) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -98,10 +119,11 @@ def measure(gw: GpuWeight) -> dict:
     columns = math.ceil(gw.N / 128)
     candidates = sorted({0, sms, 2 * sms, columns, max(1, sms // 2)})
     variants = (1, 2, 4, 8) if ops.supports_mixed_gemm(gw) else (1, 2)
+    copies = _rotation(gw)
     grids: dict[str, int] = {}
     for mb in variants:
         x = torch.randn(8 * mb, gw.K, device="cuda", dtype=gw.dtype)
-        t = {b: _median_us(lambda b=b: ops.gemv(x, gw, max_blocks=b)) for b in candidates}
+        t = {b: _time_us(lambda g, b=b: ops.gemv(x, g, max_blocks=b), copies) for b in candidates}
         grids[str(mb)] = min(t, key=t.get)
     max_m = ops.GEMV_MAX_M
     if ops.supports_mixed_gemm(gw):
@@ -109,13 +131,14 @@ def measure(gw: GpuWeight) -> dict:
         for m in CROSSOVER_MS:
             x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
             blocks = grids[str(ops.row_blocks(m))]
-            kernel = _median_us(lambda: ops.gemv(x, gw, max_blocks=blocks))
-            cublas = _median_us(lambda: F.linear(x, ops.dequantize(gw)))
+            kernel = _time_us(lambda g: ops.gemv(x, g, max_blocks=blocks), copies)
+            cublas = _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies)
             if kernel <= cublas:
                 max_m = m
             else:
                 break
         max_m = max(max_m, ops.GEMV_MAX_M)  # the GEMV beats dequantize + cuBLAS at M <= 16
+    del copies
     return {"grids": grids, "max_kernel_m": max_m}
 
 

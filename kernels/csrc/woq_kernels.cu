@@ -57,17 +57,19 @@ cudaError_t dequant_launch(const DequantArgs& a, cudaStream_t stream) {
   const PackedWeight& w = a.weight;
   DequantParams p{static_cast<const uint4*>(w.qweight), w.scales, w.zeros, a.out, w.N, w.K, w.K_pad,
                   (w.N + 15) / 16, w.group_size, w.groups_pad};
-  const size_t units = static_cast<size_t>(p.n_tiles) * (w.K_pad / TileShape<BITS>::kK) * 32;
-  const unsigned blocks = static_cast<unsigned>((units + 255) / 256);
+  const long long tasks = static_cast<long long>(p.n_tiles) * ((w.K_pad + kDequantK - 1) / kDequantK);
+  const unsigned blocks = static_cast<unsigned>((tasks + kDequantWarps - 1) / kDequantWarps);
   if (w.zeros) {
-    dequant_kernel<T, BITS, true><<<blocks, 256, 0, stream>>>(p);
+    dequant_kernel<T, BITS, true><<<blocks, kDequantWarps * 32, 0, stream>>>(p);
   } else {
-    dequant_kernel<T, BITS, false><<<blocks, 256, 0, stream>>>(p);
+    dequant_kernel<T, BITS, false><<<blocks, kDequantWarps * 32, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
 bool valid_weight(const PackedWeight& w, DType dtype) {
+  // K_pad is a multiple of the lane-load k (64 for int4, 32 for int8), so a dequantize
+  // tile of 128 k holds whole lane loads.
   if (w.bits != 4 && w.bits != 8) return false;
   if (w.K % 8 != 0 || w.N < 1 || w.K_pad % TileShape<8>::kK != 0) return false;
   if (w.bits == 4 && w.K_pad % TileShape<4>::kK != 0) return false;
