@@ -229,3 +229,27 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
     zeros = None if zero is None else zero.to(torch.uint8)
     q = quantize_with_params(w, scales, zeros, spec.bits, G)
     return QuantizedWeight(pack_codes(q, spec.bits), scales, zeros, spec.bits, G, K, N)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights along N (fusing q/k/v or gate/up). They must share bits, K and group
+    size; a symmetric part joins asymmetric ones with its implicit zero point made explicit."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.bits, p.in_features, p.group_size) != (first.bits, first.in_features, first.group_size):
+            raise ValueError(
+                f"cannot fuse weights quantized differently: int{p.bits} K={p.in_features} g{p.group_size} vs "
+                f"int{first.bits} K={first.in_features} g{first.group_size}"
+            )
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat([p.zero_points() for p in parts], 0)
+    return QuantizedWeight(
+        packed=torch.cat([p.packed for p in parts], 0),
+        scales=torch.cat([p.scales.to(first.scales.dtype) for p in parts], 0),
+        zeros=zeros,
+        bits=first.bits,
+        group_size=first.group_size,
+        in_features=first.in_features,
+        out_features=sum(p.out_features for p in parts),
+    )

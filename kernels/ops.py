@@ -24,7 +24,7 @@ from .paths import DEQUANT_CUBLAS, GEMV, MIXED_GEMM
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp")
+SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp")  # = setup.py
 GEMV_WARPS = 8  # n-tiles per block (csrc/gemv.cuh: kGemvWarps)
 GEMV_MAX_M = 16  # rows of the GEMV path (MB = 1, 2)
 GEMM_MAX_M = 64  # rows of the mixed GEMM path (MB = 4, 8)

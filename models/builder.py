@@ -73,6 +73,20 @@ def _cat(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor | None:
     return None if any(t is None for t in ts) else torch.cat(ts, 0)
 
 
+def _fuse_imported(parts: list["ImportedLinear"], name: str) -> "ImportedLinear":
+    """One fused pre-quantized linear from its parts (same input, so same permutation)."""
+    from ..kernels.format import concat_rows
+    from .importers import CheckpointError, ImportedLinear
+
+    perms = [p.in_perm for p in parts]
+    if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
+        raise CheckpointError(f"{name}: the fused parts were quantized with different input orders (g_idx)")
+    try:
+        return ImportedLinear(concat_rows([p.weight for p in parts]), perms[0])
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}") from e
+
+
 def build_model(
     hf_config,
     state_dict: dict[str, torch.Tensor],
@@ -81,11 +95,18 @@ def build_model(
     device: torch.device | str,
     max_seq_len: int,
     progress: bool = True,
+    prequantized: dict | None = None,
 ) -> CausalLM:
     """Assemble the model from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``, ...).
 
+    ``prequantized`` maps linear names to already quantized weights (``ImportedLinear``):
+    fused ones (``...self_attn.qkv_proj``: a woq checkpoint) or parts (``...q_proj``: a
+    GPTQ/AWQ import); those layers are used as they are, ``quant`` applies to the rest.
     Tensors are consumed (popped) as layers are built, so peak memory stays near one copy.
     """
+    from .importers import CheckpointError
+
+    prequantized = dict(prequantized or {})
     device = torch.device(device)
     cfg = ArchConfig.from_hf(hf_config)
     make = linear_factory(quant, dtype, device)
@@ -94,35 +115,61 @@ def build_model(
         """Pop a tensor, as stored (linear weights are cast or quantized by ``make``)."""
         t = state_dict.pop(name, None)
         if t is None and required:
-            raise KeyError(f"checkpoint is missing tensor {name!r}")
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
         return t
 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(take(name).to(device=device, dtype=dtype), cfg.rms_norm_eps)
 
+    H, D = cfg.hidden_size, cfg.head_dim
+    shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * D, H), "o": (H, cfg.num_heads * D),
+              "gate_up": (2 * cfg.intermediate_size, H), "down": (H, cfg.intermediate_size),
+              "lm_head": (cfg.vocab_size, H)}
+
+    def linear(fused: str, parts: list[str], kind: str) -> nn.Module:
+        """The layer ``fused`` (made of HF linears ``parts``), from whichever source has it."""
+        imported = prequantized.pop(fused, None)
+        if imported is None and all(p in prequantized for p in parts):
+            imported = _fuse_imported([prequantized.pop(p) for p in parts], fused)
+        bias = take(fused + ".bias", required=False)
+        if bias is None:
+            bias = _cat(take(p + ".bias", required=False) for p in parts)
+        if imported is not None:
+            qw = imported.weight
+            if (qw.out_features, qw.in_features) != shapes[kind]:
+                raise CheckpointError(f"{fused}: quantized weight is {qw.out_features}x{qw.in_features}, the model "
+                                      f"config needs {shapes[kind][0]}x{shapes[kind][1]}")
+            qw = qw.to(device)
+            perm = None if imported.in_perm is None else imported.in_perm.to(device)
+            return WeightOnlyLinear(qw, None if bias is None else bias.to(device=device, dtype=dtype), kind,
+                                    cache_dequantized=device.type == "cpu", in_perm=perm)
+        w = torch.cat([take(p + ".weight") for p in parts], 0)
+        if tuple(w.shape) != shapes[kind]:
+            raise CheckpointError(f"{fused}: weight is {tuple(w.shape)}, the model config needs {shapes[kind]}")
+        return make(w, bias, kind)
+
     layers = []
     for i in tqdm(range(cfg.num_layers), desc=f"building layers ({quant.describe()})", disable=not progress):
         p = f"model.layers.{i}."
-        a = p + "self_attn."
-        qkv_w = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0)
-        qkv_b = _cat(take(a + f"{n}_proj.bias", required=False) for n in "qkv")
-        attn = Attention(cfg, make(qkv_w, qkv_b, "qkv"), make(take(a + "o_proj.weight"), take(a + "o_proj.bias", False), "o"), i)
-        m = p + "mlp."
-        gu_w = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
-        gu_b = _cat([take(m + "gate_proj.bias", False), take(m + "up_proj.bias", False)])
-        mlp = MLP(make(gu_w, gu_b, "gate_up"), make(take(m + "down_proj.weight"), take(m + "down_proj.bias", False), "down"))
+        a, m = p + "self_attn.", p + "mlp."
+        attn = Attention(cfg, linear(a + "qkv_proj", [a + f"{n}_proj" for n in "qkv"], "qkv"),
+                         linear(a + "o_proj", [a + "o_proj"], "o"), i)
+        mlp = MLP(linear(m + "gate_up_proj", [m + "gate_proj", m + "up_proj"], "gate_up"),
+                  linear(m + "down_proj", [m + "down_proj"], "down"))
         layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
 
     embed_w = take("model.embed_tokens.weight").to(device=device, dtype=dtype)
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
-    head_w = take("lm_head.weight", required=not cfg.tie_word_embeddings)
-    lm_head = make(embed_w if head_w is None else head_w, None, "lm_head")
+    if "lm_head" in prequantized or "lm_head.weight" in state_dict or not cfg.tie_word_embeddings:
+        lm_head = linear("lm_head", ["lm_head"], "lm_head")
+    else:
+        lm_head = make(embed_w, None, "lm_head")
     final_norm = norm("model.norm.weight")
     inv_freq, scaling = rope_inv_freq(hf_config)
     rope = Rotary(inv_freq, scaling, max_seq_len).to(device)
-    leftover = [k for k in state_dict if not k.endswith("rotary_emb.inv_freq")]
+    leftover = [k for k in state_dict if not k.endswith("rotary_emb.inv_freq")] + list(prequantized)
     if leftover:
-        raise KeyError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
+        raise CheckpointError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
     model = CausalLM(cfg, embed, layers, final_norm, lm_head, rope).eval()
     if device.type == "cuda":
         quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]

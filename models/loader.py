@@ -9,6 +9,7 @@ Nothing is ever fetched from a model hub.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -17,8 +18,13 @@ from pathlib import Path
 import torch
 
 from .builder import QuantConfig, build_model
+from .checkpoint import is_woq_checkpoint
+from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
+from .importers import import_quantized, quantization_config
 from .llama import CausalLM
+
+log = logging.getLogger("woq.models")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only, whatever a caller forgets
 
@@ -67,7 +73,8 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def read_checkpoint(directory: Path, gguf_file: str | None):
-    """HF config, tokenizer and state dict (HF tensor names) from local files."""
+    """HF config, tokenizer, state dict (HF tensor names) and the already quantized linears
+    (a woq checkpoint's, or a GPTQ/AWQ checkpoint's imported) from local files."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(local_files_only=True)
@@ -75,13 +82,21 @@ def read_checkpoint(directory: Path, gguf_file: str | None):
         kw["gguf_file"] = gguf_file
     config = AutoConfig.from_pretrained(directory, **kw)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
+    quantized: dict = {}
     if gguf_file:
         state = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kw).state_dict()
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
+    elif is_woq_checkpoint(directory):
+        state, quantized, meta = read_woq(directory)
+        log.info("woq checkpoint: %s", meta.get("quantizer"))
     else:
         state = read_safetensors(directory)
-    return config, tokenizer, dict(state)
+        qc = quantization_config(directory, config)
+        if qc is not None:
+            quantized = import_quantized(state, qc, config)
+            log.info("imported a %s checkpoint (%d quantized linears)", qc.get("quant_method"), len(quantized))
+    return config, tokenizer, dict(state), quantized
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -106,11 +121,11 @@ def load_model(
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = dtype or default_dtype(device)
     directory, gguf_file = resolve_source(model)
-    config, tokenizer, state = read_checkpoint(directory, gguf_file)
+    config, tokenizer, state, quantized = read_checkpoint(directory, gguf_file)
     from .config import ArchConfig
 
     limit = ArchConfig.from_hf(config).context_limit
     max_seq_len = min(max_seq_len or limit, limit)
-    built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress)
+    built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress, prequantized=quantized)
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else Path(model).stem if gguf_file else directory.name
     return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0)

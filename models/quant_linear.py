@@ -50,6 +50,7 @@ class WeightOnlyLinear(nn.Module):
         bias: torch.Tensor | None,
         layer_kind: str,
         cache_dequantized: bool = True,
+        in_perm: torch.Tensor | None = None,
     ):
         super().__init__()
         self.layer_kind = layer_kind
@@ -61,6 +62,9 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("zeros", qweight.zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Act-order imports keep contiguous groups over permuted input columns: the layer
+        # gathers its input columns in that order first (kernels/../models/importers.py).
+        self.register_buffer("in_perm", None if in_perm is None else in_perm.to(torch.long))
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
         self.gpu = None  # kernels.layout.GpuWeight once prepared for CUDA
@@ -118,4 +122,6 @@ class WeightOnlyLinear(nn.Module):
         return ops.run_path(path, x, self.gpu, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
         return _forward(self, x)

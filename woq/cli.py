@@ -1,4 +1,5 @@
-"""The ``woq`` command: ``woq serve``, ``woq generate PROMPT``.
+"""The ``woq`` command: ``woq serve``, ``woq generate PROMPT``, ``woq quantize MODEL OUT``,
+``woq eval ppl MODEL``.
 
 Flags and ``WOQ_*`` environment variables come from the pydantic-settings models in
 ``service/config.py`` (``woq serve --help`` lists them).
@@ -6,10 +7,13 @@ Flags and ``WOQ_*`` environment variables come from the pydantic-settings models
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
 
-from woq.service.config import GenerateSettings, ServeSettings
+from woq.service.config import GenerateSettings, ModelSettings, ServeSettings
 
 
 class Serve(ServeSettings):
@@ -51,13 +55,89 @@ class Generate(GenerateSettings):
         print(f"[{out.completion_tokens} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
 
 
+class Quantize(BaseSettings):
+    """Quantize a model once and write a woq checkpoint (loads in seconds, no re-quantizing)."""
+
+    model_config = SettingsConfigDict(env_prefix="WOQ_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      protected_namespaces=(), extra="ignore")
+
+    model: CliPositionalArg[str] = Field(description="model alias, Hugging Face directory or .gguf file")
+    out: CliPositionalArg[Path] = Field(description="output directory")
+    method: Literal["rtn", "gptq"] = Field("gptq", description="round-to-nearest or GPTQ (calibrated)")
+    bits: int = Field(4, description="4 or 8")
+    group_size: int = Field(128, description="0 = per-channel")
+    sym: bool = Field(False, description="symmetric (no zero points)")
+    act_order: bool = Field(False, description="GPTQ: quantize columns by decreasing Hessian diagonal")
+    quantize_lm_head: bool = False
+    calib: Path | None = Field(None, description="calibration text (default: wikitext-2 valid.txt)")
+    samples: int = Field(128, description="GPTQ calibration windows")
+    seq_len: int = Field(512, description="tokens per calibration window")
+    device: str = Field("auto", description="auto, cpu, cuda")
+
+    def cli_cmd(self) -> None:
+        import time
+
+        from woq.models.builder import QuantConfig
+        from woq.models.checkpoint import save_checkpoint
+        from woq.models.loader import read_checkpoint, resolve_device, resolve_source
+        from woq.models.quantize import quantize_model
+
+        t0 = time.perf_counter()
+        directory, gguf = resolve_source(self.model)
+        config, tokenizer, state, quantized = read_checkpoint(directory, gguf)
+        if quantized:
+            raise SystemExit(f"{self.model} is already quantized")
+        if self.bits not in (4, 8):
+            raise SystemExit(f"--bits must be 4 or 8, got {self.bits}")
+        quant = QuantConfig(f"int{self.bits}", self.group_size, self.sym, self.quantize_lm_head)
+        model = quantize_model(config, state, tokenizer, quant, self.method, self.act_order, self.calib, self.samples,
+                               self.seq_len, resolve_device(self.device))
+        info = {"method": self.method, "bits": self.bits, "group_size": self.group_size or "channel",
+                "symmetric": self.sym, "act_order": self.act_order, "samples": self.samples, "seq_len": self.seq_len,
+                "calibration": str(self.calib or "wikitext-2 valid.txt") if self.method == "gptq" else None}
+        save_checkpoint(model, config, tokenizer, self.out, str(self.model), info)
+        print(f"wrote {self.out} ({quant.describe()}, {self.method}) in {time.perf_counter() - t0:.0f} s")
+
+
+class EvalPpl(ModelSettings):
+    """Perplexity on a text (wikitext-2 test.txt by default): first 40 x 512 tokens, or --full."""
+
+    model: CliPositionalArg[str] = Field(description="model alias, Hugging Face directory, .gguf or woq checkpoint")
+    text: Path | None = Field(None, description="text file (default: wikitext-2 test.txt)")
+    full: bool = Field(False, description="score every window, not the first 40")
+    seq_len_eval: int = Field(512, description="tokens per window")
+
+    def cli_cmd(self) -> None:
+        import json
+
+        from woq.models.evaluate import DEFAULT_TEXT, perplexity
+        from woq.service.server import load
+
+        loaded = load(self)
+        text = Path(self.text or DEFAULT_TEXT).read_text()
+        r = perplexity(loaded.model, loaded.tokenizer, text, self.seq_len_eval, None if self.full else 40)
+        print(json.dumps({"model": loaded.name, "quant": self.quant_config().describe(), "device": str(loaded.model.device),
+                          "perplexity": round(r.perplexity, 4), "tokens": r.tokens, "windows": r.windows}))
+
+
+class Eval(BaseSettings):
+    """Evaluate a model."""
+
+    ppl: CliSubCommand[EvalPpl]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
 class Woq(BaseSettings):
     """woq: weight-only int8/int4 LLM inference server."""
 
-    model_config = SettingsConfigDict(cli_prog_name="woq", cli_kebab_case=True)
+    model_config = SettingsConfigDict(cli_prog_name="woq", cli_kebab_case=True, cli_implicit_flags=True)
 
     serve: CliSubCommand[Serve]
     generate: CliSubCommand[Generate]
+    quantize: CliSubCommand[Quantize]
+    eval: CliSubCommand[Eval]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

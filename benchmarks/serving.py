@@ -1,0 +1,186 @@
+"""Serving benchmark over HTTP: a bounded load generator on loopback, streaming requests.
+
+For each concurrency level, ``--requests`` streaming completions with a fixed prompt
+length and a fixed number of output tokens (``ignore_eos``) are sent by that many
+concurrent clients. Reported: TTFT and inter-token latency p50/p99, output tokens/s,
+requests/s, errors. Writes JSON, a markdown table and a PNG plot.
+
+    python benchmarks/serving.py --spawn "--quant int4" --concurrency 1,8 --out docs/bench
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --concurrency 1,4,16,64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, write_json  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over the lazy dog while a curious cat watches from the warm windowsill "
+         "and the city hums with distant traffic").split()
+
+
+def prompt_of(tokens: int, i: int) -> str:
+    """A distinct prompt of roughly ``tokens`` tokens (one word ~ one token here)."""
+    words = [WORDS[(i * 7 + j) % len(WORDS)] for j in range(tokens)]
+    return f"Request {i}: " + " ".join(words)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, out_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"error": f"HTTP {r.status_code}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if not stamps:
+        return {"error": "no tokens"}
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft": stamps[0] - t0, "itl": itl, "tokens": tokens, "latency": end - t0}
+
+
+async def run_level(url: str, model: str, concurrency: int, requests: int, prompt_tokens: int, out_tokens: int) -> dict:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker():
+            while not queue.empty():
+                i = queue.get_nowait()
+                try:
+                    results.append(await one_request(client, url, model, prompt_of(prompt_tokens, i), out_tokens))
+                except httpx.HTTPError as exc:
+                    results.append({"error": repr(exc)})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    itl = [x for r in ok for x in r["itl"]]
+    ttft = [r["ttft"] for r in ok]
+    return {
+        "concurrency": concurrency, "requests": requests, "errors": len(results) - len(ok),
+        "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": wall,
+        "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
+        "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
+        "output_tok_per_s": sum(r["tokens"] for r in ok) / wall, "req_per_s": len(ok) / wall,
+        "per_request_tok_per_s": statistics.median(r["tokens"] / r["latency"] for r in ok) if ok else 0.0,
+    }
+
+
+def spawn(args: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "woq", "serve", "--port", str(port), *shlex.split(args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError("server exited during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    raise RuntimeError("server did not start")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.4))
+    ax[0].plot(c, [r["output_tok_per_s"] for r in rows], "o-")
+    ax[0].set_title("output tokens/s")
+    ax[1].plot(c, [r["ttft_p50_ms"] for r in rows], "o-", label="p50")
+    ax[1].plot(c, [r["ttft_p99_ms"] for r in rows], "s--", label="p99")
+    ax[1].set_title("time to first token (ms)")
+    ax[2].plot(c, [r["itl_p50_ms"] for r in rows], "o-", label="p50")
+    ax[2].plot(c, [r["itl_p99_ms"] for r in rows], "s--", label="p99")
+    ax[2].set_title("inter-token latency (ms)")
+    for a in ax:
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent clients")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url")
+    ap.add_argument("--spawn", help="start `woq serve` with these arguments")
+    ap.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--name", default="serving")
+    a = ap.parse_args()
+    proc = None
+    url = a.url
+    if a.spawn is not None:
+        proc, url = spawn(a.spawn)
+    try:
+        model = a.model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        rows = []
+        for c in [int(v) for v in a.concurrency.split(",")]:
+            r = asyncio.run(run_level(url, model, c, c * a.requests_per_client, a.prompt_tokens, a.output_tokens))
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    head = ["clients", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+            "output tok/s", "req/s", "tok/s per request"]
+    table = markdown_table(head, [[r["concurrency"], r["requests"], r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
+                                   r["itl_p50_ms"], r["itl_p99_ms"], r["output_tok_per_s"], r["req_per_s"],
+                                   r["per_request_tok_per_s"]] for r in rows])
+    note = (f"model {model}, server args: {a.spawn or url}; prompt ~{a.prompt_tokens} tokens, "
+            f"{a.output_tokens} output tokens per request (ignore_eos), streaming over HTTP on loopback.\n\n")
+    write_json(a.out / f"{a.name}.json", {"server": a.spawn or url, "model": model, "rows": rows})
+    (a.out / f"{a.name}.md").write_text(note + table + "\n")
+    plot(rows, a.out / f"{a.name}.png")
+    print(note + table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The woq prepacked checkpoint: quantize once, load in seconds.
+
+A directory with the model's ``config.json``, its tokenizer files and ``woq.safetensors``:
+
+* unquantized tensors under their Hugging Face names (``model.embed_tokens.weight``,
+  ``model.layers.{i}.input_layernorm.weight``, ``model.norm.weight``, ``lm_head.weight``);
+* each quantized linear layer in the logical format of ``kernels/format.py``, fused as the
+  model runs it: ``model.layers.{i}.self_attn.qkv_proj``, ``...self_attn.o_proj``,
+  ``...mlp.gate_up_proj``, ``...mlp.down_proj`` (and ``lm_head`` if quantized), each as
+  ``<name>.packed`` (uint8), ``<name>.scales``, ``<name>.zeros`` (asymmetric only),
+  ``<name>.bias`` (if any), ``<name>.in_perm`` (act-order imports only);
+* a metadata header entry ``woq`` (JSON): format version, GPU layout version, source
+  model, quantizer, and for every quantized layer its bits, group size and shape.
+
+The GPU layout is derived at load (``kernels/layout.py``: milliseconds per layer), so one
+checkpoint serves every GPU and the CPU. Loading validates everything against the header
+and the model config and names the offending tensor on any mismatch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..kernels.format import QuantizedWeight
+from ..kernels.layout import LAYOUT_VERSION
+from .importers import CheckpointError, ImportedLinear
+from .llama import CausalLM
+from .quant_linear import DenseLinear, WeightOnlyLinear
+
+FORMAT_VERSION = 1
+WEIGHTS = "woq.safetensors"
+
+# our module path -> Hugging Face style name in the checkpoint
+_LINEAR_NAMES = {"attn.qkv": "self_attn.qkv_proj", "attn.o": "self_attn.o_proj", "mlp.gate_up": "mlp.gate_up_proj",
+                 "mlp.down": "mlp.down_proj"}
+_NORM_NAMES = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+
+
+def is_woq_checkpoint(directory: Path) -> bool:
+    return (directory / WEIGHTS).exists()
+
+
+def _linear_items(model: CausalLM):
+    for i, layer in enumerate(model.layers):
+        for path, name in _LINEAR_NAMES.items():
+            obj = layer
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            yield f"model.layers.{i}.{name}", obj
+    yield "lm_head", model.lm_head
+
+
+def save_checkpoint(model: CausalLM, hf_config, tokenizer, out: Path, source: str, quantizer: dict) -> Path:
+    """Write ``model`` (already quantized) as a woq checkpoint directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    for i, layer in enumerate(model.layers):
+        for attr, name in _NORM_NAMES.items():
+            tensors[f"model.layers.{i}.{name}.weight"] = getattr(layer, attr).weight
+    linears = {}
+    for name, mod in _linear_items(model):
+        if isinstance(mod, WeightOnlyLinear):
+            qw = mod.qweight
+            tensors[f"{name}.packed"], tensors[f"{name}.scales"] = qw.packed, qw.scales
+            if qw.zeros is not None:
+                tensors[f"{name}.zeros"] = qw.zeros
+            if mod.in_perm is not None:
+                tensors[f"{name}.in_perm"] = mod.in_perm
+            linears[name] = {"bits": qw.bits, "group_size": qw.group_size, "in_features": qw.in_features,
+                             "out_features": qw.out_features, "symmetric": qw.symmetric}
+        elif name == "lm_head" and mod.weight.data_ptr() == model.embed.weight.data_ptr():
+            continue  # tied to the embedding
+        else:
+            tensors[f"{name}.weight"] = mod.weight
+        if mod.bias is not None:
+            tensors[f"{name}.bias"] = mod.bias
+    meta = {"format": "woq", "format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION, "source_model": source,
+            "quantizer": quantizer, "linears": linears}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(tensors, out / WEIGHTS, metadata={"woq": json.dumps(meta)})
+    hf_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, ImportedLinear], dict]:
+    """(unquantized tensors, quantized linears by name, metadata), all validated."""
+    from safetensors import safe_open
+
+    path = Path(directory) / WEIGHTS
+    with safe_open(str(path), framework="pt") as f:
+        header = (f.metadata() or {}).get("woq")
+        if header is None:
+            raise CheckpointError(f"{path} has no woq metadata header: not a woq checkpoint")
+        meta = json.loads(header)
+        if meta.get("format") != "woq" or meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {meta.get('format_version')!r} is not supported "
+                                  f"(this woq reads version {FORMAT_VERSION}); re-run `woq quantize`")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    linears: dict[str, ImportedLinear] = {}
+    for name, info in meta["linears"].items():
+        def need(suffix: str) -> torch.Tensor:
+            t = state.pop(f"{name}.{suffix}", None)
+            if t is None:
+                raise CheckpointError(f"{path}: missing tensor '{name}.{suffix}'")
+            return t
+
+        packed, scales = need("packed"), need("scales")
+        zeros = None if info["symmetric"] else need("zeros")
+        try:
+            qw = QuantizedWeight(packed, scales, zeros, info["bits"], info["group_size"], info["in_features"],
+                                 info["out_features"])
+        except ValueError as e:
+            raise CheckpointError(f"{path}: tensor '{name}' does not match its header ({e})") from e
+        linears[name] = ImportedLinear(qw, state.pop(f"{name}.in_perm", None))
+    return state, linears, meta

@@ -1,0 +1,24 @@
+"""Optional ahead-of-time build of the CUDA kernels (the metadata lives in pyproject.toml).
+
+    WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;8.9;9.0" pip install --no-build-isolation .
+
+builds kernels/_C*.so for T4, A100, A10/3090, L4/4090 and H100 (the Docker image does
+this); kernels/ops.py loads it when present and otherwise JIT-compiles for the GPU at hand.
+Without WOQ_BUILD_CUDA the package is pure Python (CPU machines, CI).
+"""
+import os
+
+from setuptools import setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("WOQ_BUILD_CUDA") == "1":
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "7.5;8.0;8.6;8.9;9.0")
+    csrc = "kernels/csrc"
+    sources = ["woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp"]
+    ext_modules = [CUDAExtension("woq.kernels._C", [f"{csrc}/{s}" for s in sources],
+                                 extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]})]
+    cmdclass = {"build_ext": BuildExtension}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
