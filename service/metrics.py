@@ -5,7 +5,7 @@ lists every metric with its unit and labels.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from ..models.dispatch import KernelCall, m_bucket
 
@@ -24,6 +24,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=r)  # process_* (RSS, CPU seconds): the CPU memory panel
         self.requests = Counter("woq_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("woq_time_to_first_token_seconds", "Time from request to first generated token",
@@ -46,9 +47,27 @@ class Metrics:
         self._children: dict[tuple, tuple] = {}
 
     def bind_engine(self, engine) -> None:
-        """Read running/waiting straight from the engine at scrape time."""
+        """Gauges read straight from the engine (and the GPU) at scrape time."""
+        r = self.registry
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
+        Gauge("woq_kv_cache_slots", "KV cache slots (sequences that can decode together)",
+              registry=r).set_function(lambda: engine.max_batch_size)
+        Gauge("woq_kv_cache_tokens", "Tokens held in the KV cache by running requests",
+              registry=r).set_function(lambda: engine.kv_tokens_in_use)
+        Gauge("woq_kv_cache_usage_ratio", "KV cache positions in use / positions allocated",
+              registry=r).set_function(lambda: engine.kv_tokens_in_use / (engine.max_batch_size * engine.max_seq_len))
+        Gauge("woq_kv_cache_bytes", "Bytes allocated to the KV cache", registry=r).set(engine.cache.nbytes())
+        device = engine.model.device
+        if device.type == "cuda":
+            import torch
+
+            Gauge("woq_gpu_memory_allocated_bytes", "GPU memory held by tensors",
+                  registry=r).set_function(lambda: torch.cuda.memory_allocated(device))
+            Gauge("woq_gpu_memory_reserved_bytes", "GPU memory reserved by the caching allocator",
+                  registry=r).set_function(lambda: torch.cuda.memory_reserved(device))
+            Gauge("woq_gpu_memory_total_bytes", "GPU memory of the device",
+                  registry=r).set(torch.cuda.get_device_properties(device).total_memory)
 
     # -- EngineObserver ------------------------------------------------------------------
     def on_step(self, batch_size: int, prefill_tokens: int) -> None:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 from ..engine.engine import Engine
 from ..models import dispatch
 from ..models.loader import LoadedModel, load_model
 from .app import ServerState, create_app
 from .config import ModelSettings, ServeSettings
+from .logs import setup_logging
 from .metrics import Metrics
 
 log = logging.getLogger("woq.service")
@@ -49,20 +49,35 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
                     max_prefill_tokens=settings.max_prefill_tokens, observer=metrics).start()
     metrics.bind_engine(engine)
     dispatch.set_observer(metrics, sample_every=settings.kernel_timing_every)
-    return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics)
+    return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
+                       api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       request_timeout=settings.request_timeout)
 
 
 def serve(settings: ServeSettings) -> None:
     import uvicorn
 
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level, settings.log_format)
     loaded = load(settings)
     log.info("loaded %s (%s) on %s in %.1f s", loaded.name, settings.quant_config().describe(),
              loaded.model.device, loaded.load_seconds)
     state = build_state(settings, loaded)
-    app = create_app(state)
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: /health turns 503 and new requests get 503 at once, while
+        uvicorn stops accepting connections and waits up to --drain-timeout for the
+        in-flight ones (streams included) to finish."""
+
+        def handle_exit(self, sig, frame):
+            if not state.draining:
+                log.info("draining: waiting up to %.0f s for %d running and %d queued requests",
+                         settings.drain_timeout, state.engine.num_running, state.engine.num_waiting)
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        DrainingServer(config).run()  # on a signal, uvicorn re-raises it once drained: exit status 128 + signal
     finally:
         state.engine.shutdown()

@@ -1,0 +1,181 @@
+"""Run the Grafana dashboard's queries against a real Prometheus scraping a live woq server.
+
+Starts `woq serve` and Debian's `prometheus` (scraping every second) on loopback, drives a
+bounded streaming load, then evaluates every PromQL expression of
+docker/grafana/dashboards/woq.json through Prometheus' HTTP API. As a script it also
+renders each panel's range query to a PNG (docs/dashboard.png): what the dashboard shows,
+without Grafana. The test suite (tests/test_dashboard.py) uses the same harness.
+
+    python benchmarks/dashboard_snapshot.py --serve-args "--quant int4" --seconds 40
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "woq.json"
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def panels() -> list[dict]:
+    return json.loads(DASHBOARD.read_text())["panels"]
+
+
+def expressions() -> list[str]:
+    return [t["expr"] for p in panels() for t in p["targets"]]
+
+
+class Prometheus:
+    """A throwaway Prometheus scraping ``target`` (host:port) every second."""
+
+    def __init__(self, target: str, port: int):
+        self.dir = Path(tempfile.mkdtemp(prefix="woq-prom-"))
+        (self.dir / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"scrape_configs:\n  - job_name: woq\n    static_configs:\n      - targets: ['{target}']\n")
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [shutil.which("prometheus") or "prometheus", f"--config.file={self.dir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={self.dir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                if httpx.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("prometheus did not start")
+
+    def query(self, expr: str) -> list:
+        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
+        if r["status"] != "success":
+            raise ValueError(f"{expr}: {r.get('error')}")
+        return r["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list:
+        r = httpx.get(self.url + "/api/v1/query_range",
+                      params={"query": expr, "start": start, "end": end, "step": step}, timeout=10).json()
+        if r["status"] != "success":
+            raise ValueError(f"{expr}: {r.get('error')}")
+        return r["data"]["result"]
+
+    def scraped(self) -> bool:
+        return bool(self.query("up{job='woq'} == 1"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def load(url: str, model: str, seconds: float, clients: int = 4, max_tokens: int = 24) -> int:
+    """Streaming chat requests from ``clients`` concurrent clients for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    done = 0
+
+    async def client(i: int):
+        nonlocal done
+        async with httpx.AsyncClient(timeout=120) as c:
+            n = 0
+            while time.monotonic() < deadline:
+                body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.7, "seed": n,
+                        "messages": [{"role": "user", "content": f"Tell me a fact about the number {i * 100 + n}."}]}
+                async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+                n += 1
+                done += 1
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return done
+
+
+def render(prom: Prometheus, start: float, end: float, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ps = panels()
+    cols = 3
+    rows = -(-len(ps) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(15, 3.2 * rows), squeeze=False)
+    for ax, p in zip(axes.flat, ps):
+        if p["type"] == "heatmap":  # cumulative "le" buckets -> per-bucket rates, as Grafana draws them
+            import numpy as np
+
+            series = prom.query_range(p["targets"][0]["expr"], start, end)
+            series = sorted(series, key=lambda x: float(x["metric"]["le"]))
+            if series:
+                grid = np.array([[float(v[1]) for v in x["values"]] for x in series])
+                per_bucket = np.diff(np.vstack([np.zeros(grid.shape[1]), grid]), axis=0)
+                ax.imshow(per_bucket, aspect="auto", origin="lower", cmap="viridis")
+                les = [x["metric"]["le"] for x in series]
+                ax.set_yticks(range(0, len(les), 3), [les[i] for i in range(0, len(les), 3)], fontsize=6)
+                ax.set_ylabel("latency bucket ≤ (s)", fontsize=7)
+            ax.set_title(p["title"], fontsize=9)
+            continue
+        for t in p["targets"]:
+            for series in prom.query_range(t["expr"], start, end):
+                xs = [float(v[0]) - start for v in series["values"]]
+                ys = [float(v[1]) for v in series["values"]]
+                label = t["legendFormat"]
+                for k, v in series["metric"].items():
+                    label = label.replace("{{" + k + "}}", v)
+                ax.plot(xs, ys, label=label[:28])
+        ax.set_title(p["title"], fontsize=9)
+        ax.set_xlabel("s", fontsize=7)
+        ax.tick_params(labelsize=7)
+        handles, labels = ax.get_legend_handles_labels()
+        if 0 < len(labels) <= 8:
+            ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(ps):]:
+        ax.axis("off")
+    fig.suptitle("woq dashboard (docker/grafana/dashboards/woq.json) evaluated by Prometheus during a load run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    from serving import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve-args", default="--quant int4 --max-seq-len 512")
+    ap.add_argument("--seconds", type=float, default=40)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
+    a = ap.parse_args()
+    server, url = spawn(a.serve_args + " --kernel-timing-every 1")
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    prom = Prometheus(url.removeprefix("http://"), port)
+    try:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        start = time.time()
+        n = asyncio.run(load(url, model, a.seconds))
+        time.sleep(3)
+        end = time.time()
+        empty = [e for e in expressions() if not prom.query(e)]
+        print(f"{n} requests; {len(expressions()) - len(empty)}/{len(expressions())} dashboard queries returned data")
+        for e in empty:
+            print("  no data:", e)
+        render(prom, start, end, a.out)
+        print("wrote", a.out)
+    finally:
+        prom.stop()
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    main()
