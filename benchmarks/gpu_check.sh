@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize model e2e bench msweep grid probe ncu sass gdb
+#   stages: env build test errors sanitize model e2e enginetests engine serving bench msweep grid probe ncu sass gdb
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -35,7 +35,11 @@ for stage in "$@"; do
     test) run test $PY -m pytest -q -x -m "gpu and not slow" tests/ ;;
     model)  # the default model's GGUF, carried in two halves (.carry1, .carry2: 64 MiB a call)
       mkdir -p "$WOQ_CACHE/downloads"
-      run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf'" ;;
+      run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && $PY -c 'from woq.models.fetch import fetch_default_model as f; print(f())'" ;;
+    enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
+    engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
+    serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
+               --concurrency 1,4,16,64 --requests-per-client 3 --out "$OUT" --name serving_h100_smollm2_int4 ;;
     e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;

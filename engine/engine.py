@@ -79,7 +79,7 @@ class _Sequence:
     params: SamplingParams
     sink: Sink
     seed: int
-    stream: TextStream
+    stream: TextStream | None  # None: token ids only (an engine without a tokenizer)
     submitted: float
     slot: int = -1
     generated: list[int] = field(default_factory=list)
@@ -103,6 +103,8 @@ class Engine:
         max_seq_len: int | None = None,
         max_prefill_tokens: int = 4096,
         observer: EngineObserver | None = None,
+        cuda_graphs: bool = True,
+        profile_every: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -113,9 +115,21 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.observer = observer
         cfg = model.cfg
-        self.cache = KVCache(cfg.num_layers, max_batch_size, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim,
-                             model.dtype, model.device)
+        on_cuda = model.device.type == "cuda"
+        # On CUDA one extra slot is a scratch area for the padding rows of graph replays.
+        self.cache = KVCache(cfg.num_layers, max_batch_size + on_cuda, cfg.num_kv_heads, self.max_seq_len,
+                             cfg.head_dim, model.dtype, model.device)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.graphs = None
+        if on_cuda and cuda_graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.cache, max_batch_size, scratch_slot=max_batch_size)
+            self.graphs.capture()
+        # Every profile_every-th decode step runs eagerly, so that per-kernel timings (which
+        # a graph replay cannot observe) keep flowing to the metrics; 0 = never.
+        self.profile_every = profile_every
+        self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.by_id: dict[str, _Sequence] = {}
@@ -162,9 +176,12 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None) -> str:
         """Queue a request; its events go to ``sink`` (called on the engine thread)."""
         self.check_fits(len(prompt_ids), params.max_tokens)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         rid = request_id or f"req-{next(self._ids)}"
-        seq = _Sequence(rid, list(prompt_ids), params, sink, seed, TextStream(self.tokenizer, params.stop),
+        seq = _Sequence(rid, list(prompt_ids), params, sink, seed,
+                        TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None,
                         time.perf_counter())
         with self._cv:
             if self._stop:
@@ -246,7 +263,7 @@ class Engine:
         dev = self.model.device
         ids = torch.tensor([seq.prompt_ids], device=dev)
         P = ids.shape[1]
-        batch = Batch(torch.arange(P, device=dev)[None], torch.tensor([seq.slot], device=dev), P)
+        batch = Batch(torch.arange(P, device=dev)[None], torch.tensor([seq.slot], device=dev), P, prefill=True)
         logits = self.model(ids, batch, self.cache, last_only=True)
         self.running.append(seq)
         self._emit_tokens([seq], logits)
@@ -260,8 +277,14 @@ class Engine:
         ids = torch.tensor([[s.generated[-1]] for s in seqs], device=dev)
         positions = torch.tensor([[s.next_position] for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        batch = Batch(positions, slots, int(positions.max()) + 1)
-        logits = self.model(ids, batch, self.cache, last_only=True)
+        self.steps += 1
+        if self.graphs is not None and not (self.profile_every and self.steps % self.profile_every == 0):
+            logits = self.graphs.run(ids, positions, slots)
+        elif dev.type == "cuda":
+            logits = self.model(ids, Batch(positions, slots, lengths=positions[:, 0] + 1), self.cache, last_only=True)
+        else:
+            batch = Batch(positions, slots, max(s.next_position for s in seqs) + 1)
+            logits = self.model(ids, batch, self.cache, last_only=True)
         if self.observer:
             self.observer.on_step(len(seqs), prefill_tokens)
         self._emit_tokens(seqs, logits)
@@ -269,14 +292,17 @@ class Engine:
     def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         dev = logits.device
         p = [s.params for s in seqs]
-        tokens = sample(
-            logits,
-            torch.tensor([x.temperature for x in p], device=dev),
-            torch.tensor([x.top_k for x in p], device=dev),
-            torch.tensor([x.top_p for x in p], device=dev),
-            torch.tensor([s.seed for s in seqs], device=dev),
-            torch.tensor([len(s.generated) for s in seqs], device=dev),
-        ).tolist()
+        if all(x.greedy for x in p):  # no per-row parameters to ship to the device
+            tokens = logits.argmax(-1).tolist()
+        else:
+            tokens = sample(
+                logits,
+                torch.tensor([x.temperature for x in p], device=dev),
+                torch.tensor([x.top_k for x in p], device=dev),
+                torch.tensor([x.top_p for x in p], device=dev),
+                torch.tensor([s.seed for s in seqs], device=dev),
+                torch.tensor([len(s.generated) for s in seqs], device=dev),
+            ).tolist()
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
             self._accept(seq, tok, now)
@@ -292,8 +318,8 @@ class Engine:
         if token in self.eos and not seq.params.ignore_eos:
             self._finish(seq, "stop", token_ids=[token])
             return
-        text = seq.stream.add(token)
-        if seq.stream.stopped:
+        text = seq.stream.add(token) if seq.stream is not None else ""
+        if seq.stream is not None and seq.stream.stopped:
             self._finish(seq, "stop", text=text, token_ids=[token])
         elif len(seq.generated) >= seq.params.max_tokens or seq.next_position >= self.max_seq_len:
             self._finish(seq, "length", text=text, token_ids=[token])
@@ -308,7 +334,7 @@ class Engine:
             self.free_slots.append(seq.slot)
             seq.slot = -1
         self.by_id.pop(seq.request_id, None)
-        if reason != "error" and reason != "abort":
+        if reason != "error" and reason != "abort" and seq.stream is not None:
             text += seq.stream.finish()
         n_out = len(seq.generated)
         if self.observer:

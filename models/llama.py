@@ -52,12 +52,21 @@ class Rotary(nn.Module):
 @dataclass
 class Batch:
     """Where the tokens of a forward pass sit: ``positions`` ``[B, T]`` and, with a KV
-    cache, each row's cache ``slots`` ``[B]``. ``length`` is the number of cache
-    positions attention reads (the longest row's last position + 1)."""
+    cache, each row's cache ``slots`` ``[B]``.
+
+    * a prompt prefilled from position 0 (``prefill=True``): attention over its own keys,
+      written to the cache on the way;
+    * a decode step on CUDA (``lengths`` ``[B]`` on the device): the decode-attention
+      kernel reads ``lengths[b]`` live positions of each slot -- no host value involved,
+      so the step can be captured in a CUDA graph;
+    * otherwise ``length`` positions of every row are gathered and masked (CPU path).
+    """
 
     positions: torch.Tensor
     slots: torch.Tensor | None = None
     length: int | None = None
+    lengths: torch.Tensor | None = None
+    prefill: bool = False
 
     def attention_mask(self) -> torch.Tensor:
         """Boolean ``[B, 1, T, L]``: query at position p sees cache positions <= p."""
@@ -79,10 +88,16 @@ class Attention(nn.Module):
         q = rope(q.view(B, T, H, D).transpose(1, 2), batch.positions)
         k = rope(k.view(B, T, Hkv, D).transpose(1, 2), batch.positions)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        if cache is None:  # a self-contained causal pass (evaluation, reference checks)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != Hkv)
-        else:
+        if cache is not None:
             cache.write(self.layer_idx, batch.slots, batch.positions, k, v)
+        if cache is None or batch.prefill:  # attention over this pass's own tokens
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != Hkv)
+        elif batch.lengths is not None:  # CUDA decode step: live tokens only
+            from ..kernels.decode_attention import decode_attention
+
+            out = decode_attention(q[:, :, 0], cache.k[self.layer_idx], cache.v[self.layer_idx], batch.slots,
+                                   batch.lengths, cache.max_seq_len).unsqueeze(2)
+        else:
             k, v = cache.read(self.layer_idx, batch.slots, batch.length)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attention_mask(), enable_gqa=H != Hkv)
         return self.o(out.transpose(1, 2).reshape(B, T, H * D))

@@ -1,0 +1,257 @@
+"""Offline engine benchmark on the GPU (no HTTP): decode and prefill throughput.
+
+Random-weight models with real shapes (Llama-3-8B; SmolLM2-135M), fp16 / int8 / int4-g128:
+decode tokens/s at batch 1, 4, 16 and the maximum (greedy, 128 new tokens after a
+128-token prompt, CUDA graphs), prefill tokens/s of a 2048-token prompt, and at batch 1 the
+fraction of the roofline (tokens/s x bytes read per token / measured copy bandwidth). In the
+same run, HF transformers fp16 ``generate`` on the same weights (eager dynamic cache, and
+static cache), and the cost of the per-kernel metrics at their default sampling rate.
+
+    python benchmarks/engine.py --out docs/bench
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa: E402
+
+from woq.engine.engine import Engine  # noqa: E402
+from woq.engine.sampling import SamplingParams  # noqa: E402
+from woq.models import dispatch  # noqa: E402
+from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.quant_linear import DenseLinear, WeightOnlyLinear  # noqa: E402
+
+PROMPT, NEW = 128, 128
+
+
+def configs():
+    from transformers import LlamaConfig
+
+    llama8b = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
+    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True)
+    return {"llama3-8b": llama8b, "smollm2-135m": smol}
+
+
+def random_state(config) -> dict[str, torch.Tensor]:
+    """fp16 random weights on the GPU with the HF names and shapes of ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {}
+    for k, shape in shapes.items():
+        if k.endswith("norm.weight"):
+            state[k] = torch.ones(shape, dtype=torch.float16, device="cuda")
+        else:
+            state[k] = torch.randn(shape, dtype=torch.float16, device="cuda", generator=g) * 0.02
+    return state
+
+
+def hf_decode_tps(config, state, cache: str) -> float:
+    """HF transformers fp16 generate: decode tokens/s at batch 1 (prefill time subtracted)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model.load_state_dict(state, assign=True, strict=False)  # share our tensors: no second copy
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    ids = torch.randint(0, config.vocab_size, (1, PROMPT), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, cache_implementation=cache)
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(8)  # warm-up
+    t_all, t_one = timed(NEW), timed(1)
+    del model
+    return (NEW - 1) / (t_all - t_one)
+
+
+def weight_bytes(model) -> int:
+    total = 0
+    for m in model.modules():
+        if isinstance(m, WeightOnlyLinear):
+            total += m.gpu.nbytes() if m.gpu is not None else m.qweight.nbytes()
+        elif isinstance(m, DenseLinear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def decode_tps(engine: Engine, vocab: int, batch: int) -> tuple[float, float]:
+    """(decode tokens/s over the steady part, per-request tokens/s) for ``batch`` sequences."""
+    done = threading.Semaphore(0)
+    firsts, lasts = [], []
+    lock = threading.Lock()
+
+    def sink_for():
+        state = {"first": None}
+
+        def sink(ev):
+            now = time.perf_counter()
+            if state["first"] is None and ev.token_ids:
+                state["first"] = now
+            if ev.finish_reason:
+                with lock:
+                    firsts.append(state["first"])
+                    lasts.append(now)
+                done.release()
+        return sink
+
+    g = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
+        engine.submit(prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), sink_for())
+    for _ in range(batch):
+        done.acquire()
+    # all decode tokens over the time from the first sequence's first token to the last
+    # sequence's last token (prefills of later arrivals, interleaved, count against us)
+    return batch * (NEW - 1) / (max(lasts) - min(firsts)), (NEW - 1) / (sum(b - a for a, b in zip(firsts, lasts)) / batch)
+
+
+def prefill_tps(engine: Engine, vocab: int, tokens: int = 2048) -> float:
+    prompt = torch.randint(0, vocab, (tokens,)).tolist()
+    engine.generate(prompt[:64], SamplingParams(max_tokens=1))  # warm-up
+    t0 = time.perf_counter()
+    engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    return tokens / (time.perf_counter() - t0)
+
+
+class _Discard:
+    def record(self, call, seconds):
+        pass
+
+
+def run(models: list[str], batches: list[int], out: Path) -> dict:
+    info = gpu_info()
+    bw = copy_bandwidth()
+    print(f"{info['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for name in models:
+        config = configs()[name]
+        state = random_state(config)
+        hf = {c: hf_decode_tps(config, state, c) for c in ("dynamic", "static")}
+        print(f"{name}: HF transformers fp16 decode tok/s at batch 1: {hf}", flush=True)
+        torch.cuda.empty_cache()
+        max_batch = max(batches)
+        for fmt, quant in (("fp16", QuantConfig("none")), ("int8", QuantConfig("int8")),
+                           ("int4-g128", QuantConfig("int4", 128))):
+            model = build_model(config, dict(state), quant, torch.float16, "cuda", 1024 + PROMPT + NEW, progress=False)
+            wbytes = weight_bytes(model)
+            engine = Engine(model, None, set(), max_batch_size=max_batch, max_queue=4096,
+                            max_seq_len=1024 + PROMPT + NEW, max_prefill_tokens=2048).start()
+            engine.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+            row = dict(model=name, format=fmt, weight_bytes=wbytes, hf_eager_tps=hf["dynamic"],
+                       hf_static_tps=hf["static"])
+            for b in batches:
+                row[f"decode_tps_b{b}"], row[f"per_request_tps_b{b}"] = decode_tps(engine, config.vocab_size, b)
+            row["prefill_tps_2048"] = prefill_tps(engine, config.vocab_size)
+            kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+            per_token = wbytes + kv_bytes * (PROMPT + NEW / 2)
+            row["roofline_tps_b1"] = bw / per_token
+            row["pct_roofline_b1"] = 100 * row["decode_tps_b1"] / row["roofline_tps_b1"]
+            row["vs_hf_eager_b1"] = row["decode_tps_b1"] / hf["dynamic"]
+            if fmt == "int4-g128":  # the metrics' cost: kernel timing at its default rate
+                from woq.service.config import ServeSettings
+
+                d = ServeSettings.model_fields
+                engine.shutdown()
+                engine = Engine(model, None, set(), max_batch_size=max_batch, max_queue=4096,
+                                max_seq_len=1024 + PROMPT + NEW, profile_every=d["profile_every"].default).start()
+                dispatch.set_observer(_Discard(), sample_every=d["kernel_timing_every"].default)
+                for b in (1, 16):
+                    row[f"decode_tps_b{b}_with_kernel_metrics"], _ = decode_tps(engine, config.vocab_size, b)
+                dispatch.set_observer(None)
+            engine.shutdown()
+            rows.append(row)
+            print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            del model, engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        del state
+        gc.collect()
+        torch.cuda.empty_cache()
+    result = dict(info, bandwidth_bytes_per_s=bw, prompt_tokens=PROMPT, new_tokens=NEW, batches=batches, rows=rows)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "engine.json", result)
+    (out / "engine.md").write_text(summary(result))
+    plot(result, out / "engine.png")
+    return result
+
+
+def summary(result: dict) -> str:
+    bs = result["batches"]
+    head = ["model", "format", "weights GB"] + [f"decode tok/s b{b}" for b in bs] + \
+           ["% roofline b1", "× HF eager b1", "HF fp16 eager / static b1", "prefill tok/s (2048)"]
+    table = []
+    for r in result["rows"]:
+        table.append([r["model"], r["format"], r["weight_bytes"] / 1e9] + [r[f"decode_tps_b{b}"] for b in bs] +
+                     [r["pct_roofline_b1"], f"{r['vs_hf_eager_b1']:.1f}×", f"{r['hf_eager_tps']:.0f} / {r['hf_static_tps']:.0f}",
+                      r["prefill_tps_2048"]])
+    over = [f"{r['model']} int4: b1 {r['decode_tps_b1']:.0f} → {r['decode_tps_b1_with_kernel_metrics']:.0f} tok/s "
+            f"({100 * (1 - r['decode_tps_b1_with_kernel_metrics'] / r['decode_tps_b1']):+.1f} %), b16 "
+            f"{r['decode_tps_b16']:.0f} → {r['decode_tps_b16_with_kernel_metrics']:.0f} "
+            f"({100 * (1 - r['decode_tps_b16_with_kernel_metrics'] / r['decode_tps_b16']):+.1f} %)"
+            for r in result["rows"] if "decode_tps_b1_with_kernel_metrics" in r and "decode_tps_b16" in r]
+    return (f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
+            f"Random weights, real shapes; greedy, {result['prompt_tokens']}-token prompts, {result['new_tokens']} new tokens "
+            f"(ignore_eos), CUDA graphs. Decode tok/s = all sequences' tokens over the time they decode together. "
+            f"Roofline b1 = bandwidth / (weight bytes + KV bytes read per token). HF: transformers fp16 generate, same weights.\n\n"
+            + markdown_table(head, table) + "\n\nCost of the per-kernel metrics at the default rate (timing 1 linear call "
+            "in 8, an eager step every 64 graph steps): " + "; ".join(over) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for r in [r for r in result["rows"] if r["model"] == m]:
+            ax.plot(result["batches"], [r[f"decode_tps_b{b}"] for b in result["batches"]], "o-", label=r["format"])
+        hf = next(r for r in result["rows"] if r["model"] == m)
+        ax.axhline(hf["hf_eager_tps"], color="gray", ls="--", label="HF fp16 eager (b1)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(m)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama3-8b,smollm2-135m")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    a = ap.parse_args()
+    res = run(a.models.split(","), [int(b) for b in a.batches.split(",")], a.out)
+    print(summary(res))
+
+
+if __name__ == "__main__":
+    main()
