@@ -144,6 +144,40 @@ class _Discard:
         pass
 
 
+def metrics_overhead(name: str, out: Path, repeats: int = 3) -> str:
+    """Decode tok/s of the int4 model with and without the per-kernel metrics at their
+    default rate, alternating runs (the difference is small against run-to-run noise)."""
+    from woq.service.config import ServeSettings
+
+    d = ServeSettings.model_fields
+    config = configs()[name]
+    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
+                        progress=False)
+    plain = Engine(model, None, set(), max_batch_size=16, max_seq_len=CONTEXT).start()
+    observed = Engine(model, None, set(), max_batch_size=16, max_seq_len=CONTEXT,
+                      profile_every=d["profile_every"].default).start()
+    plain.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
+    observed.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
+    lines = []
+    for b in (1, 16):
+        base, with_metrics = [], []
+        for _ in range(repeats):
+            base.append(decode_tps(plain, config.vocab_size, b)[0])
+            dispatch.set_observer(_Discard(), sample_every=d["kernel_timing_every"].default)
+            with_metrics.append(decode_tps(observed, config.vocab_size, b)[0])
+            dispatch.set_observer(None)
+        b0, b1 = sorted(base)[repeats // 2], sorted(with_metrics)[repeats // 2]
+        lines.append(f"| {name} int4-g128 | {b} | {b0:.1f} | {b1:.1f} | {100 * (1 - b1 / b0):+.2f} % |")
+    plain.shutdown()
+    observed.shutdown()
+    table = ("| model | batch | decode tok/s, metrics off | with kernel metrics (1 call in "
+             f"{d['kernel_timing_every'].default}, eager step every {d['profile_every'].default}) | cost |\n|---|---|---|---|---|\n"
+             + "\n".join(lines) + "\n")
+    (out / "metrics_overhead.md").write_text(f"GPU: {torch.cuda.get_device_name()}; median of {repeats} alternating "
+                                             f"runs each; 128-token prompts, 128 new tokens.\n\n" + table)
+    return table
+
+
 def run(models: list[str], batches: list[int], out: Path) -> dict:
     info = gpu_info()
     bw = copy_bandwidth()
@@ -251,7 +285,12 @@ def main() -> None:
     ap.add_argument("--models", default="llama3-8b,smollm2-135m")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--metrics-overhead", action="store_true", help="only the cost of the kernel metrics (8B int4)")
     a = ap.parse_args()
+    if a.metrics_overhead:
+        a.out.mkdir(parents=True, exist_ok=True)
+        print(metrics_overhead("llama3-8b", a.out))
+        return
     res = run(a.models.split(","), [int(b) for b in a.batches.split(",")], a.out)
     print(summary(res))
 

@@ -38,6 +38,7 @@ for stage in "$@"; do
       run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && $PY -c 'from woq.models.fetch import fetch_default_model as f; print(f())'" ;;
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
+    overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
                --concurrency 1,4,16,64 --requests-per-client 3 --out "$OUT" --name serving_h100_smollm2_int4 ;;
     e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;

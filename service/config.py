@@ -63,7 +63,7 @@ class ServeSettings(ModelSettings):
     max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")
-    profile_every: int = Field(64, ge=0, description="run every N-th graph decode step eagerly, timing its kernels")
+    profile_every: int = Field(256, ge=0, description="run every N-th graph decode step eagerly, timing its kernels")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may take, queueing included (504)")
