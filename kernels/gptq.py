@@ -13,12 +13,12 @@ import math
 
 import torch
 
-from .format import QuantizedWeight, QuantSpec, _store_scales, midpoint, pack_codes, quantize_params
+from .format import QuantizedWeight, QuantSpec, _store_scales, clip_search_params, midpoint, pack_codes, quantize_params
 
 
-def _group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_params(w: torch.Tensor, spec: QuantSpec, clip_search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group (stored) scales and zero points, float32 ``[N, groups]``."""
-    scale, zero = quantize_params(w, spec)
+    scale, zero = clip_search_params(w, spec) if clip_search else quantize_params(w, spec)
     s = _store_scales(scale, spec.scale_dtype)
     z = torch.full_like(scale, midpoint(spec.bits)) if zero is None else zero
     return s, z
@@ -31,8 +31,12 @@ def gptq_quantize(
     act_order: bool = False,
     damp: float = 0.01,
     block_size: int = 128,
+    clip_search: bool = True,
 ) -> QuantizedWeight:
-    """GPTQ-quantize ``weight`` ``[N, K]`` given ``hessian`` ``[K, K]`` (on any device)."""
+    """GPTQ-quantize ``weight`` ``[N, K]`` given ``hessian`` ``[K, K]`` (on any device).
+
+    ``clip_search``: fit each group's range by the error-minimising shrink of min/max
+    (``format.clip_search_params``) instead of plain min/max."""
     W = weight.detach().float().clone()
     N, K = W.shape
     G = spec.group_size_for(K)
@@ -42,7 +46,7 @@ def gptq_quantize(
     W[:, dead] = 0.0
     # Group parameters from the (dead-column-zeroed) weights, before any error feedback for
     # static groups; dynamic groups (no act_order) are recomputed as GPTQ reaches them.
-    static_s, static_z = _group_params(W, spec) if act_order else (None, None)
+    static_s, static_z = _group_params(W, spec, clip_search) if act_order else (None, None)
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K, device=W.device)
     W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(K, device=H.device)
@@ -66,7 +70,7 @@ def gptq_quantize(
                 s, z = static_s[:, g], static_z[:, g]
             else:
                 if col % G == 0:  # entering a new group: fit it to the error-corrected weights
-                    s_all, z_all = _group_params(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, : min(G, K - col)], spec)
+                    s_all, z_all = _group_params(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, : min(G, K - col)], spec, clip_search)
                     scales[:, g], zeros[:, g] = s_all[:, 0], z_all[:, 0]
                 s, z = scales[:, g], zeros[:, g]
             w = W1[:, i]

@@ -82,3 +82,22 @@ def test_validation_names_the_problem():
         QuantizedWeight(qw.packed[:, :-1], qw.scales, qw.zeros, 4, 32, 64, 8)
     with pytest.raises(ValueError, match="bits"):
         QuantSpec(bits=3)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 64, False), QuantSpec(4, 64, True), QuantSpec(8, None, True)],
+                         ids=lambda s: s.describe().replace(" ", "-"))
+def test_clip_search_never_does_worse_than_min_max(spec):
+    from woq.kernels.format import _grouped, clip_search_params, quantize_params, quantize_with_params
+
+    w = _weights()
+    G = spec.group_size or w.shape[1]
+
+    def err(params):
+        s, z = params
+        q = quantize_with_params(w.float(), s, None if z is None else z.to(torch.uint8), spec.bits, G).double()
+        zz = (torch.full_like(s, 128 if spec.bits == 8 else 8) if z is None else z).double()
+        deq = (_grouped(q, G) - zz[..., None]) * s.double()[..., None]
+        return (deq - _grouped(w, G)).abs().pow(2.4).sum((1, 2))  # per row
+
+    searched, plain = err(clip_search_params(w, spec)), err(quantize_params(w, spec))
+    assert (searched <= plain * (1 + 1e-6)).all() and searched.sum() < plain.sum()
