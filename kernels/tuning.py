@@ -155,6 +155,15 @@ def tuned(gw: GpuWeight) -> dict:
     return table[key]
 
 
+def all_tables() -> dict[str, dict]:
+    """Every table on this machine (cache and shipped), by file stem (GPU name + kernel hash)."""
+    tables: dict[str, dict] = {}
+    for d in (Path(__file__).parent / "tuned", cache_dir() / "tuning"):
+        for f in sorted(d.glob("*.json")) if d.exists() else []:
+            tables.setdefault(f.stem, {}).update(json.loads(f.read_text()))
+    return tables
+
+
 def tuned_grids(gw: GpuWeight) -> dict[int, int]:
     entry = tuned(gw)
     gw.max_kernel_m = entry["max_kernel_m"]

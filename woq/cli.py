@@ -1,5 +1,5 @@
 """The ``woq`` command: ``woq serve``, ``woq generate PROMPT``, ``woq quantize MODEL OUT``,
-``woq eval ppl MODEL``.
+``woq eval ppl MODEL``, ``woq bench dispatch``.
 
 Flags and ``WOQ_*`` environment variables come from the pydantic-settings models in
 ``service/config.py`` (``woq serve --help`` lists them).
@@ -120,6 +120,56 @@ class EvalPpl(ModelSettings):
                           "perplexity": round(r.perplexity, 4), "tokens": r.tokens, "windows": r.windows}))
 
 
+class BenchDispatch(ModelSettings):
+    """Print (and plot) the measured dispatch table: per weight shape, the kernel grid of each
+    row-block variant and the crossover M from the kernel to dequantize + cuBLAS. With a
+    CUDA GPU, --tune-model loads a model first, measuring its shapes that are new."""
+
+    tune_model: bool = Field(False, description="load --model on the GPU first (measures new shapes)")
+    plot: Path | None = Field(None, description="write a PNG of the crossovers here")
+
+    def cli_cmd(self) -> None:
+        from woq.kernels.tuning import all_tables
+
+        if self.tune_model:
+            from woq.service.server import load
+
+            load(self)
+        tables = all_tables()
+        if not tables:
+            print("no dispatch tables yet: they are measured on a GPU at first model load "
+                  "(or run with --tune-model on one)")
+            return
+        for name, table in tables.items():
+            print(f"\n{name}\n| weight (NxK, format, dtype) | grid M<=8 | M<=16 | M<=32 | M<=64 | kernel up to M |")
+            print("|---|---|---|---|---|---|")
+            for key, e in sorted(table.items()):
+                g = e["grids"]
+                print(f"| {key} | " + " | ".join(str(g.get(str(v), "-")) for v in (1, 2, 4, 8))
+                      + f" | {e['max_kernel_m']} |")
+        if self.plot:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            entries = [(k, e) for t in tables.values() for k, e in sorted(t.items())]
+            fig, ax = plt.subplots(figsize=(8, 0.3 * len(entries) + 1.5))
+            ax.barh([k for k, _ in entries], [e["max_kernel_m"] for _, e in entries])
+            ax.set_xlabel("largest M served by the GEMV / mixed-GEMM kernel (beyond: dequantize + cuBLAS)")
+            fig.tight_layout()
+            fig.savefig(self.plot, dpi=110)
+            print("wrote", self.plot)
+
+
+class Bench(BaseSettings):
+    """Benchmarks (the full ones live in benchmarks/)."""
+
+    dispatch: CliSubCommand[BenchDispatch]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
 class Eval(BaseSettings):
     """Evaluate a model."""
 
@@ -138,6 +188,7 @@ class Woq(BaseSettings):
     generate: CliSubCommand[Generate]
     quantize: CliSubCommand[Quantize]
     eval: CliSubCommand[Eval]
+    bench: CliSubCommand[Bench]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
