@@ -144,7 +144,7 @@ class _Discard:
         pass
 
 
-def metrics_overhead(name: str, out: Path, repeats: int = 3) -> str:
+def metrics_overhead(name: str, out: Path, repeats: int = 7) -> str:
     """Decode tok/s of the int4 model with and without the per-kernel metrics at their
     default rate, alternating runs (the difference is small against run-to-run noise)."""
     from woq.service.config import ServeSettings

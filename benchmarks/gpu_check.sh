@@ -39,6 +39,7 @@ for stage in "$@"; do
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
+    tune) run tune bash -c "$PY benchmarks/tune_shapes.py && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
                --concurrency 1,4,16,64 --requests-per-client 3 --out "$OUT" --name serving_h100_smollm2_int4 ;;
     e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;

@@ -163,3 +163,17 @@ def test_bad_arguments_raise_clear_errors():
         ops.gemv(torch.randn(2, 64, device="cuda", dtype=torch.float16), gw)
     with pytest.raises(TypeError, match="packed for"):
         ops.run_path("gemv", torch.randn(2, 128, device="cuda", dtype=torch.bfloat16), gw, None)
+
+
+def test_custom_ops_work_under_torch_compile():
+    qw = quantize(torch.randn(1000, 576, device="cuda") * 0.05, QuantSpec(4, 64, False, scale_dtype=torch.float16))
+    gw = ops.prepare(pack_for_gpu(qw, torch.float16))
+    bias = torch.randn(1000, device="cuda", dtype=torch.float16)
+
+    def layer(x):
+        return torch.nn.functional.silu(ops.gemv(x, gw, bias)) * 2
+
+    compiled = torch.compile(layer, fullgraph=True)
+    for m in (1, 5, 16):
+        x = torch.randn(m, 576, device="cuda", dtype=torch.float16)
+        torch.testing.assert_close(compiled(x), layer(x), rtol=1e-3, atol=1e-3)
