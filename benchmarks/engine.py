@@ -86,7 +86,6 @@ def hf_decode_tps(config, state, cache: str) -> float:
 
     timed(8)  # warm-up
     t_all, t_one = timed(HF_NEW), timed(1)
-    del model
     return (HF_NEW - 1) / (t_all - t_one)
 
 

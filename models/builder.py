@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Callable, Iterable, Literal
 
 import torch
 from torch import nn
@@ -12,6 +12,9 @@ from ..kernels.format import QuantSpec
 from .config import ArchConfig, rope_inv_freq
 from .llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, Rotary
 from .quant_linear import DenseLinear, WeightOnlyLinear
+
+if TYPE_CHECKING:
+    from .importers import ImportedLinear
 
 QuantMode = Literal["int8", "int4", "none"]
 

@@ -27,7 +27,7 @@ from ..kernels.format import QuantizedWeight
 from ..kernels.layout import LAYOUT_VERSION
 from .importers import CheckpointError, ImportedLinear
 from .llama import CausalLM
-from .quant_linear import DenseLinear, WeightOnlyLinear
+from .quant_linear import WeightOnlyLinear
 
 FORMAT_VERSION = 1
 WEIGHTS = "woq.safetensors"

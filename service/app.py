@@ -173,7 +173,7 @@ async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: 
         except _TimedOut:
             state.engine.cancel(rid)
             raise APIError(504, f"the request did not finish within {state.request_timeout:g} s", "timeout_error",
-                           code="timeout")
+                           code="timeout") from None
         if ev is None:
             state.engine.cancel(rid)
             raise APIError(499, "client closed the request")
