@@ -5,8 +5,11 @@ One background thread owns the model and the KV cache and loops:
 1. admit waiting requests while a KV slot is free, prefilling each newcomer (its prompt
    in one forward, M = prompt length) and sampling its first token; prefill work per
    iteration is bounded so that running decodes are not stalled for long;
-2. run one decode step for every running sequence together (one forward, M = batch);
-3. hand each request its new text through its sink, and free the slots of finished or
+2. run one decode step for every running sequence together (one forward, M = batch; on
+   CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
+   with an eager step every ``profile_every`` steps so kernel timings keep flowing);
+3. sample every row in one pass on the device (only the new ids come back to the host),
+   hand each request its new text through its sink, and free the slots of finished or
    cancelled requests.
 
 KV memory is fixed (``max_batch_size`` slots × ``max_seq_len`` positions); requests beyond
