@@ -67,7 +67,8 @@ class Quantize(BaseSettings):
     bits: int = Field(4, description="4 or 8")
     group_size: int = Field(128, description="0 = per-channel")
     sym: bool = Field(False, description="symmetric (no zero points)")
-    act_order: bool = Field(False, description="GPTQ: quantize columns by decreasing Hessian diagonal")
+    act_order: bool = Field(True, description="GPTQ: quantize columns by decreasing Hessian diagonal "
+                                              "(static groups: no cost at run time)")
     quantize_lm_head: bool = False
     calib: Path | None = Field(None, description="calibration text (default: wikitext-2 valid.txt)")
     samples: int = Field(128, description="GPTQ calibration windows")
