@@ -39,6 +39,9 @@ for stage in "$@"; do
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
+    aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
+      run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); print(\"AOT library loaded, no JIT build\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
+    gptq) run gptq $PY benchmarks/gptq_gpu_check.py ;;
     tune) run tune bash -c "$PY benchmarks/tune_shapes.py && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
                --concurrency 1,4,16,64 --requests-per-client 3 --out "$OUT" --name serving_h100_smollm2_int4 ;;
