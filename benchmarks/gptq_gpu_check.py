@@ -1,6 +1,8 @@
 """GPTQ on the GPU: a random-weight model with Llama-3-8B layer shapes (2 layers), calibrated
 on random token windows, quantized on the CPU and on the GPU; prints the times and how
-many codes differ (the two runs do the same arithmetic up to fp32 reduction order)."""
+many codes differ. The two runs do the same algorithm, but the Hessians, the Cholesky
+factors and the error feedback round differently on each device, and GPTQ's sequential
+error feedback turns such last-bit differences into different rounding decisions."""
 import time
 
 import torch
