@@ -37,36 +37,10 @@ def copies_to_defeat_l2(nbytes: int, factor: int = 4, cap: int = 64) -> int:
 
 
 def time_calls(fns: Sequence[Callable[[], object]], calls_per_graph: int = 20, reps: int = 15) -> float:
-    """Median microseconds per call of a CUDA graph replaying ``fns`` round-robin.
+    """Median µs per call of a CUDA graph replaying ``fns`` round-robin (``woq.kernels.timing``)."""
+    from woq.kernels.timing import graph_time_us
 
-    Rotating over several weight copies keeps them out of L2; a graph removes the CPU
-    launch gaps, so the number is the kernels' own time back to back.
-    """
-    for f in fns[:3]:
-        f()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls_per_graph):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls_per_graph)
-    del graph
-    return statistics.median(times)
+    return graph_time_us(fns, calls_per_graph, reps)
 
 
 def gpu_info() -> dict:

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from .cache import cache_dir
 from .layout import GpuWeight
+from .timing import graph_time_us
 
 log = logging.getLogger("woq.kernels")
 
@@ -84,29 +84,9 @@ def _rotation(gw: GpuWeight) -> list[GpuWeight]:
                    for _ in range(n - 1)]
 
 
-def _time_us(fn, copies: list[GpuWeight], calls: int = 16, reps: int = 5) -> float:
-    """Median microseconds per call of a CUDA graph of ``calls`` calls over the copies."""
-    for g in copies[:2]:
-        fn(g)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(copies[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(copies[i % len(copies)])
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
+def _time_us(fn, copies: list[GpuWeight]) -> float:
+    """Median microseconds per call of ``fn(copy)`` over the rotated copies."""
+    return graph_time_us([lambda g=g: fn(g) for g in copies], calls=16, reps=5)
 
 
 def measure(gw: GpuWeight) -> dict:

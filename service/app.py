@@ -136,8 +136,8 @@ def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams) -
     queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     try:
-        rid = state.engine.submit(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                                  request_id=request_id.get())
+        # the engine's own id (unique even when clients reuse an X-Request-ID)
+        rid = state.engine.submit(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
     except QueueFullError as e:
         raise APIError(429, f"{e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}) from e
     except RequestTooLongError as e:
