@@ -52,8 +52,7 @@ def _build_jit() -> None:
     load(
         name=f"woq_kernels_{tag.replace('-', '_').replace('.', '_')}",
         sources=[str(CSRC / s) for s in SOURCES],
-        # No -std flag: the binding must be compiled with the standard libtorch was built
-        # with (a mismatched one crashed every TORCH_CHECK error path on the H100 image).
+        # No -std flag: cpp_extension picks the standard its torch headers need.
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "-Xptxas=-warn-spills"],
         build_directory=str(build_dir),
