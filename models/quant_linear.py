@@ -63,7 +63,7 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("zeros", qweight.zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # Act-order imports keep contiguous groups over permuted input columns: the layer
-        # gathers its input columns in that order first (kernels/../models/importers.py).
+        # gathers its input columns in that order first (models/importers.py).
         self.register_buffer("in_perm", None if in_perm is None else in_perm.to(torch.long))
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
