@@ -19,15 +19,13 @@ import torch.nn.functional as F
 
 from .cache import cache_dir
 from .layout import GpuWeight
-from .paths import DEQUANT_CUBLAS, GEMV, MIXED_GEMM
+from .paths import DEQUANT_CUBLAS, GEMM_MAX_M, GEMV, GEMV_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
 
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp")  # = setup.py
 GEMV_WARPS = 8  # n-tiles per block (csrc/gemv.cuh: kGemvWarps)
-GEMV_MAX_M = 16  # rows of the GEMV path (MB = 1, 2)
-GEMM_MAX_M = 64  # rows of the mixed GEMM path (MB = 4, 8)
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 
 

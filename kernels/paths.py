@@ -6,3 +6,6 @@ GEMV = "gemv"  # CUDA, M <= 16: weight-only GEMV kernel
 MIXED_GEMM = "mixed_gemm"  # CUDA, mid M: tensor-core GEMM with fused dequantization
 DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buffer + cuBLAS
 PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS)
+
+GEMV_MAX_M = 16  # rows the GEMV path takes (row blocks MB = 1, 2 of the kernel)
+GEMM_MAX_M = 64  # rows the mixed-GEMM path takes at most (MB = 4, 8)

@@ -29,9 +29,7 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.paths import CPU_REFERENCE, DENSE, DEQUANT_CUBLAS, GEMV, MIXED_GEMM, PATHS  # noqa: F401
-
-GEMV_MAX_M = 16
+from ..kernels.paths import CPU_REFERENCE, DENSE, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS  # noqa: F401
 
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
