@@ -236,6 +236,9 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
 
 
 def summary(result: dict) -> str:
+    from woq.service.config import ServeSettings
+
+    d = ServeSettings.model_fields
     bs = result["batches"]
     head = ["model", "format", "weights GB"] + [f"decode tok/s b{b}" for b in bs] + \
            ["% roofline b1", "× HF eager b1", "HF fp16 eager / static b1", "prefill tok/s (2048)"]
@@ -254,7 +257,8 @@ def summary(result: dict) -> str:
             f"(ignore_eos), CUDA graphs. Decode tok/s = all sequences' tokens over the time they decode together. "
             f"Roofline b1 = bandwidth / (weight bytes + KV bytes read per token). HF: transformers fp16 generate, same weights.\n\n"
             + markdown_table(head, table) + "\n\nCost of the per-kernel metrics at the default rate (timing 1 linear call "
-            "in 8, an eager step every 64 graph steps): " + "; ".join(over) + "\n")
+            f"in {d['kernel_timing_every'].default}, an eager step every {d['profile_every'].default} graph steps): "
+            + "; ".join(over) + "\n")
 
 
 def plot(result: dict, path: Path) -> None:

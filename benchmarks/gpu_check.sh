@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize model e2e enginetests engine serving bench msweep grid probe ncu sass gdb
+#   stages: env build test errors sanitize model e2e enginetests engine profile serving bench msweep grid probe ncu sass gdb
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -38,13 +38,14 @@ for stage in "$@"; do
       run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && $PY -c 'from woq.models.fetch import fetch_default_model as f; print(f())'" ;;
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
+    profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
       run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); print(\"AOT library loaded, no JIT build\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
     gptq) run gptq $PY benchmarks/gptq_gpu_check.py ;;
     tune) run tune bash -c "$PY benchmarks/tune_shapes.py && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
-               --concurrency 1,4,16,64 --requests-per-client 3 --out "$OUT" --name serving_h100_smollm2_int4 ;;
+               --concurrency 1,4,16,64 --requests-per-client 3 --offline --out "$OUT" --name serving_h100_smollm2_int4 ;;
     e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;

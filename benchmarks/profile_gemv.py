@@ -11,9 +11,9 @@ N, K, M, bits = (int(v) for v in sys.argv[1:5])
 blocks = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 assert ops.available()
 spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
-gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), max_blocks=blocks)
+gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), tune=True)
 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 for _ in range(3):
-    ops.gemv(x, gw)
+    ops.gemv(x, gw, max_blocks=blocks or None)
 torch.cuda.synchronize()
-print("max_blocks", gw.max_blocks)
+print("grids", gw.grids, "blocks", blocks or gw.grids.get(ops.row_blocks(M)))

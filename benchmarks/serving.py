@@ -5,6 +5,10 @@ length and a fixed number of output tokens (``ignore_eos``) are sent by that man
 concurrent clients. Reported: TTFT and inter-token latency p50/p99, output tokens/s,
 requests/s, errors. Writes JSON, a markdown table and a PNG plot.
 
+With ``--spawn ... --offline``, the same model and settings are then loaded in this
+process and the concurrency-1 requests run again straight through the engine (no HTTP,
+same prompts, tokenization included): the HTTP layer's cost is the ratio of the two.
+
     python benchmarks/serving.py --spawn "--quant int4" --concurrency 1,8 --out docs/bench
     python benchmarks/serving.py --url http://127.0.0.1:8000 --concurrency 1,4,16,64
 """
@@ -119,6 +123,50 @@ def spawn(args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
+def offline_level(spawn_args: str, requests: int, prompt_tokens: int, out_tokens: int) -> dict:
+    """Concurrency 1 without HTTP: the server's own engine, built as ``woq serve`` builds it."""
+    import threading
+
+    from woq.engine.sampling import SamplingParams
+    from woq.service.config import ServeSettings
+    from woq.service.server import build_state
+
+    settings = ServeSettings(_cli_parse_args=shlex.split(spawn_args))
+    state = build_state(settings)
+    tok = state.tokenizer
+    results = []
+    try:
+        for i in range(requests + 1):  # the first one warms up
+            stamps, done = [], threading.Event()
+
+            def sink(ev, stamps=stamps, done=done):
+                if ev.text:
+                    stamps.append(time.perf_counter())
+                if ev.finish_reason:
+                    stamps.append(ev.completion_tokens)
+                    done.set()
+
+            t0 = time.perf_counter()
+            ids = tok.encode(prompt_of(prompt_tokens, i))
+            state.engine.submit(ids, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True), sink)
+            done.wait()
+            end = time.perf_counter()
+            tokens, stamps = stamps[-1], stamps[:-1]
+            if i:
+                results.append({"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+                                "tokens": tokens, "latency": end - t0})
+    finally:
+        state.engine.shutdown()
+    itl = [x for r in results for x in r["itl"]]
+    ttft = [r["ttft"] for r in results]
+    return {"concurrency": "1 (offline, no HTTP)", "requests": requests, "errors": 0,
+            "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
+            "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
+            "output_tok_per_s": sum(r["tokens"] for r in results) / sum(r["latency"] for r in results),
+            "req_per_s": len(results) / sum(r["latency"] for r in results),
+            "per_request_tok_per_s": statistics.median(r["tokens"] / r["latency"] for r in results)}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -153,6 +201,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--name", default="serving")
+    ap.add_argument("--offline", action="store_true", help="with --spawn: also run concurrency 1 in-process")
     a = ap.parse_args()
     proc = None
     url = a.url
@@ -160,6 +209,8 @@ def main() -> None:
         proc, url = spawn(a.spawn)
     try:
         model = a.model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        # one request first (not measured): lazy initialisation is not a serving cost
+        asyncio.run(run_level(url, model, 1, 1, a.prompt_tokens, a.output_tokens))
         rows = []
         for c in [int(v) for v in a.concurrency.split(",")]:
             r = asyncio.run(run_level(url, model, c, c * a.requests_per_client, a.prompt_tokens, a.output_tokens))
@@ -169,14 +220,24 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    offline = None
+    if a.offline and a.spawn is not None:
+        offline = offline_level(a.spawn, a.requests_per_client, a.prompt_tokens, a.output_tokens)
+        print(json.dumps(offline), flush=True)
     head = ["clients", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
             "output tok/s", "req/s", "tok/s per request"]
     table = markdown_table(head, [[r["concurrency"], r["requests"], r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
                                    r["itl_p50_ms"], r["itl_p99_ms"], r["output_tok_per_s"], r["req_per_s"],
-                                   r["per_request_tok_per_s"]] for r in rows])
+                                   r["per_request_tok_per_s"]] for r in rows + ([offline] if offline else [])])
     note = (f"model {model}, server args: {a.spawn or url}; prompt ~{a.prompt_tokens} tokens, "
             f"{a.output_tokens} output tokens per request (ignore_eos), streaming over HTTP on loopback.\n\n")
-    write_json(a.out / f"{a.name}.json", {"server": a.spawn or url, "model": model, "rows": rows})
+    if offline:
+        c1 = next((r for r in rows if r["concurrency"] == 1), None)
+        if c1:
+            note += (f"HTTP vs offline at concurrency 1 (same requests, tok/s per request incl. TTFT): "
+                     f"{c1['per_request_tok_per_s']:.1f} vs {offline['per_request_tok_per_s']:.1f} = "
+                     f"{100 * (c1['per_request_tok_per_s'] / offline['per_request_tok_per_s'] - 1):+.1f} %.\n\n")
+    write_json(a.out / f"{a.name}.json", {"server": a.spawn or url, "model": model, "rows": rows, "offline": offline})
     (a.out / f"{a.name}.md").write_text(note + table + "\n")
     plot(rows, a.out / f"{a.name}.png")
     print(note + table)

@@ -14,7 +14,9 @@ One background thread owns the model and the KV cache and loops:
 
 KV memory is fixed (``max_batch_size`` slots × ``max_seq_len`` positions); requests beyond
 the free slots wait in a bounded queue, and beyond that ``submit`` refuses them
-(``QueueFullError``: the HTTP layer answers 429).
+(``QueueFullError``: the HTTP layer answers 429). With ``gpu_memory_fraction`` the slots
+are sized from that share of the GPU: what is left after the weights and the measured peak
+of a full prefill (``kv_slots_for_budget``) bounds the batch.
 """
 from __future__ import annotations
 
@@ -95,6 +97,33 @@ class _Sequence:
         return len(self.prompt_ids) + len(self.generated) - 1
 
 
+def kv_slots_for_budget(model: CausalLM, fraction: float, max_seq_len: int, prefill_tokens: int) -> tuple[int, str]:
+    """How many ``max_seq_len`` KV slots fit in ``fraction`` of the GPU's memory after what is
+    in use now (weights, other processes) and the activation peak of a prefill of
+    ``prefill_tokens`` tokens, measured by running one (as vLLM profiles). Also a summary."""
+    dev = model.device
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    base = torch.cuda.memory_allocated(dev)
+    # in use: other processes + our live tensors (not blocks our allocator caches for reuse)
+    in_use = total - free - torch.cuda.memory_reserved(dev) + base
+    torch.cuda.reset_peak_memory_stats(dev)
+    n = max(1, min(prefill_tokens, max_seq_len))
+    model(torch.zeros(1, n, dtype=torch.long, device=dev), last_only=True)
+    torch.cuda.synchronize(dev)
+    activations = torch.cuda.max_memory_allocated(dev) - base
+    cfg = model.cfg
+    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * max_seq_len
+    graphs_and_slack = 256 << 20  # CUDA graph pools, cuBLAS workspaces, allocator rounding
+    budget = fraction * total - in_use - activations - graphs_and_slack
+    slots = max(0, int(budget // per_slot))
+    gib = 1 << 30
+    summary = (f"{fraction:.2f} of {total / gib:.1f} GiB; in use {in_use / gib:.2f} GiB, prefill peak "
+               f"{activations / gib:.2f} GiB -> {max(budget, 0) / gib:.2f} GiB for the KV cache, "
+               f"{per_slot / gib:.3f} GiB per {max_seq_len}-token slot")
+    return slots, summary
+
+
 class Engine:
     def __init__(
         self,
@@ -108,6 +137,7 @@ class Engine:
         observer: EngineObserver | None = None,
         cuda_graphs: bool = True,
         profile_every: int = 0,
+        gpu_memory_fraction: float | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -119,6 +149,18 @@ class Engine:
         self.observer = observer
         cfg = model.cfg
         on_cuda = model.device.type == "cuda"
+        if on_cuda and gpu_memory_fraction is not None:
+            # one slot more than the batch on CUDA: the graphs' scratch slot
+            slots, summary = kv_slots_for_budget(model, gpu_memory_fraction, self.max_seq_len, max_prefill_tokens)
+            if slots < 2:
+                raise ValueError(f"the KV cache does not fit: {summary}; lower --max-seq-len or raise "
+                                 f"--gpu-memory-fraction")
+            if slots - 1 < max_batch_size:
+                log.warning("KV budget: %s: max batch size %d -> %d", summary, max_batch_size, slots - 1)
+                max_batch_size = slots - 1
+            else:
+                log.info("KV budget: %s: room for %d slots, using %d", summary, slots, max_batch_size + 1)
+            self.max_batch_size = max_batch_size
         # On CUDA one extra slot is a scratch area for the padding rows of graph replays.
         self.cache = KVCache(cfg.num_layers, max_batch_size + on_cuda, cfg.num_kv_heads, self.max_seq_len,
                              cfg.head_dim, model.dtype, model.device)

@@ -105,7 +105,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = math.ceil(max_len / split_len)
     splits_pad = triton.next_power_of_2(splits)
     out = torch.empty(B, splits_pad, H, D, device=q.device, dtype=torch.float32)
-    lse = torch.full((B, splits_pad, H), float("-inf"), device=q.device, dtype=torch.float32)
+    # No fill needed (one kernel fewer per layer): the merge reads only the splits that saw
+    # a token, and each of those wrote its lse.
+    lse = torch.empty(B, splits_pad, H, device=q.device, dtype=torch.float32)
     q = q.contiguous()
     _decode_attention_split[(B, Hkv, splits)](
         q, k_cache, v_cache, out, lse, slots, lengths,

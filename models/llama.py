@@ -4,9 +4,16 @@ RMSNorm, RoPE (the config's theta and scaling), grouped-query attention, SwiGLU 
 optional attention bias, tied embeddings. q/k/v and gate/up are fused into one linear
 each (one weight read and one kernel launch instead of three or two); quantization is
 per output row, so fusing does not change the quantized values.
+
+The residual stream is carried beside each layer's output (vLLM style) so that the
+residual add and the next RMSNorm are one operation. On CUDA, that operation, RoPE with
+the KV-cache write (decode) and SwiGLU's activation run as fused Triton kernels
+(``kernels/fused.py``, same roundings as the torch code here, which is the CPU path and
+the reference).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +22,28 @@ from torch import nn
 
 from .config import ArchConfig
 from .kv_cache import KVCache
+
+_fused_enabled = True
+
+
+def set_fused_ops(enabled: bool) -> None:
+    """Use the fused Triton kernels on CUDA (default) or the torch ops (for comparisons)."""
+    global _fused_enabled
+    _fused_enabled = enabled
+
+
+@functools.cache
+def _fused_module():
+    try:
+        from ..kernels import fused
+    except ImportError:  # no Triton: the torch ops
+        return None
+    return fused
+
+
+def fused_ops(x: torch.Tensor):
+    """The fused-kernel module for CUDA tensors, else None (torch ops)."""
+    return _fused_module() if x.is_cuda and _fused_enabled else None
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +57,15 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts the stream."""
+        fused = fused_ops(x)
+        if fused is not None:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return self(x), x
 
 
 class Rotary(nn.Module):
@@ -84,7 +122,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        qkv = self.qkv(x)
+        fused = fused_ops(qkv)
+        if fused is not None and cache is not None and batch.lengths is not None and T == 1:
+            # CUDA decode step: RoPE and the cache write in one kernel, then live-token attention
+            from ..kernels.decode_attention import decode_attention
+
+            q = fused.rope_and_cache(qkv.view(B, -1), batch.positions.view(B), batch.slots, rope.cos, rope.sin,
+                                     cache.k[self.layer_idx], cache.v[self.layer_idx], H, Hkv, D)
+            out = decode_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], batch.slots, batch.lengths,
+                                   cache.max_seq_len)
+            return self.o(out.view(B, T, H * D))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = rope(q.view(B, T, H, D).transpose(1, 2), batch.positions)
         k = rope(k.view(B, T, Hkv, D).transpose(1, 2), batch.positions)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
@@ -109,7 +158,11 @@ class MLP(nn.Module):
         self.gate_up, self.down = gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        fused = fused_ops(gate_up)
+        if fused is not None:
+            return self.down(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -119,9 +172,18 @@ class DecoderLayer(nn.Module):
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def forward(self, x, rope, batch, cache):
-        h = x + self.attn(self.input_norm(x), rope, batch, cache)
-        return h + self.mlp(self.post_norm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary, batch: Batch,
+                cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the layer's output is their sum, which the next layer's
+        ``add_forward`` (or the final norm) forms; ``residual`` None means ``x`` is the stream."""
+        h, residual = self.input_norm.add_forward(x, residual)
+        h, residual = self.post_norm.add_forward(self.attn(h, rope, batch, cache), residual)
+        return self.mlp(h), residual
+
+    def output(self, x: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache | None) -> torch.Tensor:
+        """The layer's output hidden states for input hidden states ``x``."""
+        out, residual = self(x, None, rope, batch, cache)
+        return out + residual
 
 
 class CausalLM(nn.Module):
@@ -151,10 +213,10 @@ class CausalLM(nn.Module):
         return self.rope.cos.shape[0]
 
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
-            x = layer(x, self.rope, batch, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rope, batch, cache)
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: Batch | None = None, cache: KVCache | None = None,

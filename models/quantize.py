@@ -56,7 +56,7 @@ def gptq_model(model: CausalLM, windows: torch.Tensor, spec: QuantSpec, act_orde
     hidden = [model.embed(w.to(device)) for w in windows.split(batch_size)]
 
     def run_layer(layer, xs):
-        return [layer(x, model.rope, Batch(batch.positions[: x.shape[0]]), None) for x in xs]
+        return [layer.output(x, model.rope, Batch(batch.positions[: x.shape[0]]), None) for x in xs]
 
     for layer in tqdm(model.layers, desc="GPTQ layers", disable=not progress):
         linears = {"qkv": layer.attn, "o": layer.attn, "gate_up": layer.mlp, "down": layer.mlp}

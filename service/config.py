@@ -59,6 +59,8 @@ class ServeSettings(ModelSettings):
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     served_model_name: str | None = Field(None, description="model name clients send (default: from the model)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together (KV slots)")
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="share of GPU memory for weights + KV cache: caps --max-batch-size to what fits")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
     max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics")

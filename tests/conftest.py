@@ -36,6 +36,25 @@ def tiny_hf_checkpoint(tmp: Path, model_type: str = "llama", **overrides) -> Pat
     return out
 
 
+def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str = "int4", **overrides):
+    """Our ``CausalLM`` for a random-weight Llama config (no files, no tokenizer): for GPU
+    tests that need real shapes rather than a real model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from woq.models.builder import QuantConfig, build_model
+
+    base = dict(vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=max_seq_len, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    base.update(overrides)
+    config = LlamaConfig(**base)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.ones(s) if k.endswith("norm.weight") else 0.08 * torch.randn(s, generator=g)
+             for k, s in shapes.items()}
+    return build_model(config, state, QuantConfig(quant), dtype, device, max_seq_len, progress=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from woq.models.fetch import fetch_default_model

@@ -113,3 +113,40 @@ def test_no_kv_slot_leak_after_1000_requests(smollm2_gpu):
     eng.shutdown()
     assert len(results) == 1000 and set(results) <= {"stop", "length", "abort"}
     assert sorted(eng.free_slots) == free_at_start and not eng.running and not eng.waiting
+
+
+def test_gpu_memory_fraction_sizes_the_kv_slots():
+    """The KV slots follow the memory budget: 4 more slots' worth of memory gives 4 more
+    slots; a budget that holds 3 caps the batch at 2 (+ the graphs' scratch slot) and still
+    serves more requests than that; a budget with no room fails with a clear error."""
+    from conftest import random_llama
+    from woq.engine.engine import kv_slots_for_budget
+
+    model = random_llama(torch.float16, "cuda", 8192, hidden_size=1024, intermediate_size=2048, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=8)
+    per_slot = 2 * 16 * 8 * 128 * 2 * 8192  # K and V, layers, kv heads, head dim, fp16, positions
+    free, total = torch.cuda.mem_get_info()
+    in_use = total - free - torch.cuda.memory_reserved() + torch.cuda.memory_allocated()
+    base = (in_use + (1 << 30)) / total  # what is in use + 1 GiB of room (prefill peak, slack)
+    n0, summary = kv_slots_for_budget(model, base, 8192, 1024)
+    n4, _ = kv_slots_for_budget(model, base + 4 * per_slot / total, 8192, 1024)
+    assert n4 - n0 == 4, summary
+    three = base + (3 - n0 + 0.5) * per_slot / total
+    eng = Engine(model, None, set(), max_batch_size=16, max_seq_len=8192, gpu_memory_fraction=three).start()
+    try:
+        assert eng.max_batch_size == 2 and eng.cache.num_slots == 3
+        outs = [None] * 5
+
+        def one(i):
+            outs[i] = eng.generate([1, 2, 3 + i], SamplingParams(max_tokens=4, ignore_eos=True)).completion_tokens
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert outs == [4] * 5
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="does not fit"):
+        Engine(model, None, set(), max_batch_size=16, max_seq_len=8192, gpu_memory_fraction=in_use / total)

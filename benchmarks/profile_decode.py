@@ -1,0 +1,169 @@
+"""Where one decode step's time goes (GPU): a kernel-level profile of a batch-1 step.
+
+For each model (random weights, real shapes), with the fused decoder kernels
+(``kernels/fused.py``) and with the plain torch ops:
+
+* kernels of one eager decode step (torch.profiler, CUDA activity), grouped by what they
+  do: count and summed GPU time;
+* the same step replayed as a CUDA graph (median over replays, CUDA events): the kernels'
+  time plus the gaps between them;
+* the engine's batch-1 decode rate, i.e. the graph plus the host's work per step
+  (scheduling, sampling, copying the token to the host).
+
+    python benchmarks/profile_decode.py --out docs/bench
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa: E402
+from engine import CONTEXT, NEW, PROMPT, configs, decode_tps, random_state, weight_bytes  # noqa: E402
+
+from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from woq.engine.engine import Engine  # noqa: E402
+from woq.engine.sampling import SamplingParams  # noqa: E402
+from woq.models import llama  # noqa: E402
+from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.kv_cache import KVCache  # noqa: E402
+from woq.models.llama import Batch  # noqa: E402
+
+# (group, regex on the kernel name), first match wins
+GROUPS = [
+    ("linear: woq GEMV", r"gemv_kernel"),
+    ("lm_head / dense: cuBLAS", r"gemm|gemv2|sm90|sm80|cutlass|cublas|Kernel2|splitK"),
+    ("attention (Triton)", r"_decode_attention_split|_merge_splits"),
+    ("add + RMSNorm (fused)", r"_add_rms_norm"),
+    ("RoPE + KV write (fused)", r"_rope_and_cache"),
+    ("SiLU * up (fused)", r"_silu_mul"),
+    ("embedding", r"embedding|indexSelect"),
+    ("argmax / sampling", r"argmax|reduce_kernel.*ArgMax"),
+    ("torch elementwise / copies / indexing", r"."),
+]
+
+
+def group_of(name: str) -> str:
+    return next(g for g, pattern in GROUPS if re.search(pattern, name))
+
+
+def step_inputs(model, cache):
+    """A batch-1 decode step at position PROMPT of slot 0 (after a PROMPT-token prefill)."""
+    dev = model.device
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, PROMPT), device=dev)
+    model(prompt, Batch(torch.arange(PROMPT, device=dev)[None], torch.tensor([0], device=dev), PROMPT, prefill=True),
+          cache, last_only=True)
+    ids = prompt[:, -1:]
+    pos = torch.full((1, 1), PROMPT, device=dev)
+    return ids, pos, torch.tensor([0], device=dev)
+
+
+def eager_kernels(model, cache, ids, pos, slots) -> dict[str, dict]:
+    """Kernels of one eager decode step: {group: {count, us}}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        logits = model(ids, Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)
+        return logits.argmax(-1)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    groups: dict[str, dict] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        g = groups.setdefault(group_of(ev.name), {"count": 0, "us": 0.0, "names": set()})
+        g["count"] += 1
+        g["us"] += ev.device_time
+        g["names"].add(ev.name[:60])
+    for g in groups.values():
+        g["names"] = sorted(g["names"])[:6]
+    return groups
+
+
+def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
+    graphs = DecodeGraphs(model, cache, 1, scratch_slot=cache.num_slots - 1)
+    graphs.capture()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.run(ids, pos, slots)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def profile_model(name: str, bw: float) -> list[dict]:
+    config = configs()[name]
+    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
+                        progress=False)
+    cfg = model.cfg
+    rows = []
+    for fused in (True, False):
+        llama.set_fused_ops(fused)
+        cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
+        ids, pos, slots = step_inputs(model, cache)
+        groups = eager_kernels(model, cache, ids, pos, slots)
+        graph_us = graph_step_us(model, cache, ids, pos, slots)
+        del cache
+        engine = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
+        engine.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        tps = statistics.median(decode_tps(engine, cfg.vocab_size, 1)[0] for _ in range(3))
+        engine.shutdown()
+        kernel_us = sum(g["us"] for g in groups.values())
+        wbytes = weight_bytes(model)
+        rows.append({"model": name, "fused": fused, "groups": groups, "kernels": sum(g["count"] for g in groups.values()),
+                     "kernel_us": kernel_us, "graph_step_us": graph_us, "engine_step_us": 1e6 / tps, "decode_tps_b1": tps,
+                     "weight_bytes": wbytes, "weights_roofline_us": 1e6 * wbytes / bw})
+        print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
+        for g, v in sorted(groups.items(), key=lambda kv: -kv[1]["us"]):
+            print(f"   {g:40s} {v['count']:5d} {v['us']:9.1f} us  {v['names']}", flush=True)
+    llama.set_fused_ops(True)
+    return rows
+
+
+def summary(result: dict) -> str:
+    lines = [f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
+             f"int4 g128 random weights, batch 1, decode at position {PROMPT} ({NEW}-token runs for the engine rate). "
+             "Kernel µs: summed GPU time of one eager step's kernels (torch.profiler); graph step: the same step replayed "
+             "as a CUDA graph (median of 200, CUDA events); engine step: 1 / the engine's batch-1 decode rate.\n"]
+    head = ["model", "decoder ops", "kernels / step", "kernel µs", "graph step µs", "engine step µs", "tok/s b1",
+            "weights-only roofline µs"]
+    lines.append(markdown_table(head, [[r["model"], "fused" if r["fused"] else "torch", r["kernels"], r["kernel_us"],
+                                        r["graph_step_us"], r["engine_step_us"], r["decode_tps_b1"], r["weights_roofline_us"]]
+                                       for r in result["rows"]]))
+    for r in result["rows"]:
+        lines.append(f"\n**{r['model']}, {'fused' if r['fused'] else 'torch'} ops** — kernels of one step:\n")
+        lines.append(markdown_table(["group", "kernels", "µs", "share"],
+                                    [[g, v["count"], v["us"], f"{100 * v['us'] / r['kernel_us']:.0f} %"]
+                                     for g, v in sorted(r["groups"].items(), key=lambda kv: -kv[1]["us"])]))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2-135m,llama3-8b")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    rows = [r for name in args.models.split(",") for r in profile_model(name, bw)]
+    result = dict(gpu_info(), bandwidth_bytes_per_s=bw, rows=rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "decode_profile.json", result)
+    (args.out / "decode_profile.md").write_text(summary(result))
+    print(summary(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The fused Triton kernels of the decoder (``kernels/fused.py``) against the torch ops they
+replace (``models/llama.py``, the CPU path) and an fp64 reference (skipped without a GPU)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from woq.models import llama
+from woq.models.kv_cache import KVCache
+from woq.models.llama import RMSNorm, Rotary
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def ulp(dtype: torch.dtype) -> float:
+    return 2.0 ** -(10 if dtype == torch.float16 else 7)
+
+
+def assert_same_rounding(out: torch.Tensor, torch_ops: torch.Tensor, exact: torch.Tensor) -> None:
+    """``out`` equals the torch ops' result except for rare last-bit differences (an fp32 exp or
+    rsqrt that differs in its last bit, carried through a second rounding: at most 2 ulp), and
+    is as close to the fp64 value as they are."""
+    diff = (out.double() - torch_ops.double()).abs()
+    rel = diff / torch_ops.double().abs().clamp_min(1e-3)
+    differ = (diff > 0).double().mean().item()
+    err_out = (out.double() - exact).abs().mean().item()
+    err_ref = (torch_ops.double() - exact).abs().mean().item()
+    report = f"max rel diff {rel.max().item():.2e}, {100 * differ:.2f} % differ, error {err_out:.3e} vs {err_ref:.3e}"
+    assert rel.max().item() <= 2.01 * ulp(out.dtype), report
+    assert differ < 0.01, report
+    assert err_out <= 1.01 * err_ref + 1e-12, report
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n", [(1, 576), (5, 4096), (16, 1000), (3, 8192)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm(dtype, rows, n, with_residual):
+    from woq.kernels.fused import add_rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(rows * n)
+    x = (3 * torch.randn(rows, n, device="cuda", generator=g)).to(dtype)
+    res = torch.randn(rows, n, device="cuda", generator=g).to(dtype) if with_residual else None
+    w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(dtype)
+    norm = RMSNorm(w, 1e-5)
+    y, stream = add_rms_norm(x, res, w, 1e-5)
+    want_stream = x + res if with_residual else x
+    assert torch.equal(stream, want_stream)  # one rounding of the sum, as torch does
+    h = want_stream.double()
+    exact = w.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_same_rounding(y, norm(want_stream), exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 14336), (16, 1000)])
+def test_silu_mul(dtype, rows, inter):
+    from woq.kernels.fused import silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(inter)
+    gate_up = (2 * torch.randn(rows, 2 * inter, device="cuda", generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    exact = F.silu(gate.double()) * up.double()
+    assert_same_rounding(silu_mul(gate_up), F.silu(gate) * up, exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+def test_rope_and_cache_writes_only_its_positions(dtype, heads, kv_heads, dim):
+    from woq.kernels.fused import rope_and_cache
+
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    S, T, B = 6, 300, 4
+    rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
+    qkv = torch.randn(B, (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
+    positions = torch.tensor([0, 17, 299, 128], device="cuda")
+    slots = torch.tensor([5, 0, 2, 3], device="cuda")
+    ours, ref = (KVCache(2, S, kv_heads, T, dim, dtype, "cuda") for _ in range(2))
+    for c in (ours, ref):  # poisoned: every position not written must stay NaN
+        c.k.fill_(float("nan"))
+        c.v.fill_(float("nan"))
+    q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ours.k[1], ours.v[1], heads, kv_heads, dim)
+
+    qr, kr, vr = qkv.view(B, 1, -1).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    pos = positions[:, None]
+    q_ref = rope(qr.view(B, 1, heads, dim).transpose(1, 2), pos)[:, :, 0]
+    ref.write(1, slots, pos, rope(kr.view(B, 1, kv_heads, dim).transpose(1, 2), pos),
+              vr.view(B, 1, kv_heads, dim).transpose(1, 2))
+
+    cos = rope.cos[positions].to(dtype).double()[:, None]  # the tables rounded as torch rounds them
+    sin = rope.sin[positions].to(dtype).double()[:, None]
+
+    def assert_rotation(out, torch_ops, x):
+        """Within 2 ulp of the terms' magnitudes of the fp64 rotation, and on average at least
+        as close to it as the torch ops (which round each product: the fused kernel may not)."""
+        x = x.double()
+        rot = torch.cat((-x[..., dim // 2:], x[..., : dim // 2]), -1)
+        exact, scale = x * cos + rot * sin, (x * cos).abs() + (rot * sin).abs()
+        err = (out.double() - exact).abs()
+        assert (err <= 2 * ulp(dtype) * scale + 1e-7).all(), (err / scale).max()
+        assert err.mean() <= 1.01 * (torch_ops.double() - exact).abs().mean()
+
+    assert_rotation(q, q_ref, qr.view(B, heads, dim))
+    for a, b in ((ours.k, ref.k), (ours.v, ref.v)):
+        assert torch.equal(a.isnan(), b.isnan())  # the same positions written, nothing else
+    assert torch.equal(ours.v.nan_to_num(), ref.v.nan_to_num())  # v is copied
+    assert_rotation(ours.k[1, slots, :, positions], ref.k[1, slots, :, positions], kr.view(B, kv_heads, dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_model_decode_fused_equals_torch_ops(dtype):
+    """A whole model: prefill, then decode steps through the fused kernels, give the logits of
+    the torch ops within rounding."""
+    from conftest import random_llama
+    from woq.models.llama import Batch
+
+    model = random_llama(dtype, "cuda", 64)
+    prompt = torch.randint(0, 512, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    logits = {}
+    for fused in (True, False):
+        llama.set_fused_ops(fused)
+        try:
+            cache = KVCache(model.cfg.num_layers, 3, model.cfg.num_kv_heads, 64, model.cfg.head_dim, dtype, "cuda")
+            slots = torch.tensor([2, 0], device="cuda")
+            P = prompt.shape[1]
+            for b in range(2):
+                model(prompt[b:b + 1], Batch(torch.arange(P, device="cuda")[None], slots[b:b + 1], P, prefill=True),
+                      cache, last_only=True)
+            ids, steps = prompt[:, -1:], []
+            for t in range(4):
+                pos = torch.full((2, 1), P + t, device="cuda")
+                out = model(ids, Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)
+                steps.append(out)
+                ids = out.argmax(-1, keepdim=True)
+            logits[fused] = torch.stack(steps)
+        finally:
+            llama.set_fused_ops(True)
+    scale = logits[False].abs().max().item()
+    assert (logits[True] - logits[False]).abs().max().item() <= 0.02 * scale
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
