@@ -8,8 +8,8 @@ per output row, so fusing does not change the quantized values.
 The residual stream is carried beside each layer's output (vLLM style) so that the
 residual add and the next RMSNorm are one operation. On CUDA, that operation, RoPE with
 the KV-cache write (decode) and SwiGLU's activation run as fused Triton kernels
-(``kernels/fused.py``, same roundings as the torch code here, which is the CPU path and
-the reference).
+(``kernels/fused.py``; the torch code here is the CPU path and their reference, and
+that module states how close they are).
 """
 from __future__ import annotations
 
