@@ -93,11 +93,16 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, promp
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
+    return {"concurrency": concurrency, "requests": requests, "errors": len(results) - len(ok),
+            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, **level_stats(ok, wall)}
+
+
+def level_stats(ok: list[dict], wall: float) -> dict:
+    """Latency percentiles and rates of the successful requests of one level."""
     itl = [x for r in ok for x in r["itl"]]
     ttft = [r["ttft"] for r in ok]
     return {
-        "concurrency": concurrency, "requests": requests, "errors": len(results) - len(ok),
-        "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": wall,
+        "wall_s": wall,
         "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
         "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
         "output_tok_per_s": sum(r["tokens"] for r in ok) / wall, "req_per_s": len(ok) / wall,
@@ -137,13 +142,13 @@ def offline_level(spawn_args: str, requests: int, prompt_tokens: int, out_tokens
     results = []
     try:
         for i in range(requests + 1):  # the first one warms up
-            stamps, done = [], threading.Event()
+            stamps, last, done = [], [], threading.Event()
 
-            def sink(ev, stamps=stamps, done=done):
+            def sink(ev, stamps=stamps, last=last, done=done):
                 if ev.text:
                     stamps.append(time.perf_counter())
                 if ev.finish_reason:
-                    stamps.append(ev.completion_tokens)
+                    last.append(ev)
                     done.set()
 
             t0 = time.perf_counter()
@@ -151,20 +156,15 @@ def offline_level(spawn_args: str, requests: int, prompt_tokens: int, out_tokens
             state.engine.submit(ids, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True), sink)
             done.wait()
             end = time.perf_counter()
-            tokens, stamps = stamps[-1], stamps[:-1]
             if i:
                 results.append({"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-                                "tokens": tokens, "latency": end - t0})
+                                "tokens": last[0].completion_tokens, "latency": end - t0})
     finally:
         state.engine.shutdown()
-    itl = [x for r in results for x in r["itl"]]
-    ttft = [r["ttft"] for r in results]
+    # one request at a time: the level's wall time is the sum of the requests' latencies
     return {"concurrency": "1 (offline, no HTTP)", "requests": requests, "errors": 0,
-            "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
-            "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
-            "output_tok_per_s": sum(r["tokens"] for r in results) / sum(r["latency"] for r in results),
-            "req_per_s": len(results) / sum(r["latency"] for r in results),
-            "per_request_tok_per_s": statistics.median(r["tokens"] / r["latency"] for r in results)}
+            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+            **level_stats(results, sum(r["latency"] for r in results))}
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -52,38 +52,36 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Every instantiation the dispatcher (woq_kernels.cu) may call, for one activation type.
-#define WOQ_GEMV_INSTANTIATE_BITS_MB(T, BITS, MB)                                          \
-  template cudaError_t gemv_launch<T, BITS, MB, 0, false>(const GemvArgs&, cudaStream_t);   \
-  template cudaError_t gemv_launch<T, BITS, MB, 0, true>(const GemvArgs&, cudaStream_t);    \
-  template cudaError_t gemv_launch<T, BITS, MB, 32, false>(const GemvArgs&, cudaStream_t);  \
-  template cudaError_t gemv_launch<T, BITS, MB, 32, true>(const GemvArgs&, cudaStream_t);   \
-  template cudaError_t gemv_launch<T, BITS, MB, 64, false>(const GemvArgs&, cudaStream_t);  \
-  template cudaError_t gemv_launch<T, BITS, MB, 64, true>(const GemvArgs&, cudaStream_t);   \
-  template cudaError_t gemv_launch<T, BITS, MB, 128, false>(const GemvArgs&, cudaStream_t); \
-  template cudaError_t gemv_launch<T, BITS, MB, 128, true>(const GemvArgs&, cudaStream_t);  \
-  template cudaError_t gemv_launch<T, BITS, MB, 256, false>(const GemvArgs&, cudaStream_t); \
-  template cudaError_t gemv_launch<T, BITS, MB, 256, true>(const GemvArgs&, cudaStream_t);
+// Every instantiation the dispatcher (woq_kernels.cu) may call, for one activation type:
+// each (group size, with / without zero points) of each (bits, row blocks).
+#define WOQ_INSTANTIATE_GROUP(T, BITS, MB, GROUP)                                            \
+  template cudaError_t gemv_launch<T, BITS, MB, GROUP, false>(const GemvArgs&, cudaStream_t); \
+  template cudaError_t gemv_launch<T, BITS, MB, GROUP, true>(const GemvArgs&, cudaStream_t);
 
-#define WOQ_GEMV_INSTANTIATE(T)              \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 1)      \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 2)      \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1)      \
+// The GEMV (M <= 8, <= 16): per-channel and group sizes 32..256.
+#define WOQ_GEMV_INSTANTIATE_BITS_MB(T, BITS, MB) \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 0)           \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 32)          \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 64)          \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 128)         \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 256)
+
+#define WOQ_GEMV_INSTANTIATE(T)         \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 1) \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 2) \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1) \
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2)
 
 // The mixed GEMM (M <= 32, <= 64): per-channel and the common group sizes 64 / 128.
-#define WOQ_GEMM_INSTANTIATE_BITS_MB(T, BITS, MB)                                          \
-  template cudaError_t gemv_launch<T, BITS, MB, 0, false>(const GemvArgs&, cudaStream_t);   \
-  template cudaError_t gemv_launch<T, BITS, MB, 0, true>(const GemvArgs&, cudaStream_t);    \
-  template cudaError_t gemv_launch<T, BITS, MB, 64, false>(const GemvArgs&, cudaStream_t);  \
-  template cudaError_t gemv_launch<T, BITS, MB, 64, true>(const GemvArgs&, cudaStream_t);   \
-  template cudaError_t gemv_launch<T, BITS, MB, 128, false>(const GemvArgs&, cudaStream_t); \
-  template cudaError_t gemv_launch<T, BITS, MB, 128, true>(const GemvArgs&, cudaStream_t);
+#define WOQ_GEMM_INSTANTIATE_BITS_MB(T, BITS, MB) \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 0)           \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 64)          \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 128)
 
-#define WOQ_GEMM_INSTANTIATE(T)              \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 4)      \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 8)      \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 4)      \
+#define WOQ_GEMM_INSTANTIATE(T)         \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 4) \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 8) \
+  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 4) \
   WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 8)
 
 }  // namespace woq
