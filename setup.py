@@ -6,6 +6,7 @@ builds kernels/_C*.so for T4, A100, A10/3090, L4/4090 and H100 (the Docker image
 this); kernels/ops.py loads it when present and otherwise JIT-compiles for the GPU at hand.
 Without WOQ_BUILD_CUDA the package is pure Python (CPU machines, CI).
 """
+import glob
 import os
 
 from setuptools import setup
@@ -16,8 +17,8 @@ if os.environ.get("WOQ_BUILD_CUDA") == "1":
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "7.5;8.0;8.6;8.9;9.0")
     csrc = "kernels/csrc"
-    sources = ["woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp"]
-    ext_modules = [CUDAExtension("woq.kernels._C", [f"{csrc}/{s}" for s in sources],
+    sources = sorted(glob.glob(f"{csrc}/*.cu")) + [f"{csrc}/torch_binding.cpp"]  # = kernels/ops.py
+    ext_modules = [CUDAExtension("woq.kernels._C", sources,
                                  extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]})]
     cmdclass = {"build_ext": BuildExtension}
 

@@ -217,7 +217,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def grid_sweep(shapes, ms) -> None:
-    """Time several grid sizes against the default (one resident wave)."""
+    """Time several launches (k-warps x grid size) against the tuned one."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
@@ -225,11 +225,15 @@ def grid_sweep(shapes, ms) -> None:
             gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                res = {b: time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b) for g in gws])
-                       for b in (0, sms, 2 * sms, 3 * sms, 4 * sms, math.ceil(N / 128))}
+                tuned = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                res = {}
+                for kw in ops.K_WARPS if M <= ops.GEMV_MAX_M else (1,):
+                    columns = math.ceil(N / (16 * ops.GEMV_WARPS // kw))
+                    for b in (0, sms, 2 * sms, 3 * sms, columns):
+                        res[kw, b] = time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
                 best = min(res, key=res.get)
-                print(f"GRID {N}x{K} {fmt} M={M}: default {res[0]:.1f}us, best {best} blocks {res[best]:.1f}us | "
-                      + " ".join(f"{b}:{v:.1f}" for b, v in res.items()), flush=True)
+                print(f"GRID {N}x{K} {fmt} M={M}: tuned {gws[0].grids.get(ops.row_blocks(M))} {tuned:.1f}us, "
+                      f"best {best} {res[best]:.1f}us | " + " ".join(f"{k}:{v:.1f}" for k, v in res.items()), flush=True)
 
 
 M_SWEEP = [1, 4, 16, 17, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096]

@@ -1,4 +1,4 @@
-"""A few GEMV launches of one shape, for ncu: python benchmarks/profile_gemv.py N K M BITS [BLOCKS]."""
+"""A few GEMV launches of one shape, for ncu: python benchmarks/profile_gemv.py N K M BITS [BLOCKS [K_WARPS]]."""
 import sys
 
 import torch
@@ -9,11 +9,12 @@ from woq.kernels.layout import pack_for_gpu
 
 N, K, M, bits = (int(v) for v in sys.argv[1:5])
 blocks = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+k_warps = int(sys.argv[6]) if len(sys.argv) > 6 else None
 assert ops.available()
 spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
 gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), tune=True)
 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 for _ in range(3):
-    ops.gemv(x, gw, max_blocks=blocks or None)
+    ops.gemv(x, gw, max_blocks=blocks or None, k_warps=k_warps)
 torch.cuda.synchronize()
-print("grids", gw.grids, "blocks", blocks or gw.grids.get(ops.row_blocks(M)))
+print("grids", gw.grids, "launch", (k_warps, blocks) if blocks else gw.grids.get(ops.row_blocks(M)))

@@ -1,5 +1,5 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
-columns cut between blocks or not, M = 1..16. Run by benchmarks/gpu_check.sh under the sanitizer."""
+columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..16. Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
 import torch
@@ -15,8 +15,9 @@ for (N, K), bits, group, sym, dtype in itertools.product(
 ):
     qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
     gw = ops.prepare(pack_for_gpu(qw, dtype))
-    for M, blocks in [(1, 0), (16, 0), (7, 3), (16, 5)]:
-        ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype), max_blocks=blocks)
+    for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4)]:
+        ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
+                 max_blocks=blocks, k_warps=k_warps)
     ops.dequantize(gw)
 torch.cuda.synchronize()
 print("sanitizer workload done")

@@ -83,8 +83,9 @@ class GpuWeight:
     K_pad: int
     group_size: int  # K_pad when per-channel
     dtype: torch.dtype
-    # Kernel grid size per row-block count (1, 2, 4, 8 blocks of 8 rows); absent or 0: one
-    # resident wave. Measured per shape at load (kernels/tuning.py).
+    # Kernel launch per row-block count (1, 2, 4, 8 blocks of 8 rows): (k-warps per n-tile,
+    # grid size); absent or 0: the kernel's own choice. Measured per shape at load
+    # (kernels/tuning.py).
     grids: dict = field(default_factory=dict)
     # Largest M the kernel serves before dequantize + cuBLAS wins (measured, tuning.py).
     max_kernel_m: int = 64

@@ -24,8 +24,9 @@ from .paths import DEQUANT_CUBLAS, GEMM_MAX_M, GEMV, GEMV_MAX_M, MIXED_GEMM  # n
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("woq_kernels.cu", "gemv_fp16.cu", "gemv_bf16.cu", "gemm_fp16.cu", "gemm_bf16.cu", "torch_binding.cpp")  # = setup.py
-GEMV_WARPS = 8  # n-tiles per block (csrc/gemv.cuh: kGemvWarps)
+SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp",)  # = setup.py
+GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
+K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV, M <= 16); the mixed GEMM: 1
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 
 
@@ -42,7 +43,11 @@ def _build_jit() -> None:
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
+    # WOQ_NVCC_FLAGS: extra nvcc flags for experiments (benchmarks/gemv_variants.py)
+    extra = os.environ.get("WOQ_NVCC_FLAGS", "").split()
     tag = f"{_source_hash()}-torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-sm{arch}"
+    if extra:
+        tag += "-x" + hashlib.sha256(" ".join(extra).encode()).hexdigest()[:8]
     build_dir = cache_dir() / "torch_extensions" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
@@ -52,7 +57,7 @@ def _build_jit() -> None:
         sources=[str(CSRC / s) for s in SOURCES],
         # No -std flag: cpp_extension picks the standard its torch headers need.
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-Xptxas=-warn-spills"],
+        extra_cuda_cflags=["-O3", "-Xptxas=-warn-spills", *extra],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=bool(os.environ.get("WOQ_VERBOSE_BUILD")),
@@ -87,7 +92,7 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("woq::gemv")
-    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, workspace, counters):
+    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, workspace, counters):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("woq::dequantize")
@@ -114,7 +119,7 @@ class _Scratch:
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
-        cols = math.ceil(gw.n_tiles / GEMV_WARPS)
+        cols = math.ceil(gw.n_tiles / (GEMV_WARPS // max(K_WARPS)))  # the narrowest columns
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
         dense = self.dense.get(gw.dtype)
@@ -153,18 +158,22 @@ def prepare(gw: GpuWeight, tune: bool = False) -> GpuWeight:
 # --- calls -------------------------------------------------------------------------------
 
 
-def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None) -> torch.Tensor:
-    """The GEMV (M <= 16) or mixed GEMM (M <= 64) kernel; ``max_blocks`` overrides the grid."""
+def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
+         k_warps: int | None = None) -> torch.Tensor:
+    """The GEMV (M <= 16) or mixed GEMM (M <= 64) kernel. ``max_blocks`` and ``k_warps``
+    override the measured grid (0: the kernel's own choice)."""
     m = x.shape[0] if x.dim() == 2 else 0
     limit = GEMM_MAX_M if supports_mixed_gemm(gw) else GEMV_MAX_M
     if not 1 <= m <= limit:
         raise ValueError(f"the kernel takes 1 to {limit} rows for this weight, got shape {tuple(x.shape)}")
     if x.shape[1] != gw.K:
         raise ValueError(f"x has {x.shape[1]} features, the weight {gw.K}")
-    blocks = gw.grids.get(row_blocks(m), 0) if max_blocks is None else max_blocks
+    tuned_k_warps, tuned_blocks = gw.grids.get(row_blocks(m), (0, 0))
+    blocks = tuned_blocks if max_blocks is None else max_blocks
+    k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
-                              blocks, s.workspace, s.counters)
+                              blocks, k_warps, s.workspace, s.counters)
 
 
 def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Measured launch choices per weight shape, on the GPU at hand (once, then cached).
 
 For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
-  * the grid of the GEMV / mixed GEMM kernel for each row-block variant (M <= 8, 16, 32,
-    64): one resident wave, one block per SM, one block per column, ... -- which one wins
-    depends on how many 128-channel columns the weight has against the SM count;
+  * the launch of the GEMV / mixed GEMM kernel for each row-block variant (M <= 8, 16,
+    32, 64): k-warps per n-tile (GEMV only: 1, 2 or 4 warps splitting each tile's K, so
+    columns of 128, 64 or 32 channels) and the grid (one resident wave, one block per SM,
+    one block per column, ...) -- which wins depends on how many columns the weight has
+    against the SM count;
   * the crossover from the kernel to dequantize + cuBLAS: the largest M (up to 64) at
     which the kernel is still faster.
 Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
@@ -96,22 +98,24 @@ def measure(gw: GpuWeight) -> dict:
     from . import ops
 
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
-    columns = math.ceil(gw.N / 128)
-    candidates = sorted({0, sms, 2 * sms, columns, max(1, sms // 2)})
     variants = (1, 2, 4, 8) if ops.supports_mixed_gemm(gw) else (1, 2)
     copies = _rotation(gw)
-    grids: dict[str, int] = {}
+    grids: dict[str, list[int]] = {}
     for mb in variants:
         x = torch.randn(8 * mb, gw.K, device="cuda", dtype=gw.dtype)
-        t = {b: _time_us(lambda g, b=b: ops.gemv(x, g, max_blocks=b), copies) for b in candidates}
-        grids[str(mb)] = min(t, key=t.get)
+        t = {}
+        for kw in ops.K_WARPS if mb <= 2 else (1,):
+            columns = math.ceil(gw.n_tiles / (ops.GEMV_WARPS // kw))
+            for b in sorted({0, sms, 2 * sms, columns, max(1, sms // 2)}):
+                t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
+        grids[str(mb)] = list(min(t, key=t.get))
     max_m = ops.GEMV_MAX_M
     if ops.supports_mixed_gemm(gw):
         max_m = 0
         for m in CROSSOVER_MS:
             x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
-            blocks = grids[str(ops.row_blocks(m))]
-            kernel = _time_us(lambda g: ops.gemv(x, g, max_blocks=blocks), copies)
+            kw, blocks = grids[str(ops.row_blocks(m))]
+            kernel = _time_us(lambda g: ops.gemv(x, g, max_blocks=blocks, k_warps=kw), copies)
             cublas = _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies)
             if kernel <= cublas:
                 max_m = m
@@ -144,7 +148,8 @@ def all_tables() -> dict[str, dict]:
     return tables
 
 
-def tuned_grids(gw: GpuWeight) -> dict[int, int]:
+def tuned_grids(gw: GpuWeight) -> dict[int, tuple[int, int]]:
+    """{row blocks: (k-warps, grid size)} for this weight."""
     entry = tuned(gw)
     gw.max_kernel_m = entry["max_kernel_m"]
-    return {int(k): v for k, v in entry["grids"].items()}
+    return {int(k): tuple(v) for k, v in entry["grids"].items()}

@@ -55,12 +55,14 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
-        _poison_next_alloc(M * N, dtype)
-        y = ops.gemv(x, gw, bias)
-        assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M}: unwritten or non-finite output"
         cublas = F.linear(x, w_lowp, bias)
-        err, err_cublas = _rel(y, ref), _rel(cublas, ref)
-        assert err <= 2 * err_cublas + 1e-6, f"M={M}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+        err_cublas = _rel(cublas, ref)
+        for k_warps in (None, *ops.K_WARPS):  # the kernel's own choice, then each split of K
+            _poison_next_alloc(M * N, dtype)
+            y = ops.gemv(x, gw, bias, k_warps=k_warps)
+            assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: unwritten output"
+            err = _rel(y, ref)
+            assert err <= 2 * err_cublas + 1e-6, f"M={M} k_warps={k_warps}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -84,21 +86,22 @@ def test_mixed_gemm_matches_fp64_beyond_the_gemv(N, K, bits, group, sym, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bits,group", [(4, 128), (8, 256), (8, None)])
-def test_any_grid_gives_the_same_bits(bits, group, dtype):
+@pytest.mark.parametrize("k_warps", [1, 2, 4])
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 256), (8, None)])
+def test_any_grid_gives_the_same_bits(bits, group, k_warps, dtype):
     """Cutting columns between blocks (partials reduced in block order) gives exactly the
     one-block-per-column result, whatever the grid, call after call (counters re-armed)."""
     qw, w64, g = _case(3000, 4096, bits, group, False, dtype, seed=7)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     x = torch.randn(5, 4096, device="cuda", generator=g).to(dtype)
     ref = x.double() @ w64.T
-    columns = -(-3000 // 128)
-    whole = ops.gemv(x, gw, max_blocks=columns)  # one block per column: no partials
+    columns = -(-3000 // (16 * ops.GEMV_WARPS // k_warps))
+    whole = ops.gemv(x, gw, max_blocks=columns, k_warps=k_warps)  # one block per column: no partials
     assert _rel(whole, ref) < 2e-3
-    for blocks in (1, 2, 7, 50, 200, 0):
+    for blocks in (1, 2, 7, 50, 200, 1000, 0):
         for _ in range(3):  # counters must be re-armed by each column's last contributor
             _poison_next_alloc(5 * 3000, dtype)
-            y = ops.gemv(x, gw, max_blocks=blocks)
+            y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps)
             assert torch.isfinite(y).all()
             assert _rel(y, ref) < 2e-3, f"max_blocks={blocks}"
             if blocks == 1:  # a single block sums in the same order as whole columns

@@ -142,11 +142,13 @@ class BenchDispatch(ModelSettings):
                   "(or run with --tune-model on one)")
             return
         for name, table in tables.items():
-            print(f"\n{name}\n| weight (NxK, format, dtype) | grid M<=8 | M<=16 | M<=32 | M<=64 | kernel up to M |")
+            print(f"\n{name}\n(k-warps x grid size per M range)")
+            print("| weight (NxK, format, dtype) | M<=8 | M<=16 | M<=32 | M<=64 | kernel up to M |")
             print("|---|---|---|---|---|---|")
             for key, e in sorted(table.items()):
                 g = e["grids"]
-                print(f"| {key} | " + " | ".join(str(g.get(str(v), "-")) for v in (1, 2, 4, 8))
+                print(f"| {key} | " + " | ".join("x".join(map(str, g[str(v)])) if str(v) in g else "-"
+                                                 for v in (1, 2, 4, 8))
                       + f" | {e['max_kernel_m']} |")
         if self.plot:
             import matplotlib

@@ -14,14 +14,20 @@
 // mma that reuses the same converted weight fragment.
 //
 // Work decomposition:
-//   * a warp owns one n-tile (16 output channels); each of its lanes owns 16 bytes of
-//     every 512-byte weight segment, which kernels/layout.py arranged to be exactly that
-//     lane's A fragments for 4 (int4) or 2 (int8) consecutive k16 blocks;
-//   * a block is 8 warps = 8 adjacent n-tiles sharing one K range, cut into stages of
-//     kSteps segments per warp. A stage's weights, activations and group scales/zeros are
-//     fetched with cp.async into a kStages-deep shared-memory ring, so ~3 stages of
-//     memory traffic stay in flight without holding registers (measured: a register
-//     prefetch of one chunk left the kernel latency-bound at ~47% of the bandwidth);
+//   * each lane owns 16 bytes of every 512-byte weight segment, which kernels/layout.py
+//     arranged to be exactly that lane's A fragments for 4 (int4) or 2 (int8)
+//     consecutive k16 blocks of one n-tile (16 output channels);
+//   * a block is 8 warps: kTiles = 8 / KW adjacent n-tiles (a "column" of 16 * kTiles
+//     output channels), each shared by KW warps that split the tile's K range ("k-warps").
+//     A pipeline stage covers KW * kSteps segments of every tile of the column; k-warp
+//     kw takes the kw-th run of kSteps. At the column's end the k-warps' fp32 sums meet
+//     in shared memory (fixed order: deterministic). KW > 1 is for small shapes: at
+//     4096 x 4096 the 8 n-tiles per block of KW = 1 make only 32 columns for 132 SMs,
+//     KW = 4 makes 128, each reduced inside its block;
+//   * a stage's weights, activations and group scales/zeros are fetched with cp.async
+//     into a kStages-deep shared-memory ring, so ~3 stages of memory traffic stay in
+//     flight without holding registers (measured: a register prefetch of one chunk left
+//     the kernel latency-bound at ~47% of the bandwidth);
 //   * the group size is a template parameter: group boundaries fall at compile-time
 //     positions of the unrolled k16 loop (no counters, no divisions in the hot loop);
 //   * the grid is persistent and balanced "stream-K" style: the (column, stage) units
@@ -29,7 +35,9 @@
 //     runs, one per block. Every SM gets the same number of bytes (no partial last wave)
 //     and each block fills its pipeline once. A column cut between blocks leaves fp32
 //     partial sums in a workspace; its last finishing contributor adds them in block
-//     order (deterministic) and re-arms the column's counter (CUDA-graph safe).
+//     order (deterministic) and re-arms the column's counter (CUDA-graph safe). The
+//     partition is computed in 32-bit integers (a 64-bit division is a ~70-instruction
+//     subroutine, and ncu showed the small shapes bound by per-warp instruction latency).
 //
 // Numerics: the A fragments hold the exact integers (code - zero point); each group's
 // partial sums (fp32 mma accumulators) are multiplied by the group scale in fp32 and
@@ -58,20 +66,38 @@ struct GemvParams {
   int n_tiles, groups_pad;
   int nstages;          // pipeline stages per column (ceil(K_pad / stage k))
   int unit_stages;      // stages per work unit: a group never straddles two blocks
+  int units;            // columns * nstages / unit_stages; gridDim.x <= units
 };
 
-constexpr int kGemvWarps = 8;
-constexpr int kGemvMaxM = 64;   // MB = 8 blocks of 8 rows
-constexpr int kGemvStages = 4;  // shared-memory ring depth
-constexpr int kGemvSteps = 4;   // 512-byte weight segments per warp per stage
+// Pipeline shape. Build-time macros only so that benchmarks/gemv_variants.py can time
+// alternatives (WOQ_NVCC_FLAGS="-DWOQ_GEMV_STAGES=6"); the defaults are the measured best
+// (H100, this session: 6 stages made 28672 x 8192 int4 M = 1 slower, 64.2 vs 56.2 us --
+// 124 KB of shared memory leaves one block per SM instead of two).
+#ifndef WOQ_GEMV_STAGES
+#define WOQ_GEMV_STAGES 4
+#endif
+#ifndef WOQ_GEMV_STEPS
+#define WOQ_GEMV_STEPS 4
+#endif
 
-template <int BITS>
+constexpr int kGemvWarps = 8;
+constexpr int kGemvMaxM = 64;                // MB = 8 blocks of 8 rows
+constexpr int kGemvStages = WOQ_GEMV_STAGES;  // shared-memory ring depth
+constexpr int kGemvSteps = WOQ_GEMV_STEPS;    // 512-byte weight segments per warp per stage
+constexpr int kGemvMaxKWarps = 4;
+
+// Output channels per column (block) for KW k-warps per n-tile.
+__host__ __device__ constexpr int gemv_column_channels(int k_warps) { return 16 * (kGemvWarps / k_warps); }
+
+template <int BITS, int KW = 1>
 struct TileShape {
-  static constexpr int kK = BITS == 4 ? 64 : 32;       // k covered by one 16-byte lane load
-  static constexpr int kK16 = kK / 16;                 // k16 blocks per lane load
-  static constexpr int kStageK = kGemvSteps * kK;      // k per pipeline stage
-  static constexpr int kStageK16 = kStageK / 16;
-  static constexpr int kXStride = kStageK + 8;         // +16 B per smem row: conflict-free ldmatrix
+  static constexpr int kK = BITS == 4 ? 64 : 32;        // k covered by one 16-byte lane load
+  static constexpr int kK16 = kK / 16;                  // k16 blocks per lane load
+  static constexpr int kWarpK = kGemvSteps * kK;        // k of one warp's share of a stage
+  static constexpr int kWarpK16 = kWarpK / 16;
+  static constexpr int kStageK = KW * kWarpK;           // k per pipeline stage
+  static constexpr int kXStride = kStageK + 8;          // +16 B per smem row: conflict-free ldmatrix
+  static constexpr int kTiles = kGemvWarps / KW;        // n-tiles per column
 };
 
 // Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ and friends.
@@ -109,62 +135,76 @@ __device__ __forceinline__ void convert_segment_k16(const uint4& w, int j, const
   }
 }
 
+// Returns the counter's old value. Release: the partial sums this block wrote (ordered
+// before by the caller's __syncthreads) are visible to whoever acquires the counter;
+// acquire: the last contributor then sees every other block's partials. One thread and
+// one atomic per column, instead of a sequentially consistent fence in every thread.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // Groups whose scales/zeros one stage needs per n-tile (per-channel: none, applied at the end).
-template <int BITS, int GROUP>
+template <int BITS, int KW, int GROUP>
 __host__ __device__ constexpr int groups_per_stage() {
-  return GROUP == 0 ? 0 : (TileShape<BITS>::kStageK >= GROUP ? TileShape<BITS>::kStageK / GROUP : 1);
+  constexpr int stage_k = TileShape<BITS, KW>::kStageK;
+  return GROUP == 0 ? 0 : (stage_k >= GROUP ? stage_k / GROUP : 1);
 }
 
 // Shared memory of one pipeline stage, in bytes (all parts 16-byte aligned).
-template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 struct StageLayout {
   static constexpr int kW = kGemvWarps * kGemvSteps * 32 * 16;
-  static constexpr int kX = MB * 8 * TileShape<BITS>::kXStride * static_cast<int>(sizeof(T));
-  static constexpr int kGroups = groups_per_stage<BITS, GROUP>();
-  static constexpr int kS = kGemvWarps * kGroups * 16 * static_cast<int>(sizeof(T));
+  static constexpr int kX = MB * 8 * TileShape<BITS, KW>::kXStride * static_cast<int>(sizeof(T));
+  static constexpr int kGroups = groups_per_stage<BITS, KW, GROUP>();
+  static constexpr int kS = TileShape<BITS, KW>::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
   static constexpr int kBytes = kW + kX + kS + kZ;
+  // after the ring: the fp32 sums of k-warps 1..KW-1, for k-warp 0 to add
+  static constexpr int kReduce = (KW - 1) * TileShape<BITS, KW>::kTiles * 32 * MB * 4 * static_cast<int>(sizeof(float));
 };
 
-template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 __host__ __device__ constexpr int gemv_smem_bytes() {
-  return kGemvStages * StageLayout<T, BITS, MB, GROUP, ZEROS>::kBytes;
+  using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
+  return kGemvStages * Stage::kBytes + Stage::kReduce;
 }
 
-// Block b's share of the work: units [unit_begin(b), unit_begin(b + 1)).
-__host__ __device__ __forceinline__ long long unit_begin(long long b, long long units, long long blocks) {
-  return b * units / blocks;
-}
-
-// The block whose share holds unit u (shares are contiguous and non-decreasing).
-__device__ __forceinline__ int unit_owner(long long u, long long units, int blocks) {
-  int b = static_cast<int>(u * blocks / units);
-  while (b + 1 < blocks && unit_begin(b + 1, units, blocks) <= u) ++b;
-  while (b > 0 && unit_begin(b, units, blocks) > u) --b;
-  return b;
-}
+// The balanced contiguous partition of `units` work units over `blocks` blocks: the first
+// `r` blocks take q + 1 units, the others q (q = units / blocks, r = units % blocks).
+struct UnitPartition {
+  int q, r;
+  __host__ __device__ UnitPartition(int units, int blocks) : q(units / blocks), r(units % blocks) {}
+  __host__ __device__ int begin(int b) const { return b * q + (b < r ? b : r); }
+  __host__ __device__ int owner(int u) const {  // the block whose share holds unit u
+    const int big = r * (q + 1);
+    return u < big ? u / (q + 1) : r + (u - big) / q;
+  }
+};
 
 // GROUP: group size in k (a power of two >= 32), or 0 for per-channel scales.
-template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+// KW: k-warps per n-tile (1, 2 or 4).
+template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams p) {
-  using Shape = TileShape<BITS>;
-  using Stage = StageLayout<T, BITS, MB, GROUP, ZEROS>;
+  using Shape = TileShape<BITS, KW>;
+  using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
   constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride;
   constexpr int kThreads = kGemvWarps * 32;
-  constexpr int kCols = kGemvWarps * 16;  // output channels per column (8 n-tiles)
+  constexpr int kTiles = Shape::kTiles;
+  constexpr int kCols = 16 * kTiles;      // output channels per column
   constexpr int kGroupK16 = GROUP / 16;   // k16 blocks per group
   constexpr int kGroups = Stage::kGroups;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tile = warp / KW, kw = warp % KW;  // this warp's n-tile in the column, its K share
   const int gid = lane >> 2, t4 = lane & 3;
   const int ktiles = p.K_pad / KT;
-  const int columns = (p.n_tiles + kGemvWarps - 1) / kGemvWarps;
   const int units_per_column = p.nstages / p.unit_stages;
-  const long long units = static_cast<long long>(columns) * units_per_column;
-  const long long u_begin = unit_begin(blockIdx.x, units, gridDim.x);
-  const long long u_end = unit_begin(blockIdx.x + 1, units, gridDim.x);
+  const UnitPartition part_of(p.units, gridDim.x);
   // Linear stage index L = column * nstages + stage, over this block's share.
-  const long long L_begin = u_begin * p.unit_stages, L_end = u_end * p.unit_stages;
+  const int L_begin = part_of.begin(blockIdx.x) * p.unit_stages;
+  const int L_end = part_of.begin(blockIdx.x + 1) * p.unit_stages;
   if (L_begin >= L_end) return;
 
   extern __shared__ uint4 smem[];
@@ -179,8 +219,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   // Issue the cp.async copies of stage `st` of column `c` into ring slot `slot`.
   auto fetch = [&](int c, int st, int slot) {
     char* base = stage_base(slot);
-    const int nt = c * kGemvWarps + warp;
-    const int kt0 = st * kGemvSteps;
+    const int nt = c * kTiles + tile;
+    const int kt0 = (st * KW + kw) * kGemvSteps;  // this warp's first segment
     if (nt < p.n_tiles) {  // this lane's own weight bytes (each warp reads back only its own)
       const uint4* src = p.w + (static_cast<size_t>(nt) * ktiles + kt0) * 32 + lane;
       uint4* dst = reinterpret_cast<uint4*>(base) + warp * kGemvSteps * 32 + lane;
@@ -200,15 +240,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     }
     if constexpr (kGroups > 0) {  // the 16 scales (and zeros) of each group of each tile
       const int g0 = (st * SK) / GROUP;
-      constexpr int kSegsS = kGemvWarps * kGroups * 2;  // 16 values = two 16-byte segments
-      for (int i = tid; i < kSegsS * (ZEROS ? 2 : 1); i += kThreads) {
+      constexpr int kSegsS = kTiles * kGroups * 2;  // 16 values = two 16-byte segments
+      // started from the block's other half of threads: the activations' copies above
+      // start at thread 0, and a warp issuing both would delay the whole stage
+      for (int i = (tid + kThreads / 2) % kThreads; i < kSegsS * (ZEROS ? 2 : 1); i += kThreads) {
         const bool is_zero = ZEROS && i >= kSegsS;
         const int j = is_zero ? i - kSegsS : i;
         const int wt = j / (kGroups * 2), r = j % (kGroups * 2);
-        const int tile = c * kGemvWarps + wt, g = g0 + r / 2;
-        const bool valid = tile < p.n_tiles && g < p.groups_pad;
+        const int nt_s = c * kTiles + wt, g = g0 + r / 2;
+        const bool valid = nt_s < p.n_tiles && g < p.groups_pad;
         const T* src = (is_zero ? zeros : scales) +
-                       (static_cast<size_t>(valid ? tile : 0) * p.groups_pad + (valid ? g : 0)) * 16 + (r % 2) * 8;
+                       (static_cast<size_t>(valid ? nt_s : 0) * p.groups_pad + (valid ? g : 0)) * 16 + (r % 2) * 8;
         T* dst = reinterpret_cast<T*>(base + Stage::kW + Stage::kX + (is_zero ? Stage::kS : 0)) + (wt * kGroups) * 16 + r * 8;
         copy16_async(dst, src, valid);
       }
@@ -226,15 +268,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   };
   reset();
 
-  // The k16 blocks of one stage: convert, mma, and at each group's end scale into acc.
+  // This warp's share of one stage: convert, mma, and at each group's end (or the share's
+  // end, when a group is longer) scale the partial sums into acc.
   auto compute = [&](int st, int slot, auto full_tag) {
     constexpr bool kFull = decltype(full_tag)::value;
     const char* base = stage_base(slot);
     const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp * kGemvSteps * 32 + lane;
-    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (lane & 7) * XS + 8 * (lane >> 3);
-    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + warp * kGroups * 8 + gid;
+    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (lane & 7) * XS + 8 * (lane >> 3) + kw * Shape::kWarpK;
+    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + tile * kGroups * 8 + gid;
     [[maybe_unused]] const uint32_t* zsm = ssm + Stage::kS / 4;
-    const int steps = kFull ? kGemvSteps : ktiles - st * kGemvSteps;
+    const int steps = kFull ? kGemvSteps : ktiles - (st * KW + kw) * kGemvSteps;
     [[maybe_unused]] float s_lo = 0.f, s_hi = 0.f;
 #pragma unroll
     for (int s = 0; s < kGemvSteps; ++s) {
@@ -243,14 +286,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
       uint32_t bx[MB][4];
 #pragma unroll
       for (int j = 0; j < Shape::kK16; ++j) {
-        const int i = s * Shape::kK16 + j;  // k16 index within the stage (compile-time)
+        const int i = s * Shape::kK16 + j;  // k16 index within the warp's share (compile-time)
         if (j % 2 == 0) {  // one ldmatrix.x4 per 8 rows of x covers two k16 blocks
 #pragma unroll
           for (int h = 0; h < MB; ++h) ldmatrix_x4(bx[h], xsm + h * 8 * XS + i * 16);
         }
         if constexpr (GROUP != 0) {
-          if (i % kGroupK16 == 0 || i == 0) {  // a group starts (or continues from the last stage)
-            const int g = kGroupK16 >= Shape::kStageK16 ? 0 : i / kGroupK16;
+          if (i % kGroupK16 == 0 || i == 0) {  // a group starts (or the share starts inside one)
+            // the group's index among the stage's groups (one per stage when groups are longer)
+            const int g = GROUP <= SK ? (kw * Shape::kWarpK + i * 16) / GROUP : 0;
             const float2 sc = pair_to_float2<T>(ssm[g * 8]);
             s_lo = sc.x;
             s_hi = sc.y;
@@ -268,12 +312,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
           mma_16816<T>(part[h], a, b);
         }
         if constexpr (GROUP != 0) {
-          // group end: compile-time when groups fit in a stage, else at the stage end of
-          // every (group / stage)-th stage
-          const bool end = kGroupK16 <= Shape::kStageK16
-                               ? (i + 1) % kGroupK16 == 0
-                               : (i == Shape::kStageK16 - 1 && ((st + 1) * Shape::kStageK16) % kGroupK16 == 0);
-          if (end) {
+          // A share never ends mid-segment inside a group: K_pad is a multiple of the group
+          // size, so a partial share (K's last) ends at a group end.
+          if ((i + 1) % kGroupK16 == 0 || i == Shape::kWarpK16 - 1) {
 #pragma unroll
             for (int h = 0; h < MB; ++h) {
               acc[h][0] += s_lo * part[h][0];
@@ -289,13 +330,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     }
   };
 
-  // A column segment ends: write its sums, directly when this block computed the whole
-  // column, else as a partial that the column's last contributor reduces.
+  // A column segment ends: add the k-warps' sums, then write them, directly when this
+  // block computed the whole column, else as a partial that the column's last
+  // contributor reduces. Called by every thread of the block.
   auto finish_column = [&](int c, bool whole, bool first_segment) {
-    const int nt = c * kGemvWarps + warp;
-    const bool active = nt < p.n_tiles;
+    const int nt = c * kTiles + tile;
     if constexpr (GROUP == 0) {  // per-channel: one scale per output row, applied once
-      if (active) {
+      if (nt < p.n_tiles) {
         const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * 16)[gid]);
 #pragma unroll
         for (int h = 0; h < MB; ++h) {
@@ -306,6 +347,25 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
         }
       }
     }
+    if constexpr (KW > 1) {  // k-warps 1..KW-1 hand their sums to k-warp 0, lane for lane
+      float* red = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kGemvStages * Stage::kBytes);
+      auto slot = [&](int k, int h, int i) { return red + (((k - 1) * kTiles + tile) * MB * 4 + h * 4 + i) * 32 + lane; };
+      if (kw > 0) {
+#pragma unroll
+        for (int h = 0; h < MB; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) *slot(kw, h, i) = acc[h][i];
+      }
+      __syncthreads();  // (the next column's writes come after the main loop's next barrier)
+      if (kw == 0) {
+        for (int k = 1; k < KW; ++k)
+#pragma unroll
+          for (int h = 0; h < MB; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[h][i] += *slot(k, h, i);
+      }
+    }
+    const bool active = kw == 0 && nt < p.n_tiles;
     // Accumulator (h, i) holds y[m][n], m = 8h + 2*t4 + (i & 1), n = 16*nt + gid + 8*(i >> 1).
     if (whole) {
       if (!active) return;
@@ -327,25 +387,23 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
       for (int h = 0; h < MB; ++h)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * warp + gid + 8 * (i >> 1);
+          const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * tile + gid + 8 * (i >> 1);
           if (m < p.M) ws[m * kCols + n] = acc[h][i];
         }
     }
-    const long long cu0 = static_cast<long long>(c) * units_per_column;
-    const int b_first = unit_owner(cu0, units, gridDim.x);
-    const int b_last = unit_owner(cu0 + units_per_column - 1, units, gridDim.x);
-    __threadfence();  // partials visible device-wide before this block is counted
-    __syncthreads();
-    if (tid == 0) is_last_contributor = atomicAdd(&p.counters[c], 1) == b_last - b_first;
+    const int cu0 = c * units_per_column;
+    const int b_first = part_of.owner(cu0);
+    const int b_last = part_of.owner(cu0 + units_per_column - 1);
+    __syncthreads();  // every partial written before thread 0 releases them
+    if (tid == 0) is_last_contributor = atomic_add_acq_rel(&p.counters[c], 1) == b_last - b_first;
     __syncthreads();
     if (!is_last_contributor) return;
-    __threadfence();
     for (int i = tid; i < p.M * kCols; i += kThreads) {
       const int m = i / kCols, n = c * kCols + i % kCols;
       if (n >= p.N) continue;
       float sum = bias ? to_float(bias[n]) : 0.f;
       for (int b = b_first; b <= b_last; ++b) {  // fixed order: deterministic
-        const bool b_starts_here = unit_begin(b, units, gridDim.x) >= cu0;
+        const bool b_starts_here = part_of.begin(b) >= cu0;
         sum += __ldcg(p.workspace + (static_cast<size_t>(b) * 2 + (b_starts_here ? 0 : 1)) * p.M * kCols + i);
       }
       y[static_cast<size_t>(m) * p.N + n] = from_float<T>(sum);
@@ -353,9 +411,20 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     if (tid == 0) p.counters[c] = 0;  // re-arm for the next launch / graph replay
   };
 
+  // Per-channel zero points: once per column.
+  auto load_channel_zeros = [&](int c) {
+    if constexpr (ZEROS && GROUP == 0) {
+      const int nt = c * kTiles + tile;
+      if (nt < p.n_tiles) {
+        const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * 16)[gid]);
+        zc = ZeroConsts<T, BITS>(z.x, z.y);
+      }
+    }
+  };
+
   // Pipeline over this block's stages: kStages - 1 in flight ahead of the one computed.
-  // (c_ahead, st_ahead) walks the same sequence as L, without 64-bit divisions.
-  int c_ahead = static_cast<int>(L_begin / p.nstages), st_ahead = static_cast<int>(L_begin % p.nstages);
+  // (c_ahead, st_ahead) walks the same sequence as L without divisions.
+  int c_ahead = L_begin / p.nstages, st_ahead = L_begin % p.nstages;
   auto advance = [&]() {
     if (++st_ahead == p.nstages) {
       st_ahead = 0;
@@ -370,46 +439,36 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     }
     cp_async_commit();
   }
-  long long segment_start = L_begin;  // first stage of the current column segment
-  int c = static_cast<int>(L_begin / p.nstages);
-  if constexpr (ZEROS && GROUP == 0) {  // per-channel zero points: once per column
-    const int nt = c * kGemvWarps + warp;
-    if (nt < p.n_tiles) {
-      const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * 16)[gid]);
-      zc = ZeroConsts<T, BITS>(z.x, z.y);
-    }
-  }
-  for (long long L = L_begin; L < L_end; ++L) {
+  int segment_start = L_begin;  // first stage of the current column segment
+  int c = L_begin / p.nstages, st = L_begin % p.nstages;
+  load_channel_zeros(c);
+  int slot = 0;
+  for (int L = L_begin; L < L_end; ++L) {
     cp_async_wait<kGemvStages - 2>();
     __syncthreads();  // stage L visible to all; the slot of stage L - 1 free to overwrite
-    const long long ahead = L + kGemvStages - 1;
-    if (ahead < L_end) {
-      fetch(c_ahead, st_ahead, static_cast<int>((ahead - L_begin) % kGemvStages));
+    if (L + kGemvStages - 1 < L_end) {
+      fetch(c_ahead, st_ahead, slot == 0 ? kGemvStages - 1 : slot - 1);
       advance();
     }
     cp_async_commit();
-    const int st = static_cast<int>(L - static_cast<long long>(c) * p.nstages);
-    if (c * kGemvWarps + warp < p.n_tiles) {
-      const int slot = static_cast<int>((L - L_begin) % kGemvStages);
-      if ((st + 1) * kGemvSteps <= ktiles) {
+    if (c * kTiles + tile < p.n_tiles) {
+      const int share_end = ((st * KW + kw) + 1) * kGemvSteps;  // this warp's last segment + 1
+      if (share_end <= ktiles) {
         compute(st, slot, std::true_type{});
-      } else {
+      } else if (share_end - kGemvSteps < ktiles) {
         compute(st, slot, std::false_type{});
       }
     }
+    slot = slot == kGemvStages - 1 ? 0 : slot + 1;
     if (st == p.nstages - 1 || L == L_end - 1) {
-      const long long col_start = static_cast<long long>(c) * p.nstages;
-      finish_column(c, segment_start == col_start && st == p.nstages - 1, segment_start == L_begin);
+      finish_column(c, segment_start == c * p.nstages && st == p.nstages - 1, segment_start == L_begin);
       reset();
       segment_start = L + 1;
       ++c;
-      if constexpr (ZEROS && GROUP == 0) {
-        const int nt = c * kGemvWarps + warp;
-        if (L + 1 < L_end && nt < p.n_tiles) {
-          const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * 16)[gid]);
-          zc = ZeroConsts<T, BITS>(z.x, z.y);
-        }
-      }
+      st = 0;
+      if (L + 1 < L_end) load_channel_zeros(c);
+    } else {
+      ++st;
     }
   }
 }

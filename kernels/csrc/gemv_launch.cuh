@@ -1,5 +1,5 @@
 // Host-side launcher of one GEMV instantiation. Defined here, instantiated in
-// gemv_fp16.cu / gemv_bf16.cu (separate translation units build in parallel).
+// gemv_{fp16,bf16}_k{1,2,4}.cu and gemm_{fp16,bf16}.cu (separate translation units build in parallel).
 #pragma once
 
 #include <algorithm>
@@ -9,12 +9,12 @@
 
 namespace woq {
 
-template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
-  using Shape = TileShape<BITS>;
+  using Shape = TileShape<BITS, KW>;
   const PackedWeight& w = a.weight;
-  constexpr int smem = gemv_smem_bytes<T, BITS, MB, GROUP, ZEROS>();
-  auto kernel = gemv_kernel<T, BITS, MB, GROUP, ZEROS>;
+  constexpr int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>();
+  auto kernel = gemv_kernel<T, BITS, MB, KW, GROUP, ZEROS>;
   // Resident blocks per SM of this instantiation (needs the shared-memory opt-in first).
   static int resident = 0;
   if (resident == 0) {
@@ -43,40 +43,45 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   p.groups_pad = w.groups_pad;
   p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
   p.unit_stages = GROUP > Shape::kStageK ? GROUP / Shape::kStageK : 1;  // groups never straddle blocks
-  const long long units = static_cast<long long>(gemv_grid_columns(w.N)) * (p.nstages / p.unit_stages);
+  const int columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;
+  const long long units = static_cast<long long>(columns) * (p.nstages / p.unit_stages);
+  if (units > (1LL << 30)) return cudaErrorInvalidValue;  // the kernel's partition is 32-bit
+  p.units = static_cast<int>(units);
   // One resident wave, unless asked for fewer blocks; never more than the workspace holds.
   long long blocks = a.max_blocks > 0 ? a.max_blocks : static_cast<long long>(resident) * gemv_sm_count();
-  const long long ws_blocks = a.workspace_floats / (2LL * a.M * kGemvWarps * 16);
+  const long long ws_blocks = a.workspace_floats / (2LL * a.M * gemv_column_channels(KW));
   blocks = std::min(std::min(blocks, units), std::max(1LL, ws_blocks));
   kernel<<<static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 // Every instantiation the dispatcher (woq_kernels.cu) may call, for one activation type:
-// each (group size, with / without zero points) of each (bits, row blocks).
-#define WOQ_INSTANTIATE_GROUP(T, BITS, MB, GROUP)                                            \
-  template cudaError_t gemv_launch<T, BITS, MB, GROUP, false>(const GemvArgs&, cudaStream_t); \
-  template cudaError_t gemv_launch<T, BITS, MB, GROUP, true>(const GemvArgs&, cudaStream_t);
+// each (group size, with / without zero points) of each (bits, row blocks, k-warps).
+#define WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, GROUP)                                            \
+  template cudaError_t gemv_launch<T, BITS, MB, KW, GROUP, false>(const GemvArgs&, cudaStream_t); \
+  template cudaError_t gemv_launch<T, BITS, MB, KW, GROUP, true>(const GemvArgs&, cudaStream_t);
 
 // The GEMV (M <= 8, <= 16): per-channel and group sizes 32..256.
-#define WOQ_GEMV_INSTANTIATE_BITS_MB(T, BITS, MB) \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 0)           \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 32)          \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 64)          \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 128)         \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 256)
+#define WOQ_GEMV_INSTANTIATE_BITS_MB(T, BITS, MB, KW) \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 0)           \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 32)          \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 64)          \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 128)         \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 256)
 
-#define WOQ_GEMV_INSTANTIATE(T)         \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 1) \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 2) \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1) \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2)
+// One translation unit per (activation type, k-warps): they build in parallel.
+#define WOQ_GEMV_INSTANTIATE(T, KW)         \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 1, KW) \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 2, KW) \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1, KW) \
+  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2, KW)
 
-// The mixed GEMM (M <= 32, <= 64): per-channel and the common group sizes 64 / 128.
+// The mixed GEMM (M <= 32, <= 64): per-channel and the common group sizes 64 / 128, one
+// k-warp per n-tile (its 32 or 64 rows of x per stage would not fit KW times over).
 #define WOQ_GEMM_INSTANTIATE_BITS_MB(T, BITS, MB) \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 0)           \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 64)          \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 128)
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 1, 0)        \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 1, 64)       \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 1, 128)
 
 #define WOQ_GEMM_INSTANTIATE(T)         \
   WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 4) \

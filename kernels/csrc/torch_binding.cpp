@@ -60,7 +60,7 @@ woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& sca
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
-                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, at::Tensor& workspace,
+                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, at::Tensor& workspace,
                 at::Tensor& counters) {
   check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
   check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
@@ -76,12 +76,15 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.y = y.data_ptr();
   a.M = static_cast<int>(x.size(0));
   a.max_blocks = static_cast<int>(max_blocks);
+  check(k_warps == 0 || k_warps == 1 || ((k_warps == 2 || k_warps == 4) && x.size(0) <= 16),
+        "k_warps must be 0 (by shape), 1, or 2 / 4 for at most 16 rows, got " + str(k_warps));
+  a.k_warps = static_cast<int>(k_warps);
   a.dtype = dtype_of(x);
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * x.size(0) * 128,
         "workspace must be a CUDA float32 tensor of at least 256 * M elements");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt &&
             counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
-        "counters must be a CUDA int32 tensor with one element per 128 output features");
+        "counters must be a CUDA int32 tensor with one element per 32 output features");
   a.workspace = workspace.data_ptr<float>();
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
@@ -108,7 +111,7 @@ void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::
 TORCH_LIBRARY(woq, m) {
   m.def(
       "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
-      "int k, int max_blocks, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+      "int k, int max_blocks, int k_warps, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
   m.def(
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");

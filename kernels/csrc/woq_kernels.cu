@@ -4,8 +4,8 @@
 
 namespace woq {
 
-// Defined in gemv_launch.cuh, instantiated in gemv_fp16.cu and gemv_bf16.cu.
-template <typename T, int BITS, int MB, int GROUP, bool ZEROS>
+// Defined in gemv_launch.cuh, instantiated in gemv_{fp16,bf16}_k{1,2,4}.cu and gemm_{fp16,bf16}.cu.
+template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
 
 namespace {
@@ -17,34 +17,61 @@ int device_cc_major() {
   return major;
 }
 
-template <typename T, int BITS, int MB>
+template <typename T, int BITS, int MB, int KW>
 cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
   const bool z = a.weight.zeros != nullptr;
   const int group = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
+#define WOQ_CASE(G) \
+  case G: return z ? gemv_launch<T, BITS, MB, KW, G, true>(a, stream) : gemv_launch<T, BITS, MB, KW, G, false>(a, stream);
   if constexpr (MB > 2) {  // the mixed GEMM is instantiated for per-channel, g64 and g128
     switch (group) {
-      case 0: return z ? gemv_launch<T, BITS, MB, 0, true>(a, stream) : gemv_launch<T, BITS, MB, 0, false>(a, stream);
-      case 64: return z ? gemv_launch<T, BITS, MB, 64, true>(a, stream) : gemv_launch<T, BITS, MB, 64, false>(a, stream);
-      case 128: return z ? gemv_launch<T, BITS, MB, 128, true>(a, stream) : gemv_launch<T, BITS, MB, 128, false>(a, stream);
+      WOQ_CASE(0)
+      WOQ_CASE(64)
+      WOQ_CASE(128)
+      default: return cudaErrorInvalidValue;
+    }
+  } else {
+    switch (group) {
+      WOQ_CASE(0)
+      WOQ_CASE(32)
+      WOQ_CASE(64)
+      WOQ_CASE(128)
+      WOQ_CASE(256)
       default: return cudaErrorInvalidValue;
     }
   }
-  switch (group) {
-    case 0: return z ? gemv_launch<T, BITS, MB, 0, true>(a, stream) : gemv_launch<T, BITS, MB, 0, false>(a, stream);
-    case 32: return z ? gemv_launch<T, BITS, MB, 32, true>(a, stream) : gemv_launch<T, BITS, MB, 32, false>(a, stream);
-    case 64: return z ? gemv_launch<T, BITS, MB, 64, true>(a, stream) : gemv_launch<T, BITS, MB, 64, false>(a, stream);
-    case 128: return z ? gemv_launch<T, BITS, MB, 128, true>(a, stream) : gemv_launch<T, BITS, MB, 128, false>(a, stream);
-    case 256: return z ? gemv_launch<T, BITS, MB, 256, true>(a, stream) : gemv_launch<T, BITS, MB, 256, false>(a, stream);
-    default: return cudaErrorInvalidValue;
+#undef WOQ_CASE
+}
+
+// k-warps per n-tile when the caller leaves it to us: the fewest that make at least one
+// column per SM (small shapes need the split to fill the GPU; large ones do not).
+int default_k_warps(int N) {
+  const int n_tiles = (N + 15) / 16;
+  for (int kw = 1; kw < kGemvMaxKWarps; kw *= 2)
+    if ((n_tiles + kGemvWarps / kw - 1) / (kGemvWarps / kw) >= gemv_sm_count()) return kw;
+  return kGemvMaxKWarps;
+}
+
+template <typename T, int BITS, int MB>
+cudaError_t gemv_by_k_warps(const GemvArgs& a, cudaStream_t stream) {
+  if constexpr (MB > 2) {
+    return a.k_warps <= 1 ? gemv_by_group<T, BITS, MB, 1>(a, stream) : cudaErrorInvalidValue;
+  } else {
+    switch (a.k_warps > 0 ? a.k_warps : default_k_warps(a.weight.N)) {
+      case 1: return gemv_by_group<T, BITS, MB, 1>(a, stream);
+      case 2: return gemv_by_group<T, BITS, MB, 2>(a, stream);
+      case 4: return gemv_by_group<T, BITS, MB, 4>(a, stream);
+      default: return cudaErrorInvalidValue;
+    }
   }
 }
 
 template <typename T, int BITS>
 cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
-  if (a.M <= 8) return gemv_by_group<T, BITS, 1>(a, stream);
-  if (a.M <= 16) return gemv_by_group<T, BITS, 2>(a, stream);
-  if (a.M <= 32) return gemv_by_group<T, BITS, 4>(a, stream);
-  return gemv_by_group<T, BITS, 8>(a, stream);
+  if (a.M <= 8) return gemv_by_k_warps<T, BITS, 1>(a, stream);
+  if (a.M <= 16) return gemv_by_k_warps<T, BITS, 2>(a, stream);
+  if (a.M <= 32) return gemv_by_k_warps<T, BITS, 4>(a, stream);
+  return gemv_by_k_warps<T, BITS, 8>(a, stream);
 }
 
 template <typename T>
@@ -71,8 +98,8 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
   // K_pad is a multiple of the lane-load k (64 for int4, 32 for int8), so a dequantize
   // tile of 128 k holds whole lane loads.
   if (w.bits != 4 && w.bits != 8) return false;
-  if (w.K % 8 != 0 || w.N < 1 || w.K_pad % TileShape<8>::kK != 0) return false;
-  if (w.bits == 4 && w.K_pad % TileShape<4>::kK != 0) return false;
+  if (w.K % 8 != 0 || w.N < 1 || w.K_pad % TileShape<8, 1>::kK != 0) return false;
+  if (w.bits == 4 && w.K_pad % TileShape<4, 1>::kK != 0) return false;
   if (w.group_size < w.K_pad && w.group_size != 32 && w.group_size != 64 && w.group_size != 128 && w.group_size != 256)
     return false;
   if (w.group_size < w.K_pad && w.K_pad % w.group_size != 0) return false;
@@ -82,7 +109,10 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
 
 }  // namespace
 
-int gemv_grid_columns(int N) { return ((N + 15) / 16 + kGemvWarps - 1) / kGemvWarps; }
+int gemv_grid_columns(int N) {
+  const int tiles_per_column = kGemvWarps / kGemvMaxKWarps;  // the narrowest columns
+  return ((N + 15) / 16 + tiles_per_column - 1) / tiles_per_column;
+}
 
 int gemv_sm_count() {
   static int count = 0;

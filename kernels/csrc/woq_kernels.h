@@ -27,6 +27,7 @@ struct GemvArgs {
   void* y;           // [M, N]
   int M;                   // 1..64 (the mixed GEMM above 16: per-channel, g64, g128 only)
   int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
+  int k_warps;             // warps splitting each n-tile's K: 1, 2, 4 (M <= 16 only); 0 = by shape
   float* workspace;        // partial column sums: 2 * M * 128 floats per block
   long long workspace_floats;
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
@@ -39,7 +40,8 @@ struct DequantArgs {
   DType dtype;
 };
 
-// Columns of 8 n-tiles (128 output channels): the number of counters the GEMV needs.
+// Columns of the narrowest kind (2 n-tiles, 32 output channels, at 4 k-warps): the number
+// of counters the GEMV needs.
 int gemv_grid_columns(int N);
 // Multiprocessors of the current device (cached).
 int gemv_sm_count();

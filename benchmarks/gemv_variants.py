@@ -1,0 +1,58 @@
+"""Time build-time variants of the GEMV pipeline on the big decode shapes (issue 3's
+M = 1 roofline gap): each variant is a separate JIT build with WOQ_NVCC_FLAGS.
+
+    python benchmarks/gemv_variants.py "" "-DWOQ_GEMV_STAGES=6" "-DWOQ_GEMV_STEPS=2"
+
+Prints, per variant and case, the best (k-warps, grid) time in µs (rotated weights,
+CUDA-graph replays) and the share of the copy-bandwidth roofline.
+"""
+import json
+import os
+import subprocess
+import sys
+
+CASES = [(28672, 8192, 1, 4), (21504, 14336, 1, 4), (28672, 4096, 1, 4), (28672, 8192, 16, 4), (28672, 8192, 1, 8)]
+
+CHILD = r"""
+import json, math, sys, torch
+from woq.kernels import ops
+from woq.kernels.format import QuantSpec, quantize
+from woq.kernels.layout import pack_for_gpu
+from woq.kernels.timing import graph_time_us
+sys.path.insert(0, "benchmarks")
+from common import copies_to_defeat_l2, copy_bandwidth
+assert ops.available()
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+bw = copy_bandwidth()
+out = []
+for N, K, M, bits in json.loads(sys.argv[1]):
+    spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
+    qw = quantize(torch.randn(N, K, device="cuda") * 0.02, spec)
+    gws = [ops.prepare(pack_for_gpu(qw, torch.float16)) for _ in range(copies_to_defeat_l2(N * K * bits // 8))]
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    best = (float("inf"), None)
+    for kw in (1, 2):
+        for b in sorted({0, sms, 2 * sms, math.ceil(N / (16 * 8 // kw))}):
+            try:
+                t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
+            except RuntimeError:
+                continue
+            best = min(best, (t, (kw, b)))
+    roof = gws[0].nbytes() / bw * 1e6
+    out.append({"case": f"{N}x{K} M={M} int{bits}", "us": round(best[0], 1), "launch": best[1],
+                "roofline_pct": round(100 * roof / best[0], 1)})
+    del gws
+print("RESULT", json.dumps(out))
+"""
+
+if __name__ == "__main__":
+    for flags in sys.argv[1:] or [""]:
+        env = dict(os.environ, WOQ_NVCC_FLAGS=flags)
+        r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, capture_output=True, text=True)
+        line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT")), None)
+        if line is None:
+            print(f"[{flags or 'default'}] failed:\n{r.stderr[-2000:]}", flush=True)
+            continue
+        for row in json.loads(line[7:]):
+            print(f"[{flags or 'default'}] {row['case']}: {row['us']} us, {row['roofline_pct']} % of roofline, "
+                  f"launch {row['launch']}", flush=True)
