@@ -88,7 +88,8 @@ def _rotation(gw: GpuWeight) -> list[GpuWeight]:
 
 def _time_us(fn, copies: list[GpuWeight]) -> float:
     """Median microseconds per call of ``fn(copy)`` over the rotated copies."""
-    return graph_time_us([lambda g=g: fn(g) for g in copies], calls=16, reps=5)
+    # 11 replays: launch choices a few % apart must not be picked by noise
+    return graph_time_us([lambda g=g: fn(g) for g in copies], calls=16, reps=11)
 
 
 def measure(gw: GpuWeight) -> dict:

@@ -216,43 +216,65 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   T* y = static_cast<T*>(p.y);
   auto stage_base = [&](int slot) { return reinterpret_cast<char*>(smem) + slot * Stage::kBytes; };
 
+  // Every address a thread copies from or to is fixed per thread up to a per-stage /
+  // per-column offset: computed once here, so that a stage's copies are a few adds
+  // (recomputed per copy, as first written, they took ~290 instructions per warp and
+  // stage in the SASS -- more than the stage's converts and mmas; the H100 timings moved
+  // by at most a few %, so the big shapes are not bound by instruction count alone).
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  // weights: this lane's 16 bytes of the warp's kSteps segments of its n-tile
+  const uint4* w_lane = p.w + (static_cast<size_t>(tile) * ktiles + kw * kGemvSteps) * 32 + lane;
+  const size_t w_column_stride = static_cast<size_t>(kTiles) * ktiles * 32;
+  const uint32_t w_dst = (warp * kGemvSteps * 32 + lane) * 16;
+  // activations: thread -> (first row, 8-element segment); further rows kRowsPerPass apart
+  constexpr int kSegs = SK / 8;
+  static_assert(kSegs <= kThreads && kThreads % kSegs == 0, "one segment column per thread");
+  constexpr int kRowsPerPass = kThreads / kSegs;
+  const int x_row = tid / kSegs, x_seg = tid % kSegs;
+  const T* x_src = x + static_cast<size_t>(x_row) * p.K + x_seg * 8;
+  const uint32_t x_dst = Stage::kW + (x_row * XS + x_seg * 8) * static_cast<uint32_t>(sizeof(T));
+  // group scales (and zeros): one 16-byte copy per thread at most, started from the
+  // block's other half of threads (the activations' copies start at thread 0, and one
+  // warp issuing both would delay the whole stage)
+  constexpr int kSegsS = kTiles * kGroups * 2;  // 16 values of a group of a tile = 2 copies
+  static_assert(kSegsS * (ZEROS ? 2 : 1) <= kThreads, "one scale copy per thread");
+  const int s_idx = (tid + kThreads / 2) % kThreads;
+  const bool s_copies = kGroups > 0 && s_idx < kSegsS * (ZEROS ? 2 : 1);
+  const bool s_is_zero = ZEROS && s_idx >= kSegsS;
+  const int s_j = s_is_zero ? s_idx - kSegsS : s_idx;
+  const int s_tile = kGroups > 0 ? s_j / (kGroups * 2) : 0, s_r = kGroups > 0 ? s_j % (kGroups * 2) : 0;
+  const T* s_src = (s_is_zero ? zeros : scales) + (static_cast<size_t>(s_tile) * p.groups_pad + s_r / 2) * 16 + (s_r % 2) * 8;
+  const uint32_t s_dst = Stage::kW + Stage::kX + (s_is_zero ? Stage::kS : 0) +
+                         ((s_tile * kGroups) * 16 + s_r * 8) * static_cast<uint32_t>(sizeof(T));
+
   // Issue the cp.async copies of stage `st` of column `c` into ring slot `slot`.
   auto fetch = [&](int c, int st, int slot) {
-    char* base = stage_base(slot);
-    const int nt = c * kTiles + tile;
+    const uint32_t base = smem_addr + slot * Stage::kBytes;
     const int kt0 = (st * KW + kw) * kGemvSteps;  // this warp's first segment
-    if (nt < p.n_tiles) {  // this lane's own weight bytes (each warp reads back only its own)
-      const uint4* src = p.w + (static_cast<size_t>(nt) * ktiles + kt0) * 32 + lane;
-      uint4* dst = reinterpret_cast<uint4*>(base) + warp * kGemvSteps * 32 + lane;
+    if (c * kTiles + tile < p.n_tiles) {  // this lane's own weight bytes (each warp reads back only its own)
+      const uint4* src = w_lane + c * w_column_stride + st * (KW * kGemvSteps * 32);
+      if (kt0 + kGemvSteps <= ktiles) {
 #pragma unroll
-      for (int s = 0; s < kGemvSteps; ++s)
-        if (kt0 + s < ktiles) copy16_async(dst + s * 32, src + s * 32, true);
+        for (int s = 0; s < kGemvSteps; ++s) copy16_async(base + w_dst + s * 512, src + s * 32, true);
+      } else {  // K's last stage
+#pragma unroll
+        for (int s = 0; s < kGemvSteps; ++s)
+          if (kt0 + s < ktiles) copy16_async(base + w_dst + s * 512, src + s * 32, true);
+      }
     }
     // activations: rows < M; columns past K zero-filled (padded weights are exactly 0,
     // but 0 * uninitialised memory could be NaN)
-    T* xdst = reinterpret_cast<T*>(base + Stage::kW);
-    constexpr int kSegs = SK / 8;
-    const int k0 = st * SK;
-    for (int i = tid; i < p.M * kSegs; i += kThreads) {
-      const int m = i / kSegs, sg = i % kSegs, k = k0 + sg * 8;
-      const bool valid = k < p.K;
-      copy16_async(xdst + m * XS + sg * 8, x + static_cast<size_t>(m) * p.K + (valid ? k : 0), valid);
-    }
+    const bool x_valid = st * SK + x_seg * 8 < p.K;
+    const T* xs = x_valid ? x_src + st * SK : x;
+    for (int m = x_row, j = 0; m < p.M; m += kRowsPerPass, ++j)
+      copy16_async(base + x_dst + j * (kRowsPerPass * XS * static_cast<int>(sizeof(T))),
+                   xs + (x_valid ? static_cast<size_t>(j) * kRowsPerPass * p.K : 0), x_valid);
     if constexpr (kGroups > 0) {  // the 16 scales (and zeros) of each group of each tile
-      const int g0 = (st * SK) / GROUP;
-      constexpr int kSegsS = kTiles * kGroups * 2;  // 16 values = two 16-byte segments
-      // started from the block's other half of threads: the activations' copies above
-      // start at thread 0, and a warp issuing both would delay the whole stage
-      for (int i = (tid + kThreads / 2) % kThreads; i < kSegsS * (ZEROS ? 2 : 1); i += kThreads) {
-        const bool is_zero = ZEROS && i >= kSegsS;
-        const int j = is_zero ? i - kSegsS : i;
-        const int wt = j / (kGroups * 2), r = j % (kGroups * 2);
-        const int nt_s = c * kTiles + wt, g = g0 + r / 2;
-        const bool valid = nt_s < p.n_tiles && g < p.groups_pad;
-        const T* src = (is_zero ? zeros : scales) +
-                       (static_cast<size_t>(valid ? nt_s : 0) * p.groups_pad + (valid ? g : 0)) * 16 + (r % 2) * 8;
-        T* dst = reinterpret_cast<T*>(base + Stage::kW + Stage::kX + (is_zero ? Stage::kS : 0)) + (wt * kGroups) * 16 + r * 8;
-        copy16_async(dst, src, valid);
+      if (s_copies) {
+        const int g0 = (st * SK) / GROUP;
+        const bool valid = c * kTiles + s_tile < p.n_tiles && g0 + s_r / 2 < p.groups_pad;
+        const T* src = valid ? s_src + (static_cast<size_t>(c) * kTiles * p.groups_pad + g0) * 16 : s_src;
+        copy16_async(base + s_dst, src, valid);
       }
     }
   };

@@ -66,14 +66,16 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
 #endif
 }
 
-// 16-byte global -> shared copy; bytes past `valid` (0 or 16) are zero-filled.
-__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+// 16-byte global -> shared copy; with `valid` false nothing is read and the 16 bytes are
+// zero-filled. The destination is a 32-bit shared-window address (what cp.async takes:
+// no generic-to-shared conversion per copy).
+__device__ __forceinline__ void copy16_async(uint32_t smem_addr, const void* gmem, bool valid) {
 #if WOQ_SM80
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_size));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
 #else
-  *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+  const uint4 v = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 #endif
 }
 
