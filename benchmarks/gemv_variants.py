@@ -14,7 +14,7 @@ import sys
 CASES = [(28672, 8192, 1, 4), (21504, 14336, 1, 4), (28672, 4096, 1, 4), (28672, 8192, 16, 4), (28672, 8192, 1, 8)]
 
 CHILD = r"""
-import json, math, sys, torch
+import json, sys, torch
 from woq.kernels import ops
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
@@ -32,7 +32,7 @@ for N, K, M, bits in json.loads(sys.argv[1]):
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     best = (float("inf"), None)
     for kw in (1, 2):
-        for b in sorted({0, sms, 2 * sms, math.ceil(N / (16 * 8 // kw))}):
+        for b in sorted({0, sms, 2 * sms, ops.gemv_columns(N, kw)}):
             try:
                 t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
             except RuntimeError:

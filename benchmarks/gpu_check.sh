@@ -2,7 +2,8 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize model e2e enginetests engine profile serving bench msweep grid probe ncu sass gdb
+#   stages: env build test errors sanitize model e2e enginetests engine profile overhead serving bench msweep
+#           grid probe ncu sass gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}

@@ -13,7 +13,6 @@ measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -228,8 +227,7 @@ def grid_sweep(shapes, ms) -> None:
                 tuned = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
                 res = {}
                 for kw in ops.K_WARPS if M <= ops.GEMV_MAX_M else (1,):
-                    columns = math.ceil(N / (16 * ops.GEMV_WARPS // kw))
-                    for b in (0, sms, 2 * sms, 3 * sms, columns):
+                    for b in (0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)):
                         res[kw, b] = time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
                 best = min(res, key=res.get)
                 print(f"GRID {N}x{K} {fmt} M={M}: tuned {gws[0].grids.get(ops.row_blocks(M))} {tuned:.1f}us, "

@@ -27,6 +27,12 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp",)  # = setup.py
 GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
 K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV, M <= 16); the mixed GEMM: 1
+
+
+def gemv_columns(n: int, k_warps: int) -> int:
+    """Blocks of output channels ("columns") the kernel cuts ``n`` channels into: each
+    block has GEMV_WARPS // k_warps n-tiles of 16 channels (csrc/gemv.cuh)."""
+    return math.ceil(n / (16 * (GEMV_WARPS // k_warps)))
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 
 
@@ -119,7 +125,7 @@ class _Scratch:
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
-        cols = math.ceil(gw.n_tiles / (GEMV_WARPS // max(K_WARPS)))  # the narrowest columns
+        cols = gemv_columns(gw.N, max(K_WARPS))  # the narrowest columns: the most counters
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
         dense = self.dense.get(gw.dtype)

@@ -106,8 +106,7 @@ def measure(gw: GpuWeight) -> dict:
         x = torch.randn(8 * mb, gw.K, device="cuda", dtype=gw.dtype)
         t = {}
         for kw in ops.K_WARPS if mb <= 2 else (1,):
-            columns = math.ceil(gw.n_tiles / (ops.GEMV_WARPS // kw))
-            for b in sorted({0, sms, 2 * sms, columns, max(1, sms // 2)}):
+            for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw), max(1, sms // 2)}):
                 t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
         grids[str(mb)] = list(min(t, key=t.get))
     max_m = ops.GEMV_MAX_M

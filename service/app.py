@@ -269,7 +269,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
 
-
     @app.get("/health")
     async def health():
         if state.draining:
