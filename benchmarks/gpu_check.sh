@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize model e2e enginetests engine profile overhead serving bench msweep
-#           grid probe ncu sass gdb tune aot gptq
+#           grid gemmcfg probe ncu stalls sass gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -52,12 +52,16 @@ for stage in "$@"; do
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
     grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;
+    gemmcfg) run gemmcfg $PY benchmarks/gemm_configs.py ${GEMMCFG_ARGS:-} ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
     probe) run probe $PY benchmarks/probe_bandwidth.py ;;
-    ncu) run ncu ncu --clock-control none --kernel-name regex:gemv_kernel --launch-skip 2 --launch-count 1 \
+    ncu) run ncu ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
            --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
+           $PY benchmarks/profile_gemv.py ${NCU_SHAPE:-28672 8192 1 4} ;;
+    stalls) run stalls ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_tensor.*sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
            $PY benchmarks/profile_gemv.py ${NCU_SHAPE:-28672 8192 1 4} ;;
     sass) run sass bash -c 'cuobjdump --dump-sass "$(find "$WOQ_CACHE/torch_extensions" -name "*.so" | head -1)"' ;;
     *) echo "unknown stage $stage"; status=1 ;;

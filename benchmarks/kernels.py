@@ -226,7 +226,7 @@ def grid_sweep(shapes, ms) -> None:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 tuned = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
                 res = {}
-                for kw in ops.K_WARPS if M <= ops.GEMV_MAX_M else (1,):
+                for kw in ops.K_WARPS:
                     for b in (0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)):
                         res[kw, b] = time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
                 best = min(res, key=res.get)
@@ -252,8 +252,10 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 t = {}
-                if M <= ops.GEMM_MAX_M and (M <= ops.GEMV_MAX_M or ops.supports_mixed_gemm(gws[0])):
+                if M <= ops.GEMV_MAX_M:
                     t["kernel"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                elif ops.supports_mixed_gemm(gws[0]):
+                    t["kernel"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
                 t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
                 t["dispatched"] = t["kernel"] if (M <= crossover and "kernel" in t) else t["dequant_cublas"]
                 if fmt == "int4_g128":  # peers once per shape

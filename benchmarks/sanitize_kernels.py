@@ -1,5 +1,6 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
-columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..16. Run by benchmarks/gpu_check.sh under the sanitizer."""
+columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..16; the mixed GEMM's three tile
+configurations with and without split-K, M tails. Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
 import torch
@@ -18,6 +19,9 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps)
+    for M, config, splits in [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]:
+        ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
+                 config=config, splits=splits)
     ops.dequantize(gw)
 torch.cuda.synchronize()
 print("sanitizer workload done")

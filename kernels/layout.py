@@ -83,12 +83,15 @@ class GpuWeight:
     K_pad: int
     group_size: int  # K_pad when per-channel
     dtype: torch.dtype
-    # Kernel launch per row-block count (1, 2, 4, 8 blocks of 8 rows): (k-warps per n-tile,
-    # grid size); absent or 0: the kernel's own choice. Measured per shape at load
+    # GEMV launch per row-block count (1, 2 blocks of 8 rows): (k-warps per n-tile, grid
+    # size); absent or 0: the kernel's own choice. Measured per shape at load
     # (kernels/tuning.py).
     grids: dict = field(default_factory=dict)
-    # Largest M the kernel serves before dequantize + cuBLAS wins (measured, tuning.py).
-    max_kernel_m: int = 64
+    # Mixed-GEMM launch per M bound: {m: (tile config, split-K)} for rows up to m (the
+    # smallest bound >= M applies). Measured per shape at load (tuning.py).
+    gemm_plan: dict = field(default_factory=dict)
+    # Largest M the kernels serve before dequantize + cuBLAS wins (measured, tuning.py).
+    max_kernel_m: int = 128
 
     @property
     def n_tiles(self) -> int:

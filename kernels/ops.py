@@ -19,21 +19,30 @@ import torch.nn.functional as F
 
 from .cache import cache_dir
 from .layout import GpuWeight
-from .paths import DEQUANT_CUBLAS, GEMM_MAX_M, GEMV, GEMV_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
+from .paths import DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
 
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp",)  # = setup.py
 GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
-K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV, M <= 16); the mixed GEMM: 1
+K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV)
+GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
+# Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh)
+GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128)}
+GEMM_TILE_FLOATS = max(bm * bn for bm, bn in GEMM_TILES.values())
 
 
 def gemv_columns(n: int, k_warps: int) -> int:
-    """Blocks of output channels ("columns") the kernel cuts ``n`` channels into: each
+    """Blocks of output channels ("columns") the GEMV cuts ``n`` channels into: each
     block has GEMV_WARPS // k_warps n-tiles of 16 channels (csrc/gemv.cuh)."""
     return math.ceil(n / (16 * (GEMV_WARPS // k_warps)))
-GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
+
+
+def gemm_tiles(m: int, n: int, config: int) -> int:
+    """Output tiles of the mixed GEMM for an ``m x n`` output (blocks without split-K)."""
+    bm, bn = GEMM_TILES[config]
+    return math.ceil(m / bm) * math.ceil(n / bn)
 
 
 def _source_hash() -> str:
@@ -101,6 +110,10 @@ def _register_fakes() -> None:
     def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, workspace, counters):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("woq::gemm")
+    def _gemm_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, config, splits, workspace, counters):
+        return x.new_empty(x.shape[0], n)
+
     @torch.library.register_fake("woq::dequantize")
     def _dequantize_fake(qweight, scales, zeros, bits, group_size, n, k, out):
         return None
@@ -108,7 +121,7 @@ def _register_fakes() -> None:
     _register_fakes.done = True
 
 
-# --- per-device scratch: GEMV partial sums and counters, the dequantized-weight buffer ---
+# --- per-device scratch: partial sums and counters, the dequantized-weight buffer ------
 
 
 class _Scratch:
@@ -118,14 +131,19 @@ class _Scratch:
     def __init__(self, device: torch.device):
         self.device = device
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # GEMV partial column sums: 2 x 16 rows x 128 channels per block, for up to 4
-        # resident blocks per SM (the kernel never launches more than this holds).
-        self.workspace = torch.empty(4 * sms * 2 * GEMM_MAX_M * GEMV_WARPS * 16, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.sms = sms
+        # Partial sums. GEMV: 2 x 16 rows x 128 channels per block, for up to 4 resident
+        # blocks per SM. Mixed GEMM: one output tile per block of two waves of split-K
+        # (the kernels never launch more than this holds).
+        floats = max(4 * sms * 2 * GEMV_MAX_M * GEMV_WARPS * 16, 2 * sms * GEMM_TILE_FLOATS)
+        self.workspace = torch.empty(floats, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(2 * sms, dtype=torch.int32, device=device)
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
-        cols = gemv_columns(gw.N, max(K_WARPS))  # the narrowest columns: the most counters
+        # GEMV: one counter per column (the narrowest columns: the most); the mixed GEMM
+        # splits only while its tiles fit the 2 * SMs it was given at construction
+        cols = max(gemv_columns(gw.N, max(K_WARPS)), 2 * self.sms)
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
         dense = self.dense.get(gw.dtype)
@@ -143,43 +161,75 @@ def scratch(device: torch.device) -> _Scratch:
 
 
 def row_blocks(m: int) -> int:
-    """The kernel variant for M rows: blocks of 8 rows per converted weight fragment."""
-    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+    """The GEMV variant for M rows: blocks of 8 rows per converted weight fragment."""
+    return 1 if m <= 8 else 2
 
 
 def supports_mixed_gemm(gw: GpuWeight) -> bool:
-    return gw.per_channel or gw.group_size in GEMM_GROUPS
+    """The mixed GEMM takes per-channel, g64 and g128 weights, on sm_80+ (its shared-memory
+    ring does not fit a T4's 64 KB; there, M > 16 runs dequantize + cuBLAS)."""
+    major, _ = torch.cuda.get_device_capability(gw.qweight.device)
+    return major >= 8 and (gw.per_channel or gw.group_size in GEMM_GROUPS)
 
 
 def prepare(gw: GpuWeight, tune: bool = False) -> GpuWeight:
-    """Reserve the device scratch for the layer and, with ``tune``, pick its grid sizes."""
+    """Reserve the device scratch for the layer and, with ``tune``, set its measured launches."""
     scratch(gw.qweight.device).reserve(gw)
     if tune:
-        from .tuning import tuned_grids
+        from .tuning import apply
 
-        gw.grids = tuned_grids(gw)
+        apply(gw)
     return gw
 
 
 # --- calls -------------------------------------------------------------------------------
 
 
-def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
-         k_warps: int | None = None) -> torch.Tensor:
-    """The GEMV (M <= 16) or mixed GEMM (M <= 64) kernel. ``max_blocks`` and ``k_warps``
-    override the measured grid (0: the kernel's own choice)."""
+def _check_x(x: torch.Tensor, gw: GpuWeight, limit: int) -> None:
     m = x.shape[0] if x.dim() == 2 else 0
-    limit = GEMM_MAX_M if supports_mixed_gemm(gw) else GEMV_MAX_M
     if not 1 <= m <= limit:
-        raise ValueError(f"the kernel takes 1 to {limit} rows for this weight, got shape {tuple(x.shape)}")
+        raise ValueError(f"the kernel takes 1 to {limit} rows, got shape {tuple(x.shape)}")
     if x.shape[1] != gw.K:
         raise ValueError(f"x has {x.shape[1]} features, the weight {gw.K}")
-    tuned_k_warps, tuned_blocks = gw.grids.get(row_blocks(m), (0, 0))
+
+
+def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
+         k_warps: int | None = None) -> torch.Tensor:
+    """The GEMV kernel (M <= 16). ``max_blocks`` and ``k_warps`` override the measured
+    grid (0: the kernel's own choice)."""
+    _check_x(x, gw, GEMV_MAX_M)
+    tuned_k_warps, tuned_blocks = gw.grids.get(row_blocks(x.shape[0]), (0, 0))
     blocks = tuned_blocks if max_blocks is None else max_blocks
     k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
                               blocks, k_warps, s.workspace, s.counters)
+
+
+def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:
+    """(tile config, split-K) for M rows: the measured plan's smallest bound >= M (its
+    largest beyond them), or the kernel's own choice (-1, 0) without one."""
+    if not gw.gemm_plan:
+        return -1, 0
+    bounds = sorted(gw.gemm_plan)
+    bound = next((b for b in bounds if b >= m), bounds[-1])
+    return tuple(gw.gemm_plan[bound])
+
+
+def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, config: int | None = None,
+         splits: int | None = None) -> torch.Tensor:
+    """The mixed GEMM (any M; per-channel, g64, g128 weights). ``config`` (0..2) and
+    ``splits`` override the measured launch (-1 / 0: the kernel's own choice)."""
+    if not supports_mixed_gemm(gw):
+        raise ValueError(f"the mixed GEMM takes per-channel or g{GEMM_GROUPS} weights on sm_80+, "
+                         f"not g{gw.group_size}")
+    _check_x(x, gw, 1 << 24)
+    tuned_config, tuned_splits = gemm_launch(x.shape[0], gw)
+    config = tuned_config if config is None else config
+    splits = tuned_splits if splits is None else splits
+    s = scratch(x.device)
+    return torch.ops.woq.gemm(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
+                              config, splits, s.workspace, s.counters)
 
 
 def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,8 +245,10 @@ def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | Non
     if x.dtype != gw.dtype:
         raise TypeError(f"activations are {x.dtype}, the weight was packed for {gw.dtype}")
     x = x.contiguous()
-    if path in (GEMV, MIXED_GEMM):
+    if path == GEMV:
         return gemv(x, gw, bias)
+    if path == MIXED_GEMM:
+        return gemm(x, gw, bias)
     if path == DEQUANT_CUBLAS:
         return F.linear(x, dequantize(gw), bias)
     raise ValueError(f"unknown kernel path {path!r}")

@@ -8,4 +8,3 @@ DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buff
 PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS)
 
 GEMV_MAX_M = 16  # rows the GEMV path takes (row blocks MB = 1, 2 of the kernel)
-GEMM_MAX_M = 64  # rows the mixed-GEMM path takes at most (MB = 4, 8)

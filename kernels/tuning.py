@@ -1,13 +1,14 @@
 """Measured launch choices per weight shape, on the GPU at hand (once, then cached).
 
 For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
-  * the launch of the GEMV / mixed GEMM kernel for each row-block variant (M <= 8, 16,
-    32, 64): k-warps per n-tile (GEMV only: 1, 2 or 4 warps splitting each tile's K, so
-    columns of 128, 64 or 32 channels) and the grid (one resident wave, one block per SM,
-    one block per column, ...) -- which wins depends on how many columns the weight has
-    against the SM count;
-  * the crossover from the kernel to dequantize + cuBLAS: the largest M (up to 64) at
-    which the kernel is still faster.
+  * the GEMV launch for each row-block variant (M <= 8, <= 16): k-warps per n-tile (1, 2
+    or 4 warps splitting each tile's K, so columns of 128, 64 or 32 channels) and the
+    grid (one resident wave, one block per SM, one block per column, ...) -- which wins
+    depends on how many columns the weight has against the SM count;
+  * the mixed GEMM over an M grid (32 .. 1024): each tile configuration x split-K, and
+    dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
+    crossover is the largest M of the grid at which the kernel still wins (we stop at
+    the first loss: beyond it the dense GEMM's reuse only grows).
 Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
 defaults for measured GPUs: ``kernels/tuned/``). ``WOQ_TUNE=0`` disables measuring; the
 kernel's own default grid and a fixed crossover are used then.
@@ -29,8 +30,8 @@ from .timing import graph_time_us
 
 log = logging.getLogger("woq.kernels")
 
-DEFAULT_MAX_KERNEL_M = 64  # without measurements: the kernel up to its limit
-CROSSOVER_MS = (16, 24, 32, 48, 64)
+DEFAULT_MAX_KERNEL_M = 128  # without measurements (WOQ_TUNE=0)
+GEMM_MS = (32, 64, 128, 256, 512, 1024)
 _tables: dict[str, dict] = {}
 
 
@@ -92,38 +93,50 @@ def _time_us(fn, copies: list[GpuWeight]) -> float:
     return graph_time_us([lambda g=g: fn(g) for g in copies], calls=16, reps=11)
 
 
+def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
+    """(config, splits) worth timing at M = m: configurations whose block rows are not
+    mostly padding, split-K only while the tiles leave SMs idle."""
+    from . import ops
+
+    configs = [c for c, (bm, _) in ops.GEMM_TILES.items() if bm <= max(32, 2 * m) and (m <= 64 or bm >= 64)]
+    out = []
+    for c in configs:
+        tiles = ops.gemm_tiles(m, n, c)
+        out += [(c, s) for s in (1, 2, 3, 4, 6, 8) if s == 1 or tiles * s <= 2 * sms]
+    return out
+
+
 def measure(gw: GpuWeight) -> dict:
-    """Time the choices for one weight (a few milliseconds of GPU time)."""
+    """Time the choices for one weight (well under a second of GPU time for most shapes)."""
     import torch.nn.functional as F
 
     from . import ops
 
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
-    variants = (1, 2, 4, 8) if ops.supports_mixed_gemm(gw) else (1, 2)
     copies = _rotation(gw)
     grids: dict[str, list[int]] = {}
-    for mb in variants:
+    for mb in (1, 2):
         x = torch.randn(8 * mb, gw.K, device="cuda", dtype=gw.dtype)
         t = {}
-        for kw in ops.K_WARPS if mb <= 2 else (1,):
+        for kw in ops.K_WARPS:
             for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw), max(1, sms // 2)}):
                 t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
         grids[str(mb)] = list(min(t, key=t.get))
-    max_m = ops.GEMV_MAX_M
+    plan: dict[str, list[int]] = {}
+    max_m = ops.GEMV_MAX_M  # the GEMV beats dequantize + cuBLAS at M <= 16
     if ops.supports_mixed_gemm(gw):
-        max_m = 0
-        for m in CROSSOVER_MS:
+        for m in GEMM_MS:
             x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
-            kw, blocks = grids[str(ops.row_blocks(m))]
-            kernel = _time_us(lambda g: ops.gemv(x, g, max_blocks=blocks, k_warps=kw), copies)
-            cublas = _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies)
-            if kernel <= cublas:
-                max_m = m
-            else:
+            t = {}
+            for c, s in _gemm_candidates(m, gw.N, sms):
+                t[c, s] = _time_us(lambda g, c=c, s=s: ops.gemm(x, g, config=c, splits=s), copies)
+            best = min(t, key=t.get)
+            plan[str(m)] = list(best)
+            if t[best] > _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies):
                 break
-        max_m = max(max_m, ops.GEMV_MAX_M)  # the GEMV beats dequantize + cuBLAS at M <= 16
+            max_m = m
     del copies
-    return {"grids": grids, "max_kernel_m": max_m}
+    return {"grids": grids, "gemm": plan, "max_kernel_m": max_m}
 
 
 def tuned(gw: GpuWeight) -> dict:
@@ -132,7 +145,7 @@ def tuned(gw: GpuWeight) -> dict:
     table = _table()
     if key not in table:
         if os.environ.get("WOQ_TUNE", "1") == "0":
-            return {"grids": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M}
+            return {"grids": {}, "gemm": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M}
         log.info("tuning the woq kernels for %s on %s", key, torch.cuda.get_device_name())
         table[key] = measure(gw)
         _save()
@@ -148,8 +161,10 @@ def all_tables() -> dict[str, dict]:
     return tables
 
 
-def tuned_grids(gw: GpuWeight) -> dict[int, tuple[int, int]]:
-    """{row blocks: (k-warps, grid size)} for this weight."""
+def apply(gw: GpuWeight) -> GpuWeight:
+    """Set the weight's measured launches: GEMV grids, mixed-GEMM plan, crossover."""
     entry = tuned(gw)
     gw.max_kernel_m = entry["max_kernel_m"]
-    return {int(k): tuple(v) for k, v in entry["grids"].items()}
+    gw.grids = {int(k): tuple(v) for k, v in entry["grids"].items()}
+    gw.gemm_plan = {int(k): tuple(v) for k, v in entry.get("gemm", {}).items()}
+    return gw

@@ -65,6 +65,9 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
             assert err <= 2 * err_cublas + 1e-6, f"M={M} k_warps={k_warps}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
 
 
+GEMM_MS = (17, 31, 48, 64, 100, 128, 256, 1000, 4096)  # tails of every tile configuration
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits,group,sym", [f for f in FORMATS if f[1] in (None, 64, 128)])
 @pytest.mark.parametrize("N,K", [(1000, 576), (4104, 1536)])
@@ -72,17 +75,39 @@ def test_mixed_gemm_matches_fp64_beyond_the_gemv(N, K, bits, group, sym, dtype):
     qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=N + 3 * K + bits)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     w_lowp = w64.to(dtype)
-    for M in (17, 31, 32, 33, 48, 64):
+    for M in GEMM_MS:
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
-        _poison_next_alloc(M * N, dtype)
-        y = ops.run_path("mixed_gemm", x, gw, bias)
-        assert torch.isfinite(y).all(), f"M={M}: unwritten output"
-        err, err_cublas = _rel(y, ref), _rel(F.linear(x, w_lowp, bias), ref)
-        assert err <= 2 * err_cublas + 1e-6, f"M={M}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+        err_cublas = _rel(F.linear(x, w_lowp, bias), ref)
+        for config in (None, *ops.GEMM_TILES):  # the measured launch, then each tile shape
+            _poison_next_alloc(M * N, dtype)
+            y = ops.gemm(x, gw, bias, config=config)
+            assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} config={config}: unwritten output"
+            err = _rel(y, ref)
+            assert err <= 2 * err_cublas + 1e-6, f"M={M} config={config}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+        assert torch.equal(ops.run_path("mixed_gemm", x, gw, bias), ops.gemm(x, gw, bias))
         dense = ops.run_path("dequant_cublas", x, gw, bias)
         assert _rel(dense, ref) <= 2 * err_cublas + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [0, 1, 2, 3, 4])  # ops.GEMM_TILES
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None), (8, 64)])
+def test_mixed_gemm_split_k_is_deterministic(bits, group, config, dtype):
+    """Each split count is correct and repeats bit for bit (partials added in split order,
+    counters re-armed by each tile's last block, also under graph-style back-to-back calls)."""
+    qw, w64, g = _case(700, 4096, bits, group, True, dtype, seed=11)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    x = torch.randn(70, 4096, device="cuda", generator=g).to(dtype)
+    ref = x.double() @ w64.T
+    err_cublas = _rel(F.linear(x, w64.to(dtype)), ref)
+    for splits in (1, 2, 3, 5, 8, 0):
+        first = ops.gemm(x, gw, config=config, splits=splits)
+        assert _rel(first, ref) <= 2 * err_cublas + 1e-6, f"splits={splits}"
+        for _ in range(3):
+            _poison_next_alloc(70 * 700, dtype)
+            assert torch.equal(ops.gemm(x, gw, config=config, splits=splits), first), f"splits={splits}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -132,10 +157,11 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
     assert layer.prepare_gpu(torch.float16)  # measures grids and the crossover, saves them
     saved = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())
     entry = saved[tuning.shape_key(layer.gpu)]
-    assert set(entry["grids"]) == {"1", "2", "4", "8"} and 16 <= entry["max_kernel_m"] <= 64
+    assert set(entry["grids"]) == {"1", "2"} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
+    assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 1 for c, s in entry["gemm"].values())
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     assert dispatch.choose_path(x, layer) == dispatch.GEMV
-    for m in (17, 64, 65, 300):
+    for m in (17, 64, 65, 300, 2000):
         path = dispatch.choose_path(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer)
         expect = dispatch.MIXED_GEMM if m <= entry["max_kernel_m"] else dispatch.DEQUANT_CUBLAS
         assert path == expect, (m, path)
@@ -162,8 +188,12 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
 def test_bad_arguments_raise_clear_errors():
     qw = quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 64, False))
     gw = ops.prepare(pack_for_gpu(qw, torch.float16))
-    with pytest.raises(ValueError, match="1 to 64 rows"):
-        ops.gemv(torch.randn(65, 128, device="cuda", dtype=torch.float16), gw)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), gw)
+    with pytest.raises(ValueError, match="per-channel or g"):
+        ops.gemm(torch.randn(32, 128, device="cuda", dtype=torch.float16),
+                 ops.prepare(pack_for_gpu(quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 32, False)),
+                                          torch.float16)))
     with pytest.raises(ValueError, match="features"):
         ops.gemv(torch.randn(2, 64, device="cuda", dtype=torch.float16), gw)
     with pytest.raises(TypeError, match="packed for"):

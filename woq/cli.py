@@ -142,14 +142,16 @@ class BenchDispatch(ModelSettings):
                   "(or run with --tune-model on one)")
             return
         for name, table in tables.items():
-            print(f"\n{name}\n(k-warps x grid size per M range)")
-            print("| weight (NxK, format, dtype) | M<=8 | M<=16 | M<=32 | M<=64 | kernel up to M |")
-            print("|---|---|---|---|---|---|")
+            print(f"\n{name}\n(GEMV: k-warps x grid size; mixed GEMM: tile config x split-K, per M range)")
+            ms = sorted({int(m) for e in table.values() for m in e.get("gemm", {})})
+            print("| weight (NxK, format, dtype) | M<=8 | M<=16 | " + " | ".join(f"M<={m}" for m in ms)
+                  + " | kernels up to M |")
+            print("|---" * (4 + len(ms)) + "|")
             for key, e in sorted(table.items()):
-                g = e["grids"]
-                print(f"| {key} | " + " | ".join("x".join(map(str, g[str(v)])) if str(v) in g else "-"
-                                                 for v in (1, 2, 4, 8))
-                      + f" | {e['max_kernel_m']} |")
+                g, p = e["grids"], e.get("gemm", {})
+                cells = ["x".join(map(str, g[str(v)])) if str(v) in g else "-" for v in (1, 2)]
+                cells += ["c{}x{}".format(*p[str(m)]) if str(m) in p else "-" for m in ms]
+                print(f"| {key} | " + " | ".join(cells) + f" | {e['max_kernel_m']} |")
         if self.plot:
             import matplotlib
             matplotlib.use("Agg")

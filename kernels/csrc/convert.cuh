@@ -78,6 +78,7 @@ struct ZeroConsts;
 template <>
 struct ZeroConsts<__half, 8> {
   uint32_t sub_lo, sub_hi;  // half2(1024 + z)
+  ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi)
       : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))) {}
 };
@@ -86,6 +87,7 @@ template <>
 struct ZeroConsts<__half, 4> {
   uint32_t sub_lo, sub_hi;  // half2(1024 + z) for the unshifted nibbles
   uint32_t add_lo, add_hi;  // half2(-(64 + z)) for the nibbles shifted by 4 bits
+  ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi)
       : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))),
         add_lo(as_u32(__float2half2_rn(-64.f - z_lo))), add_hi(as_u32(__float2half2_rn(-64.f - z_hi))) {}
@@ -94,6 +96,7 @@ struct ZeroConsts<__half, 4> {
 template <>
 struct ZeroConsts<__nv_bfloat16, 4> {
   uint32_t neg_lo, neg_hi;  // bf16x2(-(128 + z))
+  ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi) {
     __nv_bfloat162 lo = __float2bfloat162_rn(-128.f - z_lo), hi = __float2bfloat162_rn(-128.f - z_hi);
     neg_lo = *reinterpret_cast<uint32_t*>(&lo);
@@ -104,6 +107,7 @@ struct ZeroConsts<__nv_bfloat16, 4> {
 template <>
 struct ZeroConsts<__nv_bfloat16, 8> {
   float sub_lo, sub_hi;  // 2^23 + z, in fp32
+  ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi) : sub_lo(8388608.f + z_lo), sub_hi(8388608.f + z_hi) {}
 };
 

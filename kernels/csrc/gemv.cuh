@@ -1,6 +1,6 @@
-// Weight-only GEMV (M <= 16) and mixed GEMM (M <= 64): y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// W int8/int4, x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows share each converted weight
-// fragment: the "gemv" path is MB = 1, 2; the "mixed_gemm" path MB = 4, 8.
+// Weight-only GEMV (M <= 16): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W int8/int4,
+// x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows (1 or 2) share each converted weight
+// fragment. Larger M: the mixed GEMM (gemm.cuh), which reuses this file's layout and helpers.
 //
 // Why tensor cores for a "GEMV": at M = 16, an int4 weight streamed at 3 TB/s feeds
 // ~6e12 weights/s, i.e. ~1e14 multiply-adds/s -- more than the fp32 CUDA cores do
@@ -81,7 +81,7 @@ struct GemvParams {
 #endif
 
 constexpr int kGemvWarps = 8;
-constexpr int kGemvMaxM = 64;                // MB = 8 blocks of 8 rows
+constexpr int kGemvMaxM = 16;                // MB = 2 blocks of 8 rows
 constexpr int kGemvStages = WOQ_GEMV_STAGES;  // shared-memory ring depth
 constexpr int kGemvSteps = WOQ_GEMV_STEPS;    // 512-byte weight segments per warp per stage
 constexpr int kGemvMaxKWarps = 4;

@@ -1,5 +1,5 @@
 // Host-side launcher of one GEMV instantiation. Defined here, instantiated in
-// gemv_{fp16,bf16}_k{1,2,4}.cu and gemm_{fp16,bf16}.cu (separate translation units build in parallel).
+// gemv_{fp16,bf16}_k{1,2,4}.cu (separate translation units build in parallel).
 #pragma once
 
 #include <algorithm>
@@ -75,18 +75,5 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 2, KW) \
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1, KW) \
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2, KW)
-
-// The mixed GEMM (M <= 32, <= 64): per-channel and the common group sizes 64 / 128, one
-// k-warp per n-tile (its 32 or 64 rows of x per stage would not fit KW times over).
-#define WOQ_GEMM_INSTANTIATE_BITS_MB(T, BITS, MB) \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 1, 0)        \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 1, 64)       \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, 1, 128)
-
-#define WOQ_GEMM_INSTANTIATE(T)         \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 4) \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 4, 8) \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 4) \
-  WOQ_GEMM_INSTANTIATE_BITS_MB(T, 8, 8)
 
 }  // namespace woq

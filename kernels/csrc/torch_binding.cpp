@@ -64,7 +64,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 at::Tensor& counters) {
   check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
   check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
-  check(x.size(0) >= 1 && x.size(0) <= 64, "the GEMV/mixed GEMM takes 1 to 64 rows, got " + str(x.size(0)));
+  check(x.size(0) >= 1 && x.size(0) <= 16, "the GEMV takes 1 to 16 rows, got " + str(x.size(0)));
   check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
   if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -76,8 +76,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.y = y.data_ptr();
   a.M = static_cast<int>(x.size(0));
   a.max_blocks = static_cast<int>(max_blocks);
-  check(k_warps == 0 || k_warps == 1 || ((k_warps == 2 || k_warps == 4) && x.size(0) <= 16),
-        "k_warps must be 0 (by shape), 1, or 2 / 4 for at most 16 rows, got " + str(k_warps));
+  check(k_warps == 0 || k_warps == 1 || k_warps == 2 || k_warps == 4,
+        "k_warps must be 0 (by shape), 1, 2 or 4, got " + str(k_warps));
   a.k_warps = static_cast<int>(k_warps);
   a.dtype = dtype_of(x);
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * x.size(0) * 128,
@@ -90,6 +90,39 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.counters = counters.data_ptr<int>();
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
   check(err == cudaSuccess, std::string("gemv launch failed: ") + cudaGetErrorString(err));
+  return y;
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
+                int64_t group_size, int64_t n, int64_t k, int64_t config, int64_t splits, at::Tensor& workspace,
+                at::Tensor& counters) {
+  check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
+  check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
+  check(x.size(0) >= 1 && x.size(0) <= (1 << 24), "the mixed GEMM takes 1 to 2^24 rows, got " + str(x.size(0)));
+  check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
+  if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
+  check(config >= -1 && config <= 4, "config must be -1 (by M) or 0..4, got " + str(config));
+  check(splits >= 0 && splits <= 64, "splits must be 0 (by shape) .. 64, got " + str(splits));
+  check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat, "workspace must be a CUDA float32 tensor");
+  check(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters must be a CUDA int32 tensor");
+  const c10::cuda::CUDAGuard guard(x.device());
+  woq::GemmArgs a;
+  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  a.x = x.data_ptr();
+  a.bias = bias ? bias->data_ptr() : nullptr;
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  a.y = y.data_ptr();
+  a.M = static_cast<int>(x.size(0));
+  a.config = static_cast<int>(config);
+  a.splits = static_cast<int>(splits);
+  a.dtype = dtype_of(x);
+  a.workspace = workspace.data_ptr<float>();
+  a.workspace_floats = workspace.numel();
+  a.counters = counters.data_ptr<int>();
+  a.counters_len = counters.numel();
+  const cudaError_t err = woq::launch_gemm(a, at::cuda::getCurrentCUDAStream());
+  check(err == cudaSuccess, std::string("mixed GEMM launch failed: ") + cudaGetErrorString(err));
   return y;
 }
 
@@ -113,11 +146,15 @@ TORCH_LIBRARY(woq, m) {
       "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
       "int k, int max_blocks, int k_warps, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
   m.def(
+      "gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
+      "int k, int config, int splits, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+  m.def(
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {
   m.impl("gemv", &gemv);
+  m.impl("gemm", &gemm);
   m.impl("dequantize", &dequantize);
 }

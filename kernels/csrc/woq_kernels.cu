@@ -4,9 +4,12 @@
 
 namespace woq {
 
-// Defined in gemv_launch.cuh, instantiated in gemv_{fp16,bf16}_k{1,2,4}.cu and gemm_{fp16,bf16}.cu.
+// Defined in gemv_launch.cuh, instantiated in gemv_{fp16,bf16}_k{1,2,4}.cu.
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
+// Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..4}.cu.
+template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
+cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream);
 
 namespace {
 
@@ -23,22 +26,13 @@ cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
   const int group = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
 #define WOQ_CASE(G) \
   case G: return z ? gemv_launch<T, BITS, MB, KW, G, true>(a, stream) : gemv_launch<T, BITS, MB, KW, G, false>(a, stream);
-  if constexpr (MB > 2) {  // the mixed GEMM is instantiated for per-channel, g64 and g128
-    switch (group) {
-      WOQ_CASE(0)
-      WOQ_CASE(64)
-      WOQ_CASE(128)
-      default: return cudaErrorInvalidValue;
-    }
-  } else {
-    switch (group) {
-      WOQ_CASE(0)
-      WOQ_CASE(32)
-      WOQ_CASE(64)
-      WOQ_CASE(128)
-      WOQ_CASE(256)
-      default: return cudaErrorInvalidValue;
-    }
+  switch (group) {
+    WOQ_CASE(0)
+    WOQ_CASE(32)
+    WOQ_CASE(64)
+    WOQ_CASE(128)
+    WOQ_CASE(256)
+    default: return cudaErrorInvalidValue;
   }
 #undef WOQ_CASE
 }
@@ -54,24 +48,47 @@ int default_k_warps(int N) {
 
 template <typename T, int BITS, int MB>
 cudaError_t gemv_by_k_warps(const GemvArgs& a, cudaStream_t stream) {
-  if constexpr (MB > 2) {
-    return a.k_warps <= 1 ? gemv_by_group<T, BITS, MB, 1>(a, stream) : cudaErrorInvalidValue;
-  } else {
-    switch (a.k_warps > 0 ? a.k_warps : default_k_warps(a.weight.N)) {
-      case 1: return gemv_by_group<T, BITS, MB, 1>(a, stream);
-      case 2: return gemv_by_group<T, BITS, MB, 2>(a, stream);
-      case 4: return gemv_by_group<T, BITS, MB, 4>(a, stream);
-      default: return cudaErrorInvalidValue;
-    }
+  switch (a.k_warps > 0 ? a.k_warps : default_k_warps(a.weight.N)) {
+    case 1: return gemv_by_group<T, BITS, MB, 1>(a, stream);
+    case 2: return gemv_by_group<T, BITS, MB, 2>(a, stream);
+    case 4: return gemv_by_group<T, BITS, MB, 4>(a, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T, int BITS>
 cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
-  if (a.M <= 8) return gemv_by_k_warps<T, BITS, 1>(a, stream);
-  if (a.M <= 16) return gemv_by_k_warps<T, BITS, 2>(a, stream);
-  if (a.M <= 32) return gemv_by_k_warps<T, BITS, 4>(a, stream);
-  return gemv_by_k_warps<T, BITS, 8>(a, stream);
+  return a.M <= 8 ? gemv_by_k_warps<T, BITS, 1>(a, stream) : gemv_by_k_warps<T, BITS, 2>(a, stream);
+}
+
+template <typename T, int BITS, int CFG>
+cudaError_t gemm_by_group(const GemmArgs& a, cudaStream_t stream) {
+  const bool z = a.weight.zeros != nullptr;
+  switch (a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size) {
+#define WOQ_CASE(G) \
+  case G: return z ? gemm_launch<T, BITS, CFG, G, true>(a, stream) : gemm_launch<T, BITS, CFG, G, false>(a, stream);
+    WOQ_CASE(0)
+    WOQ_CASE(64)
+    WOQ_CASE(128)
+#undef WOQ_CASE
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The tile configuration when the caller leaves it to us: block rows just above M
+// (no tile computes mostly padding), 128-row tiles beyond.
+int default_gemm_config(int M) { return M <= 32 ? 0 : M <= 64 ? 1 : 2; }
+
+template <typename T, int BITS>
+cudaError_t gemm_by_config(const GemmArgs& a, cudaStream_t stream) {
+  switch (a.config >= 0 ? a.config : default_gemm_config(a.M)) {
+    case 0: return gemm_by_group<T, BITS, 0>(a, stream);
+    case 1: return gemm_by_group<T, BITS, 1>(a, stream);
+    case 2: return gemm_by_group<T, BITS, 2>(a, stream);
+    case 3: return gemm_by_group<T, BITS, 3>(a, stream);
+    case 4: return gemm_by_group<T, BITS, 4>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>
@@ -129,6 +146,17 @@ cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);
+}
+
+cudaError_t launch_gemm(const GemmArgs& a, cudaStream_t stream) {
+  // sm_80+: the ring of 4 stages needs up to ~200 KB of shared memory (a T4 has 64 KB);
+  // below that, mid-M layers run dequantize + cuBLAS.
+  if (!valid_weight(a.weight, a.dtype) || a.M < 1 || device_cc_major() < 8) return cudaErrorInvalidValue;
+  if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
+  if (a.dtype == DType::kFloat16)
+    return a.weight.bits == 4 ? gemm_by_config<__half, 4>(a, stream) : gemm_by_config<__half, 8>(a, stream);
+  return a.weight.bits == 4 ? gemm_by_config<__nv_bfloat16, 4>(a, stream) : gemm_by_config<__nv_bfloat16, 8>(a, stream);
 }
 
 cudaError_t launch_dequant(const DequantArgs& a, cudaStream_t stream) {

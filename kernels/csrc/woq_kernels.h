@@ -25,12 +25,28 @@ struct GemvArgs {
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
   const void* bias;  // [N] or nullptr
   void* y;           // [M, N]
-  int M;                   // 1..64 (the mixed GEMM above 16: per-channel, g64, g128 only)
+  int M;                   // 1..16
   int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
-  int k_warps;             // warps splitting each n-tile's K: 1, 2, 4 (M <= 16 only); 0 = by shape
+  int k_warps;             // warps splitting each n-tile's K: 1, 2, 4; 0 = by shape
   float* workspace;        // partial column sums: 2 * M * 128 floats per block
   long long workspace_floats;
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
+  DType dtype;
+};
+
+// The mixed GEMM (any M; per-channel, g64 and g128 weights; sm_80+).
+struct GemmArgs {
+  PackedWeight weight;
+  const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
+  const void* bias;  // [N] or nullptr
+  void* y;           // [M, N]
+  int M;
+  int config;        // tile configuration 0..4 (gemm.cuh); -1 = by M
+  int splits;        // blocks per output tile (split-K); 0 = enough to fill the GPU
+  float* workspace;  // split partials: tiles * splits * BM * BN floats (splits are capped to fit)
+  long long workspace_floats;
+  int* counters;     // one per output tile when splitting, zero-initialised
+  long long counters_len;
   DType dtype;
 };
 
@@ -49,6 +65,7 @@ int gemv_sm_count();
 // Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
 // M, alignment, bf16 below sm_80), else the launch status.
 cudaError_t launch_gemv(const GemvArgs& args, cudaStream_t stream);
+cudaError_t launch_gemm(const GemmArgs& args, cudaStream_t stream);
 cudaError_t launch_dequant(const DequantArgs& args, cudaStream_t stream);
 
 }  // namespace woq

@@ -1,7 +1,0 @@
-// Mixed-GEMM instantiations (M <= 64) for bf16 activations: the GEMV kernel with 4 or 8
-// row blocks of x per converted weight fragment (see gemv.cuh, gemv_launch.cuh).
-#include "gemv_launch.cuh"
-
-namespace woq {
-WOQ_GEMM_INSTANTIATE(__nv_bfloat16)
-}  // namespace woq

@@ -1,0 +1,77 @@
+// Host-side launcher of one mixed-GEMM instantiation. Defined here, instantiated in
+// gemm_{fp16,bf16}_c{0..4}.cu (one translation unit per activation type and tile
+// configuration: they build in parallel).
+#pragma once
+
+#include <algorithm>
+
+#include "gemm.cuh"
+#include "woq_kernels.h"
+
+namespace woq {
+
+template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
+cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
+  using Shape = GemmShape<CFG>;
+  const PackedWeight& w = a.weight;
+  constexpr int smem = gemm_smem_bytes<T, BITS, CFG, GROUP, ZEROS>();
+  auto kernel = gemm_kernel<T, BITS, CFG, GROUP, ZEROS>;
+  static int resident = 0;  // blocks per SM (after the shared-memory opt-in)
+  if (resident == 0) {
+    if (smem > 48 * 1024) {
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+    }
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kGemmWarps * 32, smem);
+    if (e != cudaSuccess) return e;
+    if (resident < 1) return cudaErrorInvalidConfiguration;
+  }
+  GemmParams p;
+  p.x = a.x;
+  p.w = static_cast<const uint4*>(w.qweight);
+  p.scales = w.scales;
+  p.zeros = w.zeros;
+  p.bias = a.bias;
+  p.y = a.y;
+  p.workspace = a.workspace;
+  p.counters = a.counters;
+  p.M = a.M;
+  p.N = w.N;
+  p.K = w.K;
+  p.K_pad = w.K_pad;
+  p.n_tiles = (w.N + 15) / 16;
+  p.groups_pad = w.groups_pad;
+  p.nstages = (w.K_pad + kGemmStageK - 1) / kGemmStageK;
+  p.m_tiles = (a.M + Shape::kBM - 1) / Shape::kBM;
+  const long long columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;
+  const long long tiles = columns * p.m_tiles;
+  // Split K only as far as it helps fill one resident wave, and as the workspace and
+  // counters hold; `splits` = 0 leaves it to that rule.
+  const long long slots = static_cast<long long>(resident) * gemv_sm_count();
+  long long splits = a.splits > 0 ? a.splits : std::max(1LL, slots / tiles);
+  splits = std::min<long long>(splits, std::max(1, p.nstages / 2));
+  const long long tile_floats = static_cast<long long>(Shape::kBM) * Shape::kBN;
+  if (tiles > a.counters_len) splits = 1;
+  splits = std::max(1LL, std::min(splits, a.workspace_floats / (tiles * tile_floats)));
+  p.splits = static_cast<int>(splits);
+  const long long blocks = tiles * splits;
+  if (blocks > (1LL << 30)) return cudaErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Per-channel and group sizes 64 / 128, with and without zero points, int4 and int8.
+#define WOQ_GEMM_INSTANTIATE_GROUP(T, BITS, CFG, GROUP)                                         \
+  template cudaError_t gemm_launch<T, BITS, CFG, GROUP, false>(const GemmArgs&, cudaStream_t); \
+  template cudaError_t gemm_launch<T, BITS, CFG, GROUP, true>(const GemmArgs&, cudaStream_t);
+
+#define WOQ_GEMM_INSTANTIATE_BITS(T, BITS, CFG)  \
+  WOQ_GEMM_INSTANTIATE_GROUP(T, BITS, CFG, 0)    \
+  WOQ_GEMM_INSTANTIATE_GROUP(T, BITS, CFG, 64)   \
+  WOQ_GEMM_INSTANTIATE_GROUP(T, BITS, CFG, 128)
+
+#define WOQ_GEMM_INSTANTIATE(T, CFG)     \
+  WOQ_GEMM_INSTANTIATE_BITS(T, 4, CFG)   \
+  WOQ_GEMM_INSTANTIATE_BITS(T, 8, CFG)
+
+}  // namespace woq
