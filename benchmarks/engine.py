@@ -2,17 +2,20 @@
 
 Random-weight models with real shapes (Llama-3-8B; SmolLM2-135M), fp16 / int8 / int4-g128:
 decode tokens/s at batch 1, 4, 16 and the maximum (greedy, 128 new tokens after a
-128-token prompt, CUDA graphs), prefill tokens/s of a 2048-token prompt, and at batch 1 the
+128-token prompt, CUDA graphs; median of 3 runs), prefill tokens/s of a 2048-token prompt
+(median of 3 after one warm-up), and at batch 1 the
 fraction of the roofline (tokens/s x bytes read per token / measured copy bandwidth). In the
 same run, HF transformers fp16 ``generate`` on the same weights (eager dynamic cache, and
 static cache), and the cost of the per-kernel metrics at their default sampling rate.
 
     python benchmarks/engine.py --out docs/bench
+    python benchmarks/engine.py --pdl-ab        # programmatic launches on / off (8B int4)
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import threading
 import time
@@ -84,7 +87,10 @@ def hf_decode_tps(config, state, cache: str) -> float:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    timed(8)  # warm-up
+    # Warm-up at both lengths: with cache_implementation="static", transformers compiles the
+    # forward for each cache length, and a compile inside a timed call made the difference
+    # meaningless (0.5 tok/s for the 8B model).
+    timed(HF_NEW), timed(1)
     t_all, t_one = timed(HF_NEW), timed(1)
     return (HF_NEW - 1) / (t_all - t_one)
 
@@ -130,12 +136,23 @@ def decode_tps(engine: Engine, vocab: int, batch: int) -> tuple[float, float]:
     return batch * (NEW - 1) / (max(lasts) - min(firsts)), (NEW - 1) / (sum(b - a for a, b in zip(firsts, lasts)) / batch)
 
 
-def prefill_tps(engine: Engine, vocab: int, tokens: int = 2048) -> float:
-    prompt = torch.randint(0, vocab, (tokens,)).tolist()
-    engine.generate(prompt[:64], SamplingParams(max_tokens=1))  # warm-up
-    t0 = time.perf_counter()
-    engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    return tokens / (time.perf_counter() - t0)
+def median_decode_tps(engine: Engine, vocab: int, batch: int, repeats: int = 3) -> tuple[float, float]:
+    """``decode_tps`` of the run with the median rate among ``repeats``."""
+    runs = sorted(decode_tps(engine, vocab, batch) for _ in range(repeats))
+    return runs[repeats // 2]
+
+
+def prefill_tps(engine: Engine, vocab: int, tokens: int = 2048, repeats: int = 3) -> float:
+    """Median prompt tokens/s of ``tokens``-token prompts (after one of the same length:
+    the first call at a new M picks cuBLAS algorithms and fills the allocator)."""
+    rates = []
+    for i in range(repeats + 1):
+        prompt = torch.randint(0, vocab, (tokens,)).tolist()
+        t0 = time.perf_counter()
+        engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        if i > 0:
+            rates.append(tokens / (time.perf_counter() - t0))
+    return statistics.median(rates)
 
 
 class _Discard:
@@ -177,6 +194,39 @@ def metrics_overhead(name: str, out: Path, repeats: int = 7) -> str:
     return table
 
 
+def pdl_ab(name: str, out: Path, batches=(1, 16, 64), repeats: int = 5) -> str:
+    """Decode tok/s of the int4 model with programmatic launches (kernels/pdl.py) and
+    without: two engines whose graphs were captured each way, runs alternating."""
+    from woq.kernels import pdl
+
+    config = configs()[name]
+    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
+                        progress=False)
+    engines = {}
+    for on in (False, True):
+        pdl.set_enabled(on)
+        engines[on] = Engine(model, None, set(), max_batch_size=max(batches), max_seq_len=CONTEXT).start()
+        engines[on].generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
+    lines = []
+    for b in batches:
+        rates = {False: [], True: []}
+        for _ in range(repeats):
+            for on in (False, True):
+                pdl.set_enabled(on)  # (the eager prefills too)
+                rates[on].append(decode_tps(engines[on], config.vocab_size, b)[0])
+        plain, programmatic = statistics.median(rates[False]), statistics.median(rates[True])
+        lines.append([f"{name} int4-g128", b, plain, programmatic, f"{programmatic / plain:.3f}×"])
+        print(lines[-1], flush=True)
+    for e in engines.values():
+        e.shutdown()
+    pdl.set_enabled(True)
+    table = markdown_table(["model", "batch", "decode tok/s, plain launches", "programmatic launches", "ratio"], lines)
+    (out / "pdl_ab.md").write_text(f"GPU: {torch.cuda.get_device_name()}; median of {repeats} alternating runs each; "
+                                   f"{PROMPT}-token prompts, {NEW} new tokens, CUDA graphs captured each way.\n\n"
+                                   + table + "\n")
+    return table
+
+
 def run(models: list[str], batches: list[int], out: Path) -> dict:
     info = gpu_info()
     bw = copy_bandwidth()
@@ -199,7 +249,7 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
             row = dict(model=name, format=fmt, weight_bytes=wbytes, hf_eager_tps=hf["dynamic"],
                        hf_static_tps=hf["static"])
             for b in batches:
-                row[f"decode_tps_b{b}"], row[f"per_request_tps_b{b}"] = decode_tps(engine, config.vocab_size, b)
+                row[f"decode_tps_b{b}"], row[f"per_request_tps_b{b}"] = median_decode_tps(engine, config.vocab_size, b)
                 print(f"  {name} {fmt} batch {b}: {row[f'decode_tps_b{b}']:.0f} tok/s", flush=True)
             row["prefill_tps_2048"] = prefill_tps(engine, config.vocab_size)
             kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
@@ -216,7 +266,7 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
                                 profile_every=d["profile_every"].default).start()
                 dispatch.set_observer(_Discard(), sample_every=d["kernel_timing_every"].default)
                 for b in (1, 16):
-                    row[f"decode_tps_b{b}_with_kernel_metrics"], _ = decode_tps(engine, config.vocab_size, b)
+                    row[f"decode_tps_b{b}_with_kernel_metrics"], _ = median_decode_tps(engine, config.vocab_size, b)
                 dispatch.set_observer(None)
             engine.shutdown()
             rows.append(row)
@@ -289,7 +339,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--metrics-overhead", action="store_true", help="only the cost of the kernel metrics (8B int4)")
+    ap.add_argument("--pdl-ab", action="store_true", help="only programmatic launches on/off (8B int4)")
     a = ap.parse_args()
+    if a.pdl_ab:
+        a.out.mkdir(parents=True, exist_ok=True)
+        print(pdl_ab("llama3-8b", a.out))
+        return
     if a.metrics_overhead:
         a.out.mkdir(parents=True, exist_ok=True)
         print(metrics_overhead("llama3-8b", a.out))

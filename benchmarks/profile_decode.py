@@ -29,6 +29,7 @@ from engine import CONTEXT, NEW, PROMPT, configs, decode_tps, random_state, weig
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
+from woq.kernels import pdl  # noqa: E402
 from woq.models import llama  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
@@ -66,11 +67,17 @@ def step_inputs(model, cache):
 
 def eager_kernels(model, cache, ids, pos, slots) -> dict[str, dict]:
     """Kernels of one eager decode step: {group: {count, us}}."""
-    from torch.profiler import ProfilerActivity, profile
 
     def step():
         logits = model(ids, Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)
         return logits.argmax(-1)
+
+    return kernels_of(step)
+
+
+def kernels_of(step) -> dict[str, dict]:
+    """Kernels of one call of ``step`` (after 3 warm-up calls): {group: {count, us, names}}."""
+    from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         step()
@@ -92,7 +99,8 @@ def eager_kernels(model, cache, ids, pos, slots) -> dict[str, dict]:
 
 
 def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
-    graphs = DecodeGraphs(model, cache, 1, scratch_slot=cache.num_slots - 1)
+    """Median µs of one decode step of ``ids.shape[0]`` sequences replayed as a CUDA graph."""
+    graphs = DecodeGraphs(model, cache, ids.shape[0], scratch_slot=cache.num_slots - 1)
     graphs.capture()
     times = []
     for _ in range(replays):
@@ -103,6 +111,28 @@ def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def prefill_ms_of(model, cache, repeats: int = 5) -> tuple[float, dict]:
+    """Median ms of one eager PROMPT-token prefill (slot 0), as the engine runs it, and
+    its kernels by group."""
+    dev = model.device
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, PROMPT), device=dev)
+    batch = Batch(torch.arange(PROMPT, device=dev)[None], torch.tensor([0], device=dev), PROMPT, prefill=True)
+
+    def step():
+        return model(prompt, batch, cache, last_only=True).argmax(-1).tolist()
+
+    times = []
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times), kernels_of(step)
 
 
 def profile_model(name: str, bw: float) -> list[dict]:
@@ -117,6 +147,19 @@ def profile_model(name: str, bw: float) -> list[dict]:
         ids, pos, slots = step_inputs(model, cache)
         groups = eager_kernels(model, cache, ids, pos, slots)
         graph_us = graph_step_us(model, cache, ids, pos, slots)
+        pdl.set_enabled(False)  # the same step captured with plain launches
+        graph_plain_us = graph_step_us(model, cache, ids, pos, slots)
+        pdl.set_enabled(True)
+        del cache
+        # batch 16 (the GEMV's second row block) at the same position, and one eager
+        # PROMPT-token prefill (what a new sequence costs the running ones)
+        cache = KVCache(cfg.num_layers, 18, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
+        ids16, pos16 = ids.expand(16, 1).contiguous(), pos.expand(16, 1).contiguous()
+        graph16_us = graph_step_us(model, cache, ids16, pos16, torch.arange(16, device=ids.device))
+        prefill_ms, prefill_groups = prefill_ms_of(model, cache)
+        print(f"  prefill {prefill_ms:.1f} ms; kernels:", flush=True)
+        for g, v in sorted(prefill_groups.items(), key=lambda kv: -kv[1]["us"]):
+            print(f"   {g:40s} {v['count']:5d} {v['us']:9.1f} us  {v['names']}", flush=True)
         del cache
         engine = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
         engine.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -125,9 +168,12 @@ def profile_model(name: str, bw: float) -> list[dict]:
         kernel_us = sum(g["us"] for g in groups.values())
         wbytes = weight_bytes(model)
         rows.append({"model": name, "fused": fused, "groups": groups, "kernels": sum(g["count"] for g in groups.values()),
-                     "kernel_us": kernel_us, "graph_step_us": graph_us, "engine_step_us": 1e6 / tps, "decode_tps_b1": tps,
+                     "kernel_us": kernel_us, "graph_step_us": graph_us, "graph_step_plain_us": graph_plain_us,
+                     "graph_step_b16_us": graph16_us, "prefill_ms": prefill_ms,
+                     "prefill_kernel_ms": sum(g["us"] for g in prefill_groups.values()) / 1e3, "prefill_groups": prefill_groups,
+                     "engine_step_us": 1e6 / tps, "decode_tps_b1": tps,
                      "weight_bytes": wbytes, "weights_roofline_us": 1e6 * wbytes / bw})
-        print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
+        print({k: v for k, v in rows[-1].items() if k not in ("groups", "prefill_groups")}, flush=True)
         for g, v in sorted(groups.items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {g:40s} {v['count']:5d} {v['us']:9.1f} us  {v['names']}", flush=True)
     llama.set_fused_ops(True)
@@ -138,11 +184,15 @@ def summary(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
              f"int4 g128 random weights, batch 1, decode at position {PROMPT} ({NEW}-token runs for the engine rate). "
              "Kernel µs: summed GPU time of one eager step's kernels (torch.profiler); graph step: the same step replayed "
-             "as a CUDA graph (median of 200, CUDA events); engine step: 1 / the engine's batch-1 decode rate.\n"]
-    head = ["model", "decoder ops", "kernels / step", "kernel µs", "graph step µs", "engine step µs", "tok/s b1",
-            "weights-only roofline µs"]
+             "as a CUDA graph (median of 200, CUDA events), with programmatic launches (kernels/pdl.py, the default) and "
+             "without; engine step: 1 / the engine's batch-1 decode rate; graph step b16: the graph of 16 sequences "
+             f"at that position; prefill: one eager {PROMPT}-token prompt with its first token (median of 5).\n"]
+    head = ["model", "decoder ops", "kernels / step", "kernel µs", "graph step µs", "graph step µs, plain launches",
+            "engine step µs", "tok/s b1", "weights-only roofline µs", "graph step µs b16", f"prefill ms ({PROMPT} tokens)", "its kernels ms"]
     lines.append(markdown_table(head, [[r["model"], "fused" if r["fused"] else "torch", r["kernels"], r["kernel_us"],
-                                        r["graph_step_us"], r["engine_step_us"], r["decode_tps_b1"], r["weights_roofline_us"]]
+                                        r["graph_step_us"], r.get("graph_step_plain_us", "-"), r["engine_step_us"], r["decode_tps_b1"], r["weights_roofline_us"],
+                                        r.get("graph_step_b16_us", "-"), r.get("prefill_ms", "-"),
+                                        r.get("prefill_kernel_ms", "-")]
                                        for r in result["rows"]]))
     for r in result["rows"]:
         lines.append(f"\n**{r['model']}, {'fused' if r['fused'] else 'torch'} ops** — kernels of one step:\n")

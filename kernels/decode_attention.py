@@ -18,14 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .fused import _programmatic_prologue
+
 
 @triton.jit
 def _decode_attention_split(
     Q, K, V, Out, Lse, slots, lengths,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     scale, split_len,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _programmatic_prologue(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,7 +69,8 @@ def _decode_attention_split(
 
 @triton.jit
 def _merge_splits(Out, Lse, Final, lengths, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_fb,
-                  stride_fh, split_len, SPLITS: tl.constexpr, D: tl.constexpr):
+                  stride_fh, split_len, SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    _programmatic_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lengths + b)
@@ -109,14 +114,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # a token, and each of those wrote its lse.
     lse = torch.empty(B, splits_pad, H, device=q.device, dtype=torch.float32)
     q = q.contiguous()
+    launch = pdl.triton_kwargs(q.device)
     _decode_attention_split[(B, Hkv, splits)](
         q, k_cache, v_cache, out, lse, slots, lengths,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         1.0 / math.sqrt(D), split_len,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64, **launch,
     )
     final = torch.empty_like(q)
     _merge_splits[(B, H)](out, lse, final, lengths, out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-                          lse.stride(1), final.stride(0), final.stride(1), split_len, SPLITS=splits_pad, D=D)
+                          lse.stride(1), final.stride(0), final.stride(1), split_len, SPLITS=splits_pad, D=D, **launch)
     return final

@@ -24,14 +24,28 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 def _warps(block: int) -> int:
     return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8
 
 
 @triton.jit
+def _programmatic_prologue(PDL: tl.constexpr):
+    # Launched programmatically (kernels/pdl.py): let the next kernel launch now -- it
+    # waits for this one to complete before using its output -- and wait for the previous
+    # one before reading anything. Every program waits, so this kernel completes only
+    # after its predecessor.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_rout, N, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _programmatic_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -63,7 +77,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, y, rout, x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl.triton_kwargs(x.device),
     )
     return y.view(shape), (x if residual is None else rout.view(shape))
 
@@ -71,7 +85,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 @triton.jit
 def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
                            stride_qkv, stride_q, stride_qh, stride_cs, stride_ch, stride_ct, stride_rope,
-                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    _programmatic_prologue(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     pos = tl.load(positions + tok)
@@ -109,13 +124,14 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
     _rope_and_cache_kernel[(B, heads + 2 * kv_heads)](
         qkv, cos, sin, positions, slots, q, k_cache, v_cache,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        cos.stride(0), H=heads, HKV=kv_heads, D=head_dim, num_warps=1,
+        cos.stride(0), H=heads, HKV=kv_heads, D=head_dim, num_warps=1, **pdl.triton_kwargs(qkv.device),
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _programmatic_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -133,5 +149,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(gu.shape[0], n, dtype=gu.dtype, device=gu.device)
     block = min(2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, y, gu.stride(0), y.stride(0), n, BLOCK=block,
-                                                           num_warps=_warps(block))
+                                                           num_warps=_warps(block), **pdl.triton_kwargs(gu.device))
     return y.view(*shape[:-1], n)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .cache import cache_dir
 from .layout import GpuWeight
 from .paths import DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
@@ -94,6 +95,7 @@ def load() -> bool:
         log.warning("woq CUDA kernels unavailable (%s); using the torch reference path", exc)
         return False
     _register_fakes()
+    torch.ops.woq.set_programmatic_launch(pdl.enabled())
     return True
 
 

@@ -212,3 +212,56 @@ def test_custom_ops_work_under_torch_compile():
     for m in (1, 5, 16):
         x = torch.randn(m, 576, device="cuda", dtype=torch.float16)
         torch.testing.assert_close(compiled(x), layer(x), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [1, 9, 40])  # GEMV with 1 and 2 row blocks, the mixed GEMM
+def test_programmatic_launches_give_the_plain_launches_bits(m):
+    """A dependent chain (GEMV/GEMM -> Triton RMSNorm -> GEMV/GEMM -> SiLU*up -> ...), each
+    kernel reading the previous one's output and sharing the split-K scratch, replayed from
+    a CUDA graph with new inputs: with programmatic launches (kernels/pdl.py, sm_90+) every
+    replay equals the plain-launch result bit for bit. A kernel that touched x, its output
+    or the workspace before `griddepcontrol.wait` would read the last replay's values."""
+    from woq.kernels import fused, pdl
+
+    dtype = torch.float16
+    torch.manual_seed(5)
+    layers = []
+    for n, k in [(8192, 4096), (4096, 8192), (3000, 4096), (4096, 1504)]:  # the first is long: a wide race window
+        qw = quantize(torch.randn(n, k, device="cuda") * 0.05, QuantSpec(4, 128, False, scale_dtype=dtype))
+        layers.append(ops.prepare(pack_for_gpu(qw, dtype)))
+    norm_w = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
+
+    def linear(x, gw):
+        return ops.gemv(x, gw) if m <= ops.GEMV_MAX_M else ops.gemm(x, gw)
+
+    def chain(x):
+        h = linear(x, layers[0])  # [m, 8192]
+        h = fused.silu_mul(h)  # [m, 4096]
+        h, _ = fused.add_rms_norm(h, x, norm_w, 1e-5)
+        h = linear(torch.cat([h, h], 1), layers[1])  # [m, 4096]
+        h = linear(h, layers[2])  # [m, 3000], odd N
+        return linear(h[:, :1504].contiguous(), layers[3])
+
+    inputs = [torch.randn(m, 4096, device="cuda", dtype=dtype) for _ in range(4)]
+    was = pdl.enabled()
+    try:
+        pdl.set_enabled(False)
+        plain = [chain(x) for x in inputs]
+        assert all(torch.isfinite(y).all() for y in plain)
+        pdl.set_enabled(True)
+        assert [torch.equal(chain(x), y) for x, y in zip(inputs, plain)] == [True] * 4  # eager
+        static_x = inputs[0].clone()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            chain(static_x)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static_x)
+        for _ in range(3):
+            for x, y in zip(inputs, plain):
+                static_x.copy_(x)
+                graph.replay()
+                assert torch.equal(out, y)
+    finally:
+        pdl.set_enabled(was)

@@ -181,10 +181,12 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   T* y = static_cast<T*>(p.y);
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
-  // Issue the cp.async copies of stage `st` into ring slot `slot`. Every part is a run of
-  // 16-byte chunks, chunk c to thread c % kThreads; out-of-range chunks are zero-filled
-  // (zero codes convert to finite values, and they meet zero-filled x).
-  auto fetch = [&](int st, int slot) {
+  // The cp.async copies of stage `st` into ring slot `slot`, in two parts: what is
+  // constant while serving (weights, scales, zero points) and the activations, which the
+  // previous kernel may still be writing (launch.cuh). Every part is a run of 16-byte
+  // chunks, chunk c to thread c % kThreads; out-of-range chunks are zero-filled (zero
+  // codes convert to finite values, and they meet zero-filled x).
+  auto fetch_weights = [&](int st, int slot) {
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     // weights: each n-tile's kSegs segments of this stage lie contiguous in global memory
     constexpr int kWChunks = kTiles * kSegs * 32;
@@ -196,18 +198,6 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
       const bool valid = tile0 + t < p.n_tiles && st * kSegs + r / 32 < ktiles;
       const uint4* src = p.w + (static_cast<size_t>(tile0 + t) * ktiles + st * kSegs) * 32 + r;
       copy16_async(base + c * 16, valid ? src : p.w, valid);
-    }
-    // activations: BM rows x 16 chunks of 8 elements; rows past M and k past K zero-filled
-    constexpr int kXChunks = BM * (kGemmStageK / 8);
-    static_assert(kXChunks % kThreads == 0, "whole x copies per thread");
-#pragma unroll
-    for (int j = 0; j < kXChunks / kThreads; ++j) {
-      const int c = tid + j * kThreads;
-      const int row = c / (kGemmStageK / 8), k = st * kGemmStageK + (c % (kGemmStageK / 8)) * 8;
-      const bool valid = m0 + row < p.M && k < p.K;
-      const T* src = x + static_cast<size_t>(m0 + row) * p.K + k;
-      copy16_async(base + Stage::kW + (row * XS + (c % (kGemmStageK / 8)) * 8) * static_cast<uint32_t>(sizeof(T)),
-                   valid ? src : x, valid);
     }
     // group scales (and zeros): 16 values = 2 chunks per (n-tile, group)
     if constexpr (kGroups > 0) {
@@ -222,6 +212,21 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
         const T* src = (is_zero ? zeros : scales) + (static_cast<size_t>(tile0 + t) * p.groups_pad + g) * 16 + (r % 2) * 8;
         copy16_async(base + Stage::kW + Stage::kX + (is_zero ? Stage::kS : 0) + cs * 16, valid ? src : scales, valid);
       }
+    }
+  };
+  auto fetch_x = [&](int st, int slot) {
+    const uint32_t base = smem_addr + slot * Stage::kBytes;
+    // activations: BM rows x 16 chunks of 8 elements; rows past M and k past K zero-filled
+    constexpr int kXChunks = BM * (kGemmStageK / 8);
+    static_assert(kXChunks % kThreads == 0, "whole x copies per thread");
+#pragma unroll
+    for (int j = 0; j < kXChunks / kThreads; ++j) {
+      const int c = tid + j * kThreads;
+      const int row = c / (kGemmStageK / 8), k = st * kGemmStageK + (c % (kGemmStageK / 8)) * 8;
+      const bool valid = m0 + row < p.M && k < p.K;
+      const T* src = x + static_cast<size_t>(m0 + row) * p.K + k;
+      copy16_async(base + Stage::kW + (row * XS + (c % (kGemmStageK / 8)) * 8) * static_cast<uint32_t>(sizeof(T)),
+                   valid ? src : x, valid);
     }
   };
 
@@ -307,17 +312,29 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   };
 
-  // Pipeline: kGemmStages - 1 stages in flight ahead of the one computed.
+  // Pipeline: kGemmStages - 1 stages in flight ahead of the one computed. The prologue
+  // fetches their weights before waiting for the previous kernel (a programmatic launch,
+  // launch.cuh), x after; one commit group per stage (the first also holds the other
+  // stages' weights), so the main loop's wait counts are unchanged.
+  allow_dependent_launch();
+#pragma unroll
+  for (int q = 0; q < kGemmStages - 1; ++q)
+    if (st_begin + q < st_end) fetch_weights(st_begin + q, q);
+  wait_for_prior_grid();
 #pragma unroll
   for (int q = 0; q < kGemmStages - 1; ++q) {
-    if (st_begin + q < st_end) fetch(st_begin + q, q);
+    if (st_begin + q < st_end) fetch_x(st_begin + q, q);
     cp_async_commit();
   }
   int slot = 0;
   for (int st = st_begin; st < st_end; ++st) {
     cp_async_wait<kGemmStages - 2>();
     __syncthreads();  // stage st visible to all; the slot of stage st - 1 free to overwrite
-    if (st + kGemmStages - 1 < st_end) fetch(st + kGemmStages - 1, slot == 0 ? kGemmStages - 1 : slot - 1);
+    if (st + kGemmStages - 1 < st_end) {
+      const int ahead_slot = slot == 0 ? kGemmStages - 1 : slot - 1;
+      fetch_weights(st + kGemmStages - 1, ahead_slot);
+      fetch_x(st + kGemmStages - 1, ahead_slot);
+    }
     cp_async_commit();
     if (warp_live) compute(slot);
     slot = slot == kGemmStages - 1 ? 0 : slot + 1;

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "gemm.cuh"
+#include "launch.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
@@ -16,16 +17,8 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   const PackedWeight& w = a.weight;
   constexpr int smem = gemm_smem_bytes<T, BITS, CFG, GROUP, ZEROS>();
   auto kernel = gemm_kernel<T, BITS, CFG, GROUP, ZEROS>;
-  static int resident = 0;  // blocks per SM (after the shared-memory opt-in)
-  if (resident == 0) {
-    if (smem > 48 * 1024) {
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-    }
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kGemmWarps * 32, smem);
-    if (e != cudaSuccess) return e;
-    if (resident < 1) return cudaErrorInvalidConfiguration;
-  }
+  static const int resident = resident_blocks(kernel, kGemmWarps * 32, smem);  // blocks per SM
+  if (resident < 1) return cudaErrorInvalidConfiguration;
   GemmParams p;
   p.x = a.x;
   p.w = static_cast<const uint4*>(w.qweight);
@@ -56,8 +49,7 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   p.splits = static_cast<int>(splits);
   const long long blocks = tiles * splits;
   if (blocks > (1LL << 30)) return cudaErrorInvalidValue;
-  kernel<<<static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream, p);
 }
 
 // Per-channel and group sizes 64 / 128, with and without zero points, int4 and int8.

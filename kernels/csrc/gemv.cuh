@@ -49,6 +49,7 @@
 #include <type_traits>
 
 #include "convert.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 
 namespace woq {
@@ -205,7 +206,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   // Linear stage index L = column * nstages + stage, over this block's share.
   const int L_begin = part_of.begin(blockIdx.x) * p.unit_stages;
   const int L_end = part_of.begin(blockIdx.x + 1) * p.unit_stages;
-  if (L_begin >= L_end) return;
+  if (L_begin >= L_end) {  // (the launcher sizes the grid so that this never happens)
+    wait_for_prior_grid();
+    return;
+  }
 
   extern __shared__ uint4 smem[];
   __shared__ int is_last_contributor;
@@ -247,8 +251,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   const uint32_t s_dst = Stage::kW + Stage::kX + (s_is_zero ? Stage::kS : 0) +
                          ((s_tile * kGroups) * 16 + s_r * 8) * static_cast<uint32_t>(sizeof(T));
 
-  // Issue the cp.async copies of stage `st` of column `c` into ring slot `slot`.
-  auto fetch = [&](int c, int st, int slot) {
+  // The cp.async copies of stage `st` of column `c` into ring slot `slot`, in two parts:
+  // what is constant while serving (weights, scales, zero points) and the activations,
+  // which the previous kernel may still be writing (see the prologue below).
+  auto fetch_weights = [&](int c, int st, int slot) {
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     const int kt0 = (st * KW + kw) * kGemvSteps;  // this warp's first segment
     if (c * kTiles + tile < p.n_tiles) {  // this lane's own weight bytes (each warp reads back only its own)
@@ -262,13 +268,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
           if (kt0 + s < ktiles) copy16_async(base + w_dst + s * 512, src + s * 32, true);
       }
     }
-    // activations: rows < M; columns past K zero-filled (padded weights are exactly 0,
-    // but 0 * uninitialised memory could be NaN)
-    const bool x_valid = st * SK + x_seg * 8 < p.K;
-    const T* xs = x_valid ? x_src + st * SK : x;
-    for (int m = x_row, j = 0; m < p.M; m += kRowsPerPass, ++j)
-      copy16_async(base + x_dst + j * (kRowsPerPass * XS * static_cast<int>(sizeof(T))),
-                   xs + (x_valid ? static_cast<size_t>(j) * kRowsPerPass * p.K : 0), x_valid);
     if constexpr (kGroups > 0) {  // the 16 scales (and zeros) of each group of each tile
       if (s_copies) {
         const int g0 = (st * SK) / GROUP;
@@ -277,6 +276,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
         copy16_async(base + s_dst, src, valid);
       }
     }
+  };
+  auto fetch_x = [&](int st, int slot) {
+    const uint32_t base = smem_addr + slot * Stage::kBytes;
+    // rows < M; columns past K zero-filled (padded weights are exactly 0, but
+    // 0 * uninitialised memory could be NaN)
+    const bool x_valid = st * SK + x_seg * 8 < p.K;
+    const T* xs = x_valid ? x_src + st * SK : x;
+    for (int m = x_row, j = 0; m < p.M; m += kRowsPerPass, ++j)
+      copy16_async(base + x_dst + j * (kRowsPerPass * XS * static_cast<int>(sizeof(T))),
+                   xs + (x_valid ? static_cast<size_t>(j) * kRowsPerPass * p.K : 0), x_valid);
   };
 
   const float bz = zero_point_bias(BITS);
@@ -453,12 +462,24 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
       ++c_ahead;
     }
   };
+  // Prologue: kStages - 1 stages in flight. Under a programmatic launch (launch.cuh)
+  // their weights stream in while the previous kernel finishes; x, the outputs and the
+  // workspace wait for it. One commit group per stage still (the first also holds the
+  // other stages' weights), so the main loop's wait counts are unchanged.
+  allow_dependent_launch();
+  int st_prologue[kGemvStages - 1];
 #pragma unroll
   for (int q = 0; q < kGemvStages - 1; ++q) {
+    st_prologue[q] = st_ahead;
     if (L_begin + q < L_end) {
-      fetch(c_ahead, st_ahead, q);
+      fetch_weights(c_ahead, st_ahead, q);
       advance();
     }
+  }
+  wait_for_prior_grid();
+#pragma unroll
+  for (int q = 0; q < kGemvStages - 1; ++q) {
+    if (L_begin + q < L_end) fetch_x(st_prologue[q], q);
     cp_async_commit();
   }
   int segment_start = L_begin;  // first stage of the current column segment
@@ -469,7 +490,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     cp_async_wait<kGemvStages - 2>();
     __syncthreads();  // stage L visible to all; the slot of stage L - 1 free to overwrite
     if (L + kGemvStages - 1 < L_end) {
-      fetch(c_ahead, st_ahead, slot == 0 ? kGemvStages - 1 : slot - 1);
+      const int ahead_slot = slot == 0 ? kGemvStages - 1 : slot - 1;
+      fetch_weights(c_ahead, st_ahead, ahead_slot);
+      fetch_x(st_ahead, ahead_slot);
       advance();
     }
     cp_async_commit();

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "gemv.cuh"
+#include "launch.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
@@ -15,17 +16,8 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   const PackedWeight& w = a.weight;
   constexpr int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>();
   auto kernel = gemv_kernel<T, BITS, MB, KW, GROUP, ZEROS>;
-  // Resident blocks per SM of this instantiation (needs the shared-memory opt-in first).
-  static int resident = 0;
-  if (resident == 0) {
-    if (smem > 48 * 1024) {
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-    }
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kGemvWarps * 32, smem);
-    if (e != cudaSuccess) return e;
-    if (resident < 1) return cudaErrorInvalidConfiguration;
-  }
+  static const int resident = resident_blocks(kernel, kGemvWarps * 32, smem);
+  if (resident < 1) return cudaErrorInvalidConfiguration;
   GemvParams p;
   p.x = a.x;
   p.w = static_cast<const uint4*>(w.qweight);
@@ -51,8 +43,7 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   long long blocks = a.max_blocks > 0 ? a.max_blocks : static_cast<long long>(resident) * gemv_sm_count();
   const long long ws_blocks = a.workspace_floats / (2LL * a.M * gemv_column_channels(KW));
   blocks = std::min(std::min(blocks, units), std::max(1LL, ws_blocks));
-  kernel<<<static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream, p);
 }
 
 // Every instantiation the dispatcher (woq_kernels.cu) may call, for one activation type:

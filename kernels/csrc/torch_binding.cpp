@@ -139,6 +139,9 @@ void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::
   check(err == cudaSuccess, std::string("dequantize launch failed: ") + cudaGetErrorString(err));
 }
 
+// Process-wide: whether the GEMV and GEMM launch programmatically on sm_90+ (launch.cuh).
+void set_programmatic_launch(bool enabled) { woq::set_programmatic_launch(enabled); }
+
 }  // namespace
 
 TORCH_LIBRARY(woq, m) {
@@ -151,6 +154,7 @@ TORCH_LIBRARY(woq, m) {
   m.def(
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");
+  m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
 }
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {

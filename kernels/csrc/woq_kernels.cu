@@ -13,13 +13,6 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream);
 
 namespace {
 
-int device_cc_major() {
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major;
-}
-
 template <typename T, int BITS, int MB, int KW>
 cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
   const bool z = a.weight.zeros != nullptr;
@@ -130,6 +123,20 @@ int gemv_grid_columns(int N) {
   const int tiles_per_column = kGemvWarps / kGemvMaxKWarps;  // the narrowest columns
   return ((N + 15) / 16 + tiles_per_column - 1) / tiles_per_column;
 }
+
+int device_cc_major() {
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major;
+}
+
+namespace {
+bool programmatic_launch_enabled = true;
+}  // namespace
+
+void set_programmatic_launch(bool enabled) { programmatic_launch_enabled = enabled; }
+bool programmatic_launch() { return programmatic_launch_enabled; }
 
 int gemv_sm_count() {
   static int count = 0;

@@ -61,6 +61,13 @@ struct DequantArgs {
 int gemv_grid_columns(int N);
 // Multiprocessors of the current device (cached).
 int gemv_sm_count();
+// Compute capability major of the current device.
+int device_cc_major();
+
+// Programmatic dependent launch of the GEMV and GEMM on sm_90+ (launch.cuh): on by
+// default; off makes every launch a plain one (for measuring what it brings).
+void set_programmatic_launch(bool enabled);
+bool programmatic_launch();
 
 // Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
 // M, alignment, bf16 below sm_80), else the launch status.

@@ -1,0 +1,74 @@
+// What the GEMV and GEMM launchers share: the shared-memory opt-in with the occupancy
+// query, and the launch itself -- "programmatic" (PDL) on sm_90+.
+//
+// Programmatic dependent launch, and why a weight-only kernel gains from it: a decode
+// step is ~300 short kernels (a GEMV of 3-60 us, then a norm, RoPE or attention kernel of
+// 2-4 us). Launched plainly, each waits for its predecessor to finish and flush before
+// its first block starts, then spends a DRAM round trip filling its pipeline: ~2-3 us per
+// boundary in which the memory bus idles. With the launch attribute below, a kernel's
+// blocks may start as soon as every block of the previous kernel has executed
+// `griddepcontrol.launch_dependents`. Our kernels then issue the copies of what does not
+// depend on the previous kernel -- the weights, scales and zero points, constant while
+// serving -- and only then execute `griddepcontrol.wait`, which returns when the previous
+// grid has completed and its writes are visible; the activations, the outputs and the
+// split-K workspace and counters are touched only after it. The weight stream thus
+// overlaps the previous kernel's tail. The kernels are correct with or without the
+// attribute (both instructions are no-ops in a plain launch; below sm_90 they compile
+// out), and every block executes the wait before it exits, so "complete" keeps meaning
+// "its predecessors are complete" along a chain of such launches.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "woq_kernels.h"
+
+namespace woq {
+
+// In a kernel: let the next grid launch (it still waits for this one to complete).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// In a kernel: wait until the previous grid has completed and its writes are visible.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Resident blocks per SM of `kernel` at `threads` threads and `smem` bytes of dynamic
+// shared memory, after opting in to more than 48 KB where needed; 0 on failure.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads, int smem) {
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return 0;
+  int resident = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem) != cudaSuccess) return 0;
+  return resident;
+}
+
+// Launch `kernel<<<blocks, threads, smem, stream>>>(params)`, programmatically dependent
+// on the stream's previous kernel where enabled and the device supports it (sm_90+).
+template <typename Params>
+cudaError_t launch_kernel(void (*kernel)(Params), unsigned blocks, int threads, int smem, cudaStream_t stream,
+                          const Params& params) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  if (programmatic_launch() && device_cc_major() >= 9) {
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, params);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+}  // namespace woq

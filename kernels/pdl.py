@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL) of the decode kernels, on sm_90+.
+
+A decode step is ~300 short kernels. Launched plainly, each one waits for its predecessor
+to finish and flush before its first block starts, then fills its pipeline from DRAM:
+a few µs per boundary in which the memory bus idles. Launched programmatically, a
+kernel's blocks start once every block of the previous kernel has executed
+``griddepcontrol.launch_dependents`` (our kernels do so first thing) and wait
+(``griddepcontrol.wait``) only before touching what the previous kernel writes. The woq
+GEMV and GEMM stream their weights in meanwhile (``csrc/launch.cuh``); the Triton kernels
+of the decoder (``fused.py``, ``decode_attention.py``) wait at their start, which hides
+their launch and lets the next GEMV start early.
+
+One switch for all of them: ``WOQ_PDL=0`` in the environment, or ``set_enabled(False)``
+(the benchmarks time both).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_enabled = os.environ.get("WOQ_PDL", "1") != "0"
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn programmatic launches on or off for every kernel launched from now on (CUDA
+    graphs keep the launches they captured)."""
+    global _enabled
+    _enabled = bool(flag)
+    from . import ops  # (lazy: ops imports this module)
+
+    if ops.available():
+        torch.ops.woq.set_programmatic_launch(_enabled)
+
+
+@functools.cache
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def triton_kwargs(device: torch.device) -> dict:
+    """Launch arguments for a Triton kernel of this package with a ``PDL`` constexpr:
+    programmatic on sm_90+ when enabled and the installed Triton can launch that way."""
+    on = _enabled and device.type == "cuda" and _sm90(device.index or 0) and _triton_has_pdl()
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
