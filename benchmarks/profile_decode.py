@@ -98,6 +98,18 @@ def kernels_of(step) -> dict[str, dict]:
     return groups
 
 
+def host_ops(step, rows: int = 14) -> str:
+    """The host side of one call of ``step``: torch ops by self CPU time (a table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50)
+
+
 def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
     """Median µs of one decode step of ``ids.shape[0]`` sequences replayed as a CUDA graph."""
     graphs = DecodeGraphs(model, cache, ids.shape[0], scratch_slot=cache.num_slots - 1)
@@ -132,6 +144,7 @@ def prefill_ms_of(model, cache, repeats: int = 5) -> tuple[float, dict]:
         end.synchronize()
         if i:
             times.append(start.elapsed_time(end))
+    print(host_ops(step), flush=True)
     return statistics.median(times), kernels_of(step)
 
 
