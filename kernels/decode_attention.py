@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fused import _programmatic_prologue
+from .fused import programmatic_prologue
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _decode_attention_split(
     scale, split_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    _programmatic_prologue(PDL)
+    programmatic_prologue(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,7 +70,7 @@ def _decode_attention_split(
 @triton.jit
 def _merge_splits(Out, Lse, Final, lengths, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_fb,
                   stride_fh, split_len, SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    _programmatic_prologue(PDL)
+    programmatic_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lengths + b)

@@ -32,7 +32,7 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
-def _programmatic_prologue(PDL: tl.constexpr):
+def programmatic_prologue(PDL: tl.constexpr):
     # Launched programmatically (kernels/pdl.py): let the next kernel launch now -- it
     # waits for this one to complete before using its output -- and wait for the previous
     # one before reading anything. Every program waits, so this kernel completes only
@@ -45,7 +45,7 @@ def _programmatic_prologue(PDL: tl.constexpr):
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_rout, N, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _programmatic_prologue(PDL)
+    programmatic_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -86,7 +86,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
                            stride_qkv, stride_q, stride_qh, stride_cs, stride_ch, stride_ct, stride_rope,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    _programmatic_prologue(PDL)
+    programmatic_prologue(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     pos = tl.load(positions + tok)
@@ -131,7 +131,7 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
 
 @triton.jit
 def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _programmatic_prologue(PDL)
+    programmatic_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
