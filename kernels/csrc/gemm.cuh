@@ -93,17 +93,7 @@ struct GemmShape {
 };
 
 
-struct GemmParams {
-  const void* x;        // [M, K] fp16/bf16, row-major
-  const uint4* w;       // packed tiles, see kernels/layout.py
-  const void* scales;   // [n_tiles, groups_pad, 16] (pair-interleaved rows), T
-  const void* zeros;    // same layout as scales, or null
-  const void* bias;     // [N] or null
-  void* y;              // [M, N]
-  float* workspace;     // [tiles, splits, BM * BN] fp32 split partials (splits > 1)
-  int* counters;        // [tiles] zero-initialised, re-armed by the kernel
-  int M, N, K, K_pad;
-  int n_tiles, groups_pad;
+struct GemmParams : KernelOperands {  // workspace: [tiles, splits, BM * BN] (splits > 1); counters: [tiles]
   int nstages;  // ceil(K_pad / kGemmStageK)
   int m_tiles;  // ceil(M / BM)
   int splits;   // blocks per output tile

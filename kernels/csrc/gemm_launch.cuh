@@ -20,20 +20,7 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   static const int resident = resident_blocks(kernel, kGemmWarps * 32, smem);  // blocks per SM
   if (resident < 1) return cudaErrorInvalidConfiguration;
   GemmParams p;
-  p.x = a.x;
-  p.w = static_cast<const uint4*>(w.qweight);
-  p.scales = w.scales;
-  p.zeros = w.zeros;
-  p.bias = a.bias;
-  p.y = a.y;
-  p.workspace = a.workspace;
-  p.counters = a.counters;
-  p.M = a.M;
-  p.N = w.N;
-  p.K = w.K;
-  p.K_pad = w.K_pad;
-  p.n_tiles = (w.N + 15) / 16;
-  p.groups_pad = w.groups_pad;
+  set_operands(p, a);
   p.nstages = (w.K_pad + kGemmStageK - 1) / kGemmStageK;
   p.m_tiles = (a.M + Shape::kBM - 1) / Shape::kBM;
   const long long columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;

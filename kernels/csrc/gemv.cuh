@@ -54,17 +54,7 @@
 
 namespace woq {
 
-struct GemvParams {
-  const void* x;        // [M, K] fp16/bf16, row-major
-  const uint4* w;       // packed tiles, see kernels/layout.py
-  const void* scales;   // [n_tiles, groups_pad, 16] (pair-interleaved rows), T
-  const void* zeros;    // same layout as scales (exact integer zero points), or null
-  const void* bias;     // [N] or null
-  void* y;              // [M, N]
-  float* workspace;     // [gridDim.x, 2, M, 128] fp32 partial column sums
-  int* counters;        // [columns] zero-initialised, re-armed by the kernel
-  int M, N, K, K_pad;
-  int n_tiles, groups_pad;
+struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; counters: [columns]
   int nstages;          // pipeline stages per column (ceil(K_pad / stage k))
   int unit_stages;      // stages per work unit: a group never straddles two blocks
   int units;            // columns * nstages / unit_stages; gridDim.x <= units

@@ -19,20 +19,7 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   static const int resident = resident_blocks(kernel, kGemvWarps * 32, smem);
   if (resident < 1) return cudaErrorInvalidConfiguration;
   GemvParams p;
-  p.x = a.x;
-  p.w = static_cast<const uint4*>(w.qweight);
-  p.scales = w.scales;
-  p.zeros = w.zeros;
-  p.bias = a.bias;
-  p.y = a.y;
-  p.workspace = a.workspace;
-  p.counters = a.counters;
-  p.M = a.M;
-  p.N = w.N;
-  p.K = w.K;
-  p.K_pad = w.K_pad;
-  p.n_tiles = (w.N + 15) / 16;
-  p.groups_pad = w.groups_pad;
+  set_operands(p, a);
   p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
   p.unit_stages = GROUP > Shape::kStageK ? GROUP / Shape::kStageK : 1;  // groups never straddle blocks
   const int columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;

@@ -38,6 +38,40 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
+// The operands every woq kernel takes (its Params derive from this).
+struct KernelOperands {
+  const void* x;        // [M, K] fp16/bf16, row-major
+  const uint4* w;       // packed tiles, see kernels/layout.py
+  const void* scales;   // [n_tiles, groups_pad, 16] (pair-interleaved rows), T
+  const void* zeros;    // same layout as scales (exact integer zero points), or null
+  const void* bias;     // [N] or null
+  void* y;              // [M, N]
+  float* workspace;     // fp32 partial sums (layout: the kernel's)
+  int* counters;        // zero-initialised, re-armed by the kernel
+  int M, N, K, K_pad;
+  int n_tiles, groups_pad;
+};
+
+// Fill the shared operands from a GemvArgs or GemmArgs.
+template <typename Args>
+void set_operands(KernelOperands& p, const Args& a) {
+  const PackedWeight& w = a.weight;
+  p.x = a.x;
+  p.w = static_cast<const uint4*>(w.qweight);
+  p.scales = w.scales;
+  p.zeros = w.zeros;
+  p.bias = a.bias;
+  p.y = a.y;
+  p.workspace = a.workspace;
+  p.counters = a.counters;
+  p.M = a.M;
+  p.N = w.N;
+  p.K = w.K;
+  p.K_pad = w.K_pad;
+  p.n_tiles = (w.N + 15) / 16;
+  p.groups_pad = w.groups_pad;
+}
+
 // Resident blocks per SM of `kernel` at `threads` threads and `smem` bytes of dynamic
 // shared memory, after opting in to more than 48 KB where needed; 0 on failure.
 template <typename Kernel>

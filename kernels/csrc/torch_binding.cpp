@@ -58,15 +58,21 @@ woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& sca
   return w;
 }
 
+// x [M, K] (1 <= M <= max_rows), and the scales' and bias' agreement with it.
+void check_activations(const at::Tensor& x, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                       int64_t n, int64_t k, int64_t max_rows, const std::string& rows_message) {
+  check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
+  check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
+  check(x.size(0) >= 1 && x.size(0) <= max_rows, rows_message + ", got " + str(x.size(0)));
+  check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
+  if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, at::Tensor& workspace,
                 at::Tensor& counters) {
-  check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
-  check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
-  check(x.size(0) >= 1 && x.size(0) <= 16, "the GEMV takes 1 to 16 rows, got " + str(x.size(0)));
-  check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
-  if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
+  check_activations(x, scales, bias, n, k, 16, "the GEMV takes 1 to 16 rows");
   const c10::cuda::CUDAGuard guard(x.device());
   woq::GemvArgs a;
   a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
@@ -97,11 +103,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, int64_t config, int64_t splits, at::Tensor& workspace,
                 at::Tensor& counters) {
-  check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
-  check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
-  check(x.size(0) >= 1 && x.size(0) <= (1 << 24), "the mixed GEMM takes 1 to 2^24 rows, got " + str(x.size(0)));
-  check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
-  if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
+  check_activations(x, scales, bias, n, k, 1 << 24, "the mixed GEMM takes 1 to 2^24 rows");
   check(config >= -1 && config <= 4, "config must be -1 (by M) or 0..4, got " + str(config));
   check(splits >= 0 && splits <= 64, "splits must be 0 (by shape) .. 64, got " + str(splits));
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat, "workspace must be a CUDA float32 tensor");
