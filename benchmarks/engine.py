@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -105,40 +106,44 @@ def weight_bytes(model) -> int:
     return total
 
 
-def decode_tps(engine: Engine, vocab: int, batch: int) -> tuple[float, float]:
-    """(decode tokens/s over the steady part, per-request tokens/s) for ``batch`` sequences."""
+@dataclass(frozen=True)
+class DecodeRun:
+    steady_tps: float  # all sequences' tokens/s while every one of them is decoding
+    end_to_end_tps: float  # decode tokens over first token -> last token, later arrivals' prefills inside
+    per_request_tps: float  # one request's decode tokens/s, averaged over the requests
+
+
+def decode_tps(engine: Engine, vocab: int, batch: int) -> DecodeRun:
+    """Decode rates of ``batch`` greedy requests of PROMPT tokens + NEW new tokens, submitted at once."""
     done = threading.Semaphore(0)
-    firsts, lasts = [], []
-    lock = threading.Lock()
+    times: list[list[float]] = [[] for _ in range(batch)]  # when each token of each request arrived
 
-    def sink_for():
-        state = {"first": None}
-
+    def sink_for(i):
         def sink(ev):
-            now = time.perf_counter()
-            if state["first"] is None and ev.token_ids:
-                state["first"] = now
+            times[i].extend([time.perf_counter()] * len(ev.token_ids))
             if ev.finish_reason:
-                with lock:
-                    firsts.append(state["first"])
-                    lasts.append(now)
                 done.release()
         return sink
 
     g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
+    for i in range(batch):
         prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
-        engine.submit(prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), sink_for())
+        engine.submit(prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), sink_for(i))
     for _ in range(batch):
         done.acquire()
-    # all decode tokens over the time from the first sequence's first token to the last
-    # sequence's last token (prefills of later arrivals, interleaved, count against us)
-    return batch * (NEW - 1) / (max(lasts) - min(firsts)), (NEW - 1) / (sum(b - a for a, b in zip(firsts, lasts)) / batch)
+    firsts, lasts = [t[0] for t in times], [t[-1] for t in times]
+    # steady: from the moment the last request has its first token (every prefill done)
+    # until the first request ends, the tokens all requests received in between
+    start, end = max(firsts), min(lasts)
+    steady = sum(start < x <= end for t in times for x in t) / (end - start)
+    end_to_end = sum(len(t) - 1 for t in times) / (max(lasts) - min(firsts))
+    per_request = statistics.mean((len(t) - 1) / (t[-1] - t[0]) for t in times)
+    return DecodeRun(steady, end_to_end, per_request)
 
 
-def median_decode_tps(engine: Engine, vocab: int, batch: int, repeats: int = 3) -> tuple[float, float]:
-    """``decode_tps`` of the run with the median rate among ``repeats``."""
-    runs = sorted(decode_tps(engine, vocab, batch) for _ in range(repeats))
+def median_decode_tps(engine: Engine, vocab: int, batch: int, repeats: int = 3) -> DecodeRun:
+    """``decode_tps`` of the run with the median steady rate among ``repeats``."""
+    runs = sorted((decode_tps(engine, vocab, batch) for _ in range(repeats)), key=lambda r: r.steady_tps)
     return runs[repeats // 2]
 
 
@@ -178,9 +183,9 @@ def metrics_overhead(name: str, out: Path, repeats: int = 7) -> str:
     for b in (1, 16):
         base, with_metrics = [], []
         for _ in range(repeats):
-            base.append(decode_tps(plain, config.vocab_size, b)[0])
+            base.append(decode_tps(plain, config.vocab_size, b).steady_tps)
             dispatch.set_observer(_Discard(), sample_every=d["kernel_timing_every"].default)
-            with_metrics.append(decode_tps(observed, config.vocab_size, b)[0])
+            with_metrics.append(decode_tps(observed, config.vocab_size, b).steady_tps)
             dispatch.set_observer(None)
         b0, b1 = sorted(base)[repeats // 2], sorted(with_metrics)[repeats // 2]
         lines.append(f"| {name} int4-g128 | {b} | {b0:.1f} | {b1:.1f} | {100 * (1 - b1 / b0):+.2f} % |")
@@ -213,7 +218,7 @@ def pdl_ab(name: str, out: Path, batches=(1, 16, 64), repeats: int = 5) -> str:
         for _ in range(repeats):
             for on in (False, True):
                 pdl.set_enabled(on)  # (the eager prefills too)
-                rates[on].append(decode_tps(engines[on], config.vocab_size, b)[0])
+                rates[on].append(decode_tps(engines[on], config.vocab_size, b).steady_tps)
         plain, programmatic = statistics.median(rates[False]), statistics.median(rates[True])
         lines.append([f"{name} int4-g128", b, plain, programmatic, f"{programmatic / plain:.3f}×"])
         print(lines[-1], flush=True)
@@ -249,8 +254,11 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
             row = dict(model=name, format=fmt, weight_bytes=wbytes, hf_eager_tps=hf["dynamic"],
                        hf_static_tps=hf["static"])
             for b in batches:
-                row[f"decode_tps_b{b}"], row[f"per_request_tps_b{b}"] = median_decode_tps(engine, config.vocab_size, b)
-                print(f"  {name} {fmt} batch {b}: {row[f'decode_tps_b{b}']:.0f} tok/s", flush=True)
+                r = median_decode_tps(engine, config.vocab_size, b)
+                row[f"decode_tps_b{b}"], row[f"end_to_end_tps_b{b}"] = r.steady_tps, r.end_to_end_tps
+                row[f"per_request_tps_b{b}"] = r.per_request_tps
+                print(f"  {name} {fmt} batch {b}: {r.steady_tps:.0f} tok/s steady, {r.end_to_end_tps:.0f} end to end",
+                      flush=True)
             row["prefill_tps_2048"] = prefill_tps(engine, config.vocab_size)
             kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
             per_token = wbytes + kv_bytes * (PROMPT + NEW / 2)
@@ -266,7 +274,7 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
                                 profile_every=d["profile_every"].default).start()
                 dispatch.set_observer(_Discard(), sample_every=d["kernel_timing_every"].default)
                 for b in (1, 16):
-                    row[f"decode_tps_b{b}_with_kernel_metrics"], _ = median_decode_tps(engine, config.vocab_size, b)
+                    row[f"decode_tps_b{b}_with_kernel_metrics"] = median_decode_tps(engine, config.vocab_size, b).steady_tps
                 dispatch.set_observer(None)
             engine.shutdown()
             rows.append(row)
@@ -290,11 +298,15 @@ def summary(result: dict) -> str:
 
     d = ServeSettings.model_fields
     bs = result["batches"]
-    head = ["model", "format", "weights GB"] + [f"decode tok/s b{b}" for b in bs] + \
-           ["% roofline b1", "× HF eager b1", "HF fp16 eager / static b1", "prefill tok/s (2048)"]
+    wide = [b for b in bs if b > 1]
+    head = ["model", "format", "weights GB"] + [f"decode tok/s b{b}" for b in bs] + [f"b{b} / b1" for b in wide] + \
+           [f"end to end b{b}" for b in wide] + ["% roofline b1", "× HF eager b1", "HF fp16 eager / static b1",
+                                                 "prefill tok/s (2048)"]
     table = []
     for r in result["rows"]:
         table.append([r["model"], r["format"], r["weight_bytes"] / 1e9] + [r[f"decode_tps_b{b}"] for b in bs] +
+                     [f"{r[f'decode_tps_b{b}'] / r['decode_tps_b1']:.1f}×" for b in wide] +
+                     [r.get(f"end_to_end_tps_b{b}", "-") for b in wide] +
                      [r["pct_roofline_b1"], f"{r['vs_hf_eager_b1']:.1f}×", f"{r['hf_eager_tps']:.0f} / {r['hf_static_tps']:.0f}",
                       r["prefill_tps_2048"]])
     over = [f"{r['model']} int4: b1 {r['decode_tps_b1']:.0f} → {r['decode_tps_b1_with_kernel_metrics']:.0f} tok/s "
@@ -304,7 +316,10 @@ def summary(result: dict) -> str:
             for r in result["rows"] if "decode_tps_b1_with_kernel_metrics" in r and "decode_tps_b16" in r]
     return (f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
             f"Random weights, real shapes; greedy, {result['prompt_tokens']}-token prompts, {result['new_tokens']} new tokens "
-            f"(ignore_eos), CUDA graphs. Decode tok/s = all sequences' tokens over the time they decode together. "
+            f"(ignore_eos), CUDA graphs, the batch's requests submitted at once (median of 3 runs). Decode tok/s = all "
+            "sequences' tokens over the time they all decode together (after the last arrival's prefill, until the "
+            "first one ends); end to end = their decode tokens from the first first token to the last token, "
+            "the arrivals' prefills (packed, at most 2048 prompt tokens per forward) included. "
             f"Roofline b1 = bandwidth / (weight bytes + KV bytes read per token). HF: transformers fp16 generate, same weights.\n\n"
             + markdown_table(head, table) + "\n\nCost of the per-kernel metrics at the default rate (timing 1 linear call "
             f"in {d['kernel_timing_every'].default}, an eager step every {d['profile_every'].default} graph steps): "

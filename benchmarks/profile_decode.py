@@ -58,8 +58,7 @@ def step_inputs(model, cache):
     """A batch-1 decode step at position PROMPT of slot 0 (after a PROMPT-token prefill)."""
     dev = model.device
     prompt = torch.randint(0, model.cfg.vocab_size, (1, PROMPT), device=dev)
-    model(prompt, Batch(torch.arange(PROMPT, device=dev)[None], torch.tensor([0], device=dev), PROMPT, prefill=True),
-          cache, last_only=True)
+    model(prompt, Batch.prefill([PROMPT], [0], dev), cache, last_only=True)
     ids = prompt[:, -1:]
     pos = torch.full((1, 1), PROMPT, device=dev)
     return ids, pos, torch.tensor([0], device=dev)
@@ -125,12 +124,12 @@ def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
     return statistics.median(times)
 
 
-def prefill_ms_of(model, cache, repeats: int = 5) -> tuple[float, dict]:
-    """Median ms of one eager PROMPT-token prefill (slot 0), as the engine runs it, and
-    its kernels by group."""
+def prefill_ms_of(model, cache, prompts: int = 1, repeats: int = 5) -> tuple[float, dict]:
+    """Median ms of one eager prefill of ``prompts`` PROMPT-token prompts packed into one
+    forward (slots 0, 1, ...), as the engine runs it, and its kernels by group."""
     dev = model.device
-    prompt = torch.randint(0, model.cfg.vocab_size, (1, PROMPT), device=dev)
-    batch = Batch(torch.arange(PROMPT, device=dev)[None], torch.tensor([0], device=dev), PROMPT, prefill=True)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, prompts * PROMPT), device=dev)
+    batch = Batch.prefill([PROMPT] * prompts, list(range(prompts)), dev)
 
     def step():
         return model(prompt, batch, cache, last_only=True).argmax(-1).tolist()
@@ -170,19 +169,20 @@ def profile_model(name: str, bw: float) -> list[dict]:
         ids16, pos16 = ids.expand(16, 1).contiguous(), pos.expand(16, 1).contiguous()
         graph16_us = graph_step_us(model, cache, ids16, pos16, torch.arange(16, device=ids.device))
         prefill_ms, prefill_groups = prefill_ms_of(model, cache)
+        prefill16_ms, _ = prefill_ms_of(model, cache, prompts=16)
         print(f"  prefill {prefill_ms:.1f} ms; kernels:", flush=True)
         for g, v in sorted(prefill_groups.items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {g:40s} {v['count']:5d} {v['us']:9.1f} us  {v['names']}", flush=True)
         del cache
         engine = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
         engine.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        tps = statistics.median(decode_tps(engine, cfg.vocab_size, 1)[0] for _ in range(3))
+        tps = statistics.median(decode_tps(engine, cfg.vocab_size, 1).steady_tps for _ in range(3))
         engine.shutdown()
         kernel_us = sum(g["us"] for g in groups.values())
         wbytes = weight_bytes(model)
         rows.append({"model": name, "fused": fused, "groups": groups, "kernels": sum(g["count"] for g in groups.values()),
                      "kernel_us": kernel_us, "graph_step_us": graph_us, "graph_step_plain_us": graph_plain_us,
-                     "graph_step_b16_us": graph16_us, "prefill_ms": prefill_ms,
+                     "graph_step_b16_us": graph16_us, "prefill_ms": prefill_ms, "prefill16_ms": prefill16_ms,
                      "prefill_kernel_ms": sum(g["us"] for g in prefill_groups.values()) / 1e3, "prefill_groups": prefill_groups,
                      "engine_step_us": 1e6 / tps, "decode_tps_b1": tps,
                      "weight_bytes": wbytes, "weights_roofline_us": 1e6 * wbytes / bw})
@@ -199,13 +199,15 @@ def summary(result: dict) -> str:
              "Kernel µs: summed GPU time of one eager step's kernels (torch.profiler); graph step: the same step replayed "
              "as a CUDA graph (median of 200, CUDA events), with programmatic launches (kernels/pdl.py, the default) and "
              "without; engine step: 1 / the engine's batch-1 decode rate; graph step b16: the graph of 16 sequences "
-             f"at that position; prefill: one eager {PROMPT}-token prompt with its first token (median of 5).\n"]
+             f"at that position; prefill: one eager {PROMPT}-token prompt with its first token, and 16 of them packed into "
+             "one forward as the engine prefills simultaneous arrivals (median of 5).\n"]
     head = ["model", "decoder ops", "kernels / step", "kernel µs", "graph step µs", "graph step µs, plain launches",
-            "engine step µs", "tok/s b1", "weights-only roofline µs", "graph step µs b16", f"prefill ms ({PROMPT} tokens)", "its kernels ms"]
+            "engine step µs", "tok/s b1", "weights-only roofline µs", "graph step µs b16", f"prefill ms ({PROMPT} tokens)", "its kernels ms",
+            f"prefill ms (16 × {PROMPT} packed)"]
     lines.append(markdown_table(head, [[r["model"], "fused" if r["fused"] else "torch", r["kernels"], r["kernel_us"],
                                         r["graph_step_us"], r.get("graph_step_plain_us", "-"), r["engine_step_us"], r["decode_tps_b1"], r["weights_roofline_us"],
                                         r.get("graph_step_b16_us", "-"), r.get("prefill_ms", "-"),
-                                        r.get("prefill_kernel_ms", "-")]
+                                        r.get("prefill_kernel_ms", "-"), r.get("prefill16_ms", "-")]
                                        for r in result["rows"]]))
     for r in result["rows"]:
         lines.append(f"\n**{r['model']}, {'fused' if r['fused'] else 'torch'} ops** — kernels of one step:\n")

@@ -141,7 +141,8 @@ def offline_level(spawn_args: str, requests: int, prompt_tokens: int, out_tokens
     tok = state.tokenizer
     results = []
     try:
-        for i in range(requests + 1):  # the first one warms up
+        # the unmeasured request the server got first, then the requests of its concurrency-1 level
+        for n, i in enumerate([0, *range(requests)]):
             stamps, last, done = [], [], threading.Event()
 
             def sink(ev, stamps=stamps, last=last, done=done):
@@ -156,7 +157,7 @@ def offline_level(spawn_args: str, requests: int, prompt_tokens: int, out_tokens
             state.engine.submit(ids, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True), sink)
             done.wait()
             end = time.perf_counter()
-            if i:
+            if n:
                 results.append({"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
                                 "tokens": last[0].completion_tokens, "latency": end - t0})
     finally:
@@ -197,6 +198,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model name to send (default: the server's)")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--min-requests", type=int, default=16,
+                    help="at least this many requests per level (concurrency 1 and offline: a steadier median)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
@@ -213,7 +216,8 @@ def main() -> None:
         asyncio.run(run_level(url, model, 1, 1, a.prompt_tokens, a.output_tokens))
         rows = []
         for c in [int(v) for v in a.concurrency.split(",")]:
-            r = asyncio.run(run_level(url, model, c, c * a.requests_per_client, a.prompt_tokens, a.output_tokens))
+            n = max(c * a.requests_per_client, a.min_requests)
+            r = asyncio.run(run_level(url, model, c, n, a.prompt_tokens, a.output_tokens))
             rows.append(r)
             print(json.dumps(r), flush=True)
     finally:
@@ -222,7 +226,8 @@ def main() -> None:
             proc.wait(30)
     offline = None
     if a.offline and a.spawn is not None:
-        offline = offline_level(a.spawn, a.requests_per_client, a.prompt_tokens, a.output_tokens)
+        offline = offline_level(a.spawn, max(a.requests_per_client, a.min_requests), a.prompt_tokens,
+                                a.output_tokens)
         print(json.dumps(offline), flush=True)
     head = ["clients", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
             "output tok/s", "req/s", "tok/s per request"]

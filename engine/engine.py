@@ -2,15 +2,23 @@
 
 One background thread owns the model and the KV cache and loops:
 
-1. admit waiting requests while a KV slot is free, prefilling each newcomer (its prompt
-   in one forward, M = prompt length) and sampling its first token; prefill work per
-   iteration is bounded so that running decodes are not stalled for long;
+1. admit waiting requests while a KV slot is free and prefill the newcomers together (their
+   prompts packed into one forward, M = the sum of their lengths, so that each weight is
+   read once for all of them and the host launches one forward, not one per request), then
+   sample their first tokens; prefill tokens per iteration are bounded so that running
+   decodes are not stalled for long;
 2. run one decode step for every running sequence together (one forward, M = batch; on
    CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
    with an eager step every ``profile_every`` steps so kernel timings keep flowing);
 3. sample every row in one pass on the device (only the new ids come back to the host),
    hand each request its new text through its sink, and free the slots of finished or
    cancelled requests.
+
+Sinks run on this thread, but a step's events are handed out only once the next step's
+kernels are queued (``_deliver`` between the launch and the wait for its tokens): what a
+sink sets off -- the HTTP server's event loop turning each token into a streamed chunk --
+then runs while the GPU works, instead of holding the GIL while this thread prepares the
+next launch with the GPU idle.
 
 KV memory is fixed (``max_batch_size`` slots × ``max_seq_len`` positions); requests beyond
 the free slots wait in a bounded queue, and beyond that ``submit`` refuses them
@@ -178,6 +186,7 @@ class Engine:
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.by_id: dict[str, _Sequence] = {}
+        self._outbox: list[tuple[Sink, StreamEvent]] = []  # events not yet handed to their sinks
         self._cv = threading.Condition()
         self._stop = False
         self._ids = itertools.count()
@@ -266,15 +275,17 @@ class Engine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
+            self._deliver()
             with self._cv:
                 self._reap_cancelled()
                 while not self._stop and not self.running and not self.waiting:
+                    self._deliver()
                     self._cv.wait()
                 if self._stop:
                     break
                 admitted = self._take_admissible()
             try:
-                prefill_tokens = sum(self._prefill(seq) for seq in admitted)
+                prefill_tokens = self._prefill(admitted) if admitted else 0
                 if self.running:
                     self._decode_step(prefill_tokens)
             except Exception as exc:  # never let one bad step kill the server
@@ -283,6 +294,13 @@ class Engine:
                     self._finish(seq, "error", error=f"generation failed: {type(exc).__name__}")
         for seq in list(self.running) + list(self.waiting):
             self._finish(seq, "abort", error="the server shut down")
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand out the events queued since the last call, in order."""
+        events, self._outbox = self._outbox, []
+        for sink, ev in events:
+            sink(ev)
 
     def _take_admissible(self) -> list[_Sequence]:
         """Pop waiting requests that get a slot now, within the prefill token budget."""
@@ -304,15 +322,15 @@ class Engine:
         for seq in [s for s in self.running if s.cancelled]:
             self._finish(seq, "abort")
 
-    def _prefill(self, seq: _Sequence) -> int:
+    def _prefill(self, seqs: list[_Sequence]) -> int:
+        """Prefill ``seqs`` in one packed forward and emit their first tokens; prompt tokens."""
         dev = self.model.device
-        ids = torch.tensor([seq.prompt_ids], device=dev)
-        P = ids.shape[1]
-        batch = Batch(torch.arange(P, device=dev)[None], torch.tensor([seq.slot], device=dev), P, prefill=True)
-        logits = self.model(ids, batch, self.cache, last_only=True)
-        self.running.append(seq)
-        self._emit_tokens([seq], logits)
-        return P
+        lens = [len(s.prompt_ids) for s in seqs]
+        ids = torch.tensor([[t for s in seqs for t in s.prompt_ids]], device=dev)
+        logits = self.model(ids, Batch.prefill(lens, [s.slot for s in seqs], dev), self.cache, last_only=True)
+        self.running.extend(seqs)
+        self._emit_tokens(seqs, logits)
+        return sum(lens)
 
     def _decode_step(self, prefill_tokens: int) -> None:
         seqs = [s for s in self.running if not s.cancelled]
@@ -338,7 +356,7 @@ class Engine:
         dev = logits.device
         p = [s.params for s in seqs]
         if all(x.greedy for x in p):  # no per-row parameters to ship to the device
-            tokens = logits.argmax(-1).tolist()
+            tokens = logits.argmax(-1)
         else:
             tokens = sample(
                 logits,
@@ -347,7 +365,9 @@ class Engine:
                 torch.tensor([x.top_p for x in p], device=dev),
                 torch.tensor([s.seed for s in seqs], device=dev),
                 torch.tensor([len(s.generated) for s in seqs], device=dev),
-            ).tolist()
+            )
+        self._deliver()  # the previous step's events, while this step's kernels run
+        tokens = tokens.tolist()
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
             self._accept(seq, tok, now)
@@ -369,7 +389,7 @@ class Engine:
         elif len(seq.generated) >= seq.params.max_tokens or seq.next_position >= self.max_seq_len:
             self._finish(seq, "length", text=text, token_ids=[token])
         else:
-            seq.sink(StreamEvent(text, [token]))
+            self._outbox.append((seq.sink, StreamEvent(text, [token])))
 
     def _finish(self, seq: _Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
                 error: str | None = None) -> None:
@@ -384,4 +404,4 @@ class Engine:
         n_out = len(seq.generated)
         if self.observer:
             self.observer.on_finish(reason, len(seq.prompt_ids), n_out, time.perf_counter() - seq.submitted)
-        seq.sink(StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error))
+        self._outbox.append((seq.sink, StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error)))

@@ -38,12 +38,9 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` ``[B, kv_heads, T, D]`` at ``positions`` ``[B, T]`` of ``slots`` ``[B]``."""
-        B, H, T, D = k.shape
-        s = slots[:, None].expand(B, T).reshape(-1)
-        p = positions.reshape(-1)
-        self.k[layer][s, :, p] = k.transpose(1, 2).reshape(B * T, H, D)
-        self.v[layer][s, :, p] = v.transpose(1, 2).reshape(B * T, H, D)
+        """Store token rows ``k``/``v`` ``[N, kv_heads, D]`` at ``positions`` ``[N]`` of ``slots`` ``[N]``."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, kv_heads, length, D]`` of ``slots``."""

@@ -7,7 +7,7 @@ per output row, so fusing does not change the quantized values.
 
 The residual stream is carried beside each layer's output (vLLM style) so that the
 residual add and the next RMSNorm are one operation. On CUDA, that operation, RoPE with
-the KV-cache write (decode) and SwiGLU's activation run as fused Triton kernels
+the KV-cache write and SwiGLU's activation run as fused Triton kernels
 (``kernels/fused.py``; the torch code here is the CPU path and their reference, and
 that module states how close they are).
 """
@@ -19,11 +19,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ArchConfig
 from .kv_cache import KVCache
 
 _fused_enabled = True
+
+# Prefill attention never takes cuDNN's SDPA (the default on an H100): cuDNN builds an
+# execution plan for every new sequence length, ~50 ms on its first call at that length
+# (measured on the H100 with torch 2.11), which a server -- whose prompts come in every
+# length -- would pay in time to first token again and again. Flash attention has no such
+# set-up (0.07 ms on a new length); memory-efficient attention and the math kernel are the
+# fallbacks (and the CPU's).
+_PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def set_fused_ops(enabled: bool) -> None:
@@ -90,21 +99,45 @@ class Rotary(nn.Module):
 @dataclass
 class Batch:
     """Where the tokens of a forward pass sit: ``positions`` ``[B, T]`` and, with a KV
-    cache, each row's cache ``slots`` ``[B]``.
+    cache, the cache ``slots``.
 
-    * a prompt prefilled from position 0 (``prefill=True``): attention over its own keys,
-      written to the cache on the way;
+    * prompts prefilled from position 0 (``Batch.prefill``): packed into one row (B = 1,
+      T = the sum of their lengths) so that every linear layer runs once for all of them;
+      ``slots`` holds each token's slot ``[T]``, ``prompt_lens``/``prompt_slots`` each
+      prompt's length and slot, and attention covers each prompt's own keys;
     * a decode step on CUDA (``lengths`` ``[B]`` on the device): the decode-attention
-      kernel reads ``lengths[b]`` live positions of each slot -- no host value involved,
-      so the step can be captured in a CUDA graph;
-    * otherwise ``length`` positions of every row are gathered and masked (CPU path).
+      kernel reads ``lengths[b]`` live positions of slot ``slots[b]`` -- no host value
+      involved, so the step can be captured in a CUDA graph;
+    * otherwise ``length`` positions of every row's slot are gathered and masked (CPU path).
     """
 
     positions: torch.Tensor
     slots: torch.Tensor | None = None
     length: int | None = None
     lengths: torch.Tensor | None = None
-    prefill: bool = False
+    prompt_lens: tuple[int, ...] | None = None
+    prompt_slots: tuple[int, ...] | None = None
+
+    @classmethod
+    def prefill(cls, prompt_lens: list[int], prompt_slots: list[int], device: torch.device | str) -> Batch:
+        """The packed prefill of prompts of ``prompt_lens`` tokens into ``prompt_slots``."""
+        lens = torch.tensor(prompt_lens)
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+        slots = torch.repeat_interleave(torch.tensor(prompt_slots), lens)
+        return cls(positions[None].to(device), slots.to(device), prompt_lens=tuple(prompt_lens),
+                   prompt_slots=tuple(prompt_slots))
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.prompt_lens is not None
+
+    def last_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last hidden state: ``[B, T, C]`` -> ``[B, C]`` (``[prompts, C]`` packed)."""
+        if not self.is_prefill:
+            return h[:, -1]
+        ends = torch.tensor(self.prompt_lens).cumsum(0) - 1
+        return h[0, ends.to(h.device)]
 
     def attention_mask(self) -> torch.Tensor:
         """Boolean ``[B, 1, T, L]``: query at position p sees cache positions <= p."""
@@ -124,6 +157,8 @@ class Attention(nn.Module):
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)
         fused = fused_ops(qkv)
+        if cache is not None and batch.is_prefill:
+            return self.o(self._prefill(qkv.view(T, -1), rope, batch, cache, fused)[None])
         if fused is not None and cache is not None and batch.lengths is not None and T == 1:
             # CUDA decode step: RoPE and the cache write in one kernel, then live-token attention
             from ..kernels.decode_attention import decode_attention
@@ -137,19 +172,49 @@ class Attention(nn.Module):
         q = rope(q.view(B, T, H, D).transpose(1, 2), batch.positions)
         k = rope(k.view(B, T, Hkv, D).transpose(1, 2), batch.positions)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        if cache is not None:
-            cache.write(self.layer_idx, batch.slots, batch.positions, k, v)
-        if cache is None or batch.prefill:  # attention over this pass's own tokens
+        if cache is None:  # attention over this pass's own tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != Hkv)
-        elif batch.lengths is not None:  # CUDA decode step: live tokens only
-            from ..kernels.decode_attention import decode_attention
-
-            out = decode_attention(q[:, :, 0], cache.k[self.layer_idx], cache.v[self.layer_idx], batch.slots,
-                                   batch.lengths, cache.max_seq_len).unsqueeze(2)
         else:
-            k, v = cache.read(self.layer_idx, batch.slots, batch.length)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attention_mask(), enable_gqa=H != Hkv)
+            cache.write(self.layer_idx, batch.slots[:, None].expand(B, T).reshape(-1), batch.positions.reshape(-1),
+                        k.transpose(1, 2).reshape(B * T, Hkv, D), v.transpose(1, 2).reshape(B * T, Hkv, D))
+            if batch.lengths is not None:  # CUDA decode step (torch ops): live tokens only
+                from ..kernels.decode_attention import decode_attention
+
+                out = decode_attention(q[:, :, 0], cache.k[self.layer_idx], cache.v[self.layer_idx], batch.slots,
+                                       batch.lengths, cache.max_seq_len).unsqueeze(2)
+            else:
+                k, v = cache.read(self.layer_idx, batch.slots, batch.length)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attention_mask(), enable_gqa=H != Hkv)
         return self.o(out.transpose(1, 2).reshape(B, T, H * D))
+
+    def _prefill(self, qkv: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache, fused) -> torch.Tensor:
+        """Packed prompts' attention outputs ``[T, H D]`` for their ``qkv`` ``[T, (H + 2 Hkv) D]``.
+
+        Every token's rotated k and v go to its slot first (on CUDA RoPE and the write are
+        one kernel for all tokens); a prompt starts at position 0, so its keys and values
+        are then the contiguous positions ``[0, n)`` of its slot, and causal attention over
+        them is one SDPA call per prompt.
+        """
+        T = qkv.shape[0]
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        positions = batch.positions.view(T)
+        if fused is not None:
+            q = fused.rope_and_cache(qkv, positions, batch.slots, rope.cos, rope.sin, k_cache, v_cache, H, Hkv, D)
+        else:
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = rope(q.view(1, T, H, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
+            k = rope(k.view(1, T, Hkv, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
+            cache.write(self.layer_idx, batch.slots, positions, k, v.view(T, Hkv, D))
+        q = q.transpose(0, 1)  # [H, T, D]
+        outs, start = [], 0
+        with sdpa_kernel(_PREFILL_ATTENTION):
+            for n, slot in zip(batch.prompt_lens, batch.prompt_slots):
+                out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :n],
+                                                     v_cache[None, slot, :, :n], is_causal=True, enable_gqa=H != Hkv)
+                outs.append(out[0].transpose(0, 1).reshape(n, H * D))
+                start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class MLP(nn.Module):
@@ -221,7 +286,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: Batch | None = None, cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
-        """Logits ``[B, T, V]`` (``[B, V]`` with ``last_only``) in fp32.
+        """Logits ``[B, T, V]`` (``[B, V]`` with ``last_only``, ``[prompts, V]`` for a packed
+        prefill) in fp32.
 
         Without ``batch``, positions are 0..T-1 and no cache is used.
         """
@@ -230,5 +296,5 @@ class CausalLM(nn.Module):
             batch = Batch(torch.arange(T, device=input_ids.device).expand(B, T))
         h = self.hidden_states(input_ids, batch, cache)
         if last_only:
-            h = h[:, -1]
+            h = batch.last_rows(h)
         return self.lm_head(h).float()

@@ -89,6 +89,54 @@ class BodyLimit:
         return await self.app(scope, limited, guarded_send)
 
 
+class RequestContext:
+    """ASGI middleware: the request id (kept from X-Request-ID or made up) in the log context
+    and the response headers, the API key check of ``/v1/`` routes, one access-log line and
+    the request counter per request.
+
+    Plain ASGI rather than ``@app.middleware("http")``: that one relays a streamed body
+    through an extra task and memory stream, a cost paid for every token of every stream."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if self.state.api_key is None:
+            return True
+        given = headers.get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.state.api_key}".encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", []))
+        rid = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex[:16]
+        token = request_id.set(rid)
+        t0, status = time.perf_counter(), 500
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            if scope["path"].startswith("/v1/") and not self._authorized(headers):
+                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                          "authentication_error", code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            request_id.reset(token)
+            endpoint = getattr(scope.get("route"), "path", "other")
+            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+            access_log.info("request", extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
+                                              "status": status, "ms": round(1e3 * (time.perf_counter() - t0), 1)})
+
+
 # -- request → engine ------------------------------------------------------------------
 
 
@@ -153,6 +201,8 @@ class _TimedOut(Exception):
 
 async def _next_event(queue: asyncio.Queue, request: Request | None, deadline: float) -> StreamEvent | None:
     """The next engine event; None once the client has gone away; _TimedOut past the deadline."""
+    if not queue.empty():  # while streaming, an event is often already there: no timer needed
+        return queue.get_nowait()
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -237,36 +287,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_handlers(app)
     metrics = state.metrics
 
-    def authorized(request: Request) -> bool:
-        if state.api_key is None:
-            return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        """Request id (kept from X-Request-ID or made), access log line, request metrics."""
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        token = request_id.set(rid)
-        t0 = time.perf_counter()
-        try:
-            if request.url.path.startswith("/v1/") and not authorized(request):
-                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                          "authentication_error", code="invalid_api_key",
-                                          headers={"WWW-Authenticate": "Bearer"})
-            else:
-                response = await call_next(request)
-        finally:
-            request_id.reset(token)
-        response.headers["X-Request-ID"] = rid
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "other")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        access_log.info("request", extra={"request_id": rid, "method": request.method, "path": request.url.path,
-                                          "status": response.status_code,
-                                          "ms": round(1e3 * (time.perf_counter() - t0), 1)})
-        return response
-
+    app.add_middleware(RequestContext, state=state)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
 
     @app.get("/health")

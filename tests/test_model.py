@@ -63,6 +63,31 @@ def test_tiny_greedy_32_tokens_match_transformers(tiny):
     assert _greedy_engine(lm, prompt[0].tolist(), 32) == theirs
 
 
+def test_packed_prefill_then_decode_match_transformers(tiny):
+    """Prompts prefilled together (packed into one forward, each into its own cache slot)
+    give each prompt's last-token logits, and a decode step after them gives the logits of
+    the prompt + token, as HF computes each sequence alone."""
+    from woq.models.kv_cache import KVCache
+    from woq.models.llama import Batch
+
+    path, ref = tiny
+    lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
+    model, cfg = lm.model, lm.model.cfg
+    prompts = [_ids(1, n, seed=10 + n)[0] for n in (7, 1, 19)]
+    slots = [2, 0, 1]
+    cache = KVCache(cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
+    ours = model(torch.cat(prompts)[None], Batch.prefill([len(p) for p in prompts], slots, "cpu"), cache,
+                 last_only=True)
+    nxt = _ids(3, 1, seed=4)
+    positions = torch.tensor([[len(p)] for p in prompts])
+    step = model(nxt, Batch(positions, torch.tensor(slots), int(positions.max()) + 1), cache, last_only=True)
+    for i, p in enumerate(prompts):
+        theirs = ref(torch.cat([p, nxt[i]])[None]).logits[0]
+        scale = theirs.abs().max()
+        assert (ours[i] - theirs[-2]).abs().max() < 1e-4 * scale
+        assert (step[i] - theirs[-1]).abs().max() < 1e-4 * scale
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_forward_equals_reference_on_dequantized_weights(tiny, quant):
     """The quantized model is exactly HF's forward with each linear weight replaced by its
