@@ -5,9 +5,11 @@ length and a fixed number of output tokens (``ignore_eos``) are sent by that man
 concurrent clients. Reported: TTFT and inter-token latency p50/p99, output tokens/s,
 requests/s, errors. Writes JSON, a markdown table and a PNG plot.
 
-With ``--spawn ... --offline``, the same model and settings are then loaded in this
-process and the concurrency-1 requests run again straight through the engine (no HTTP,
-same prompts, tokenization included): the HTTP layer's cost is the ratio of the two.
+With ``--spawn ... --offline``, the same model and settings are then also loaded in this
+process, and the concurrency-1 requests run in pairs: each prompt once over HTTP and once
+straight through the in-process engine (no HTTP, tokenization included), alternating, so
+that drift between runs falls on both sides alike; the HTTP layer's cost is the ratio of
+the two medians.
 
     python benchmarks/serving.py --spawn "--quant int4" --concurrency 1,8 --out docs/bench
     python benchmarks/serving.py --url http://127.0.0.1:8000 --concurrency 1,4,16,64
@@ -128,44 +130,58 @@ def spawn(args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
-def offline_level(spawn_args: str, requests: int, prompt_tokens: int, out_tokens: int) -> dict:
-    """Concurrency 1 without HTTP: the server's own engine, built as ``woq serve`` builds it."""
+def paired_level(url: str, model: str, spawn_args: str, requests: int, prompt_tokens: int,
+                 out_tokens: int) -> tuple[dict, dict]:
+    """Concurrency 1 over HTTP and without it, alternating request by request: the server's
+    settings rebuilt in this process (as ``woq serve`` builds them) serve the offline side."""
     import threading
 
     from woq.engine.sampling import SamplingParams
     from woq.service.config import ServeSettings
     from woq.service.server import build_state
 
-    settings = ServeSettings(_cli_parse_args=shlex.split(spawn_args))
-    state = build_state(settings)
+    state = build_state(ServeSettings(_cli_parse_args=shlex.split(spawn_args)))
     tok = state.tokenizer
-    results = []
+
+    def offline(prompt: str) -> dict:
+        stamps, last, done = [], [], threading.Event()
+
+        def sink(ev):
+            if ev.text:
+                stamps.append(time.perf_counter())
+            if ev.finish_reason:
+                last.append(ev)
+                done.set()
+
+        t0 = time.perf_counter()
+        state.engine.submit(tok.encode(prompt), SamplingParams(max_tokens=out_tokens, temperature=0,
+                                                               ignore_eos=True), sink)
+        done.wait()
+        end = time.perf_counter()
+        return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+                "tokens": last[0].completion_tokens, "latency": end - t0}
+
+    async def http(prompt: str) -> dict:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await one_request(client, url, model, prompt, out_tokens)
+
+    sides: dict[str, list[dict]] = {"http": [], "offline": []}
     try:
-        # the unmeasured request the server got first, then the requests of its concurrency-1 level
-        for n, i in enumerate([0, *range(requests)]):
-            stamps, last, done = [], [], threading.Event()
-
-            def sink(ev, stamps=stamps, last=last, done=done):
-                if ev.text:
-                    stamps.append(time.perf_counter())
-                if ev.finish_reason:
-                    last.append(ev)
-                    done.set()
-
-            t0 = time.perf_counter()
-            ids = tok.encode(prompt_of(prompt_tokens, i))
-            state.engine.submit(ids, SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True), sink)
-            done.wait()
-            end = time.perf_counter()
-            if n:
-                results.append({"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-                                "tokens": last[0].completion_tokens, "latency": end - t0})
+        for i in range(requests):  # the server has served these prompts already: so has the offline engine
+            offline(prompt_of(prompt_tokens, i))
+        for i in range(requests):
+            sides["http"].append(asyncio.run(http(prompt_of(prompt_tokens, i))))
+            sides["offline"].append(offline(prompt_of(prompt_tokens, i)))
     finally:
         state.engine.shutdown()
-    # one request at a time: the level's wall time is the sum of the requests' latencies
-    return {"concurrency": "1 (offline, no HTTP)", "requests": requests, "errors": 0,
-            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-            **level_stats(results, sum(r["latency"] for r in results))}
+    out = []
+    for name, results in sides.items():
+        ok = [r for r in results if "error" not in r]
+        # one request at a time: the level's wall time is the sum of the requests' latencies
+        out.append({"concurrency": f"1 ({'HTTP' if name == 'http' else 'offline, no HTTP'}, paired)",
+                    "requests": requests, "errors": len(results) - len(ok), "prompt_tokens": prompt_tokens,
+                    "output_tokens": out_tokens, **level_stats(ok, sum(r["latency"] for r in ok))})
+    return out[0], out[1]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -210,6 +226,7 @@ def main() -> None:
     url = a.url
     if a.spawn is not None:
         proc, url = spawn(a.spawn)
+    paired = None
     try:
         model = a.model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         # one request first (not measured): lazy initialisation is not a serving cost
@@ -220,29 +237,28 @@ def main() -> None:
             r = asyncio.run(run_level(url, model, c, n, a.prompt_tokens, a.output_tokens))
             rows.append(r)
             print(json.dumps(r), flush=True)
+        if a.offline and a.spawn is not None:
+            paired = paired_level(url, model, a.spawn, max(a.requests_per_client, a.min_requests), a.prompt_tokens,
+                                  a.output_tokens)
+            print(json.dumps(paired), flush=True)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    offline = None
-    if a.offline and a.spawn is not None:
-        offline = offline_level(a.spawn, max(a.requests_per_client, a.min_requests), a.prompt_tokens,
-                                a.output_tokens)
-        print(json.dumps(offline), flush=True)
     head = ["clients", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
             "output tok/s", "req/s", "tok/s per request"]
     table = markdown_table(head, [[r["concurrency"], r["requests"], r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
                                    r["itl_p50_ms"], r["itl_p99_ms"], r["output_tok_per_s"], r["req_per_s"],
-                                   r["per_request_tok_per_s"]] for r in rows + ([offline] if offline else [])])
+                                   r["per_request_tok_per_s"]] for r in rows + list(paired or [])])
     note = (f"model {model}, server args: {a.spawn or url}; prompt ~{a.prompt_tokens} tokens, "
             f"{a.output_tokens} output tokens per request (ignore_eos), streaming over HTTP on loopback.\n\n")
-    if offline:
-        c1 = next((r for r in rows if r["concurrency"] == 1), None)
-        if c1:
-            note += (f"HTTP vs offline at concurrency 1 (same requests, tok/s per request incl. TTFT): "
-                     f"{c1['per_request_tok_per_s']:.1f} vs {offline['per_request_tok_per_s']:.1f} = "
-                     f"{100 * (c1['per_request_tok_per_s'] / offline['per_request_tok_per_s'] - 1):+.1f} %.\n\n")
-    write_json(a.out / f"{a.name}.json", {"server": a.spawn or url, "model": model, "rows": rows, "offline": offline})
+    if paired:
+        h, o = (r["per_request_tok_per_s"] for r in paired)
+        note += (f"HTTP vs offline at concurrency 1 ({paired[0]['requests']} prompts, each over HTTP and "
+                 f"in-process in turn; median tok/s per request incl. TTFT): {h:.1f} vs {o:.1f} = "
+                 f"{100 * (h / o - 1):+.1f} %.\n\n")
+    write_json(a.out / f"{a.name}.json", {"server": a.spawn or url, "model": model, "rows": rows,
+                                          "paired_concurrency_1": paired})
     (a.out / f"{a.name}.md").write_text(note + table + "\n")
     plot(rows, a.out / f"{a.name}.png")
     print(note + table)
