@@ -13,6 +13,7 @@ that module states how close they are).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from .kv_cache import KVCache
 
 _fused_enabled = True
 
-# Prefill attention never takes cuDNN's SDPA (the default on an H100): cuDNN builds an
+# Prefill attention (``CausalLM.hidden_states``) never takes cuDNN's SDPA (the default on an H100): cuDNN builds an
 # execution plan for every new sequence length, ~50 ms on its first call at that length
 # (measured on the H100 with torch 2.11), which a server -- whose prompts come in every
 # length -- would pay in time to first token again and again. Flash attention has no such
@@ -208,12 +209,11 @@ class Attention(nn.Module):
             cache.write(self.layer_idx, batch.slots, positions, k, v.view(T, Hkv, D))
         q = q.transpose(0, 1)  # [H, T, D]
         outs, start = [], 0
-        with sdpa_kernel(_PREFILL_ATTENTION):
-            for n, slot in zip(batch.prompt_lens, batch.prompt_slots):
-                out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :n],
-                                                     v_cache[None, slot, :, :n], is_causal=True, enable_gqa=H != Hkv)
-                outs.append(out[0].transpose(0, 1).reshape(n, H * D))
-                start += n
+        for n, slot in zip(batch.prompt_lens, batch.prompt_slots):  # (SDPA backends: _PREFILL_ATTENTION)
+            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :n],
+                                                 v_cache[None, slot, :, :n], is_causal=True, enable_gqa=H != Hkv)
+            outs.append(out[0].transpose(0, 1).reshape(n, H * D))
+            start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -279,8 +279,10 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, self.rope, batch, cache)
+        # the SDPA backends of a prefill, chosen once for all layers (the switch costs host time)
+        with sdpa_kernel(_PREFILL_ATTENTION) if batch.is_prefill else contextlib.nullcontext():
+            for layer in self.layers:
+                x, residual = layer(x, residual, self.rope, batch, cache)
         return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
