@@ -5,8 +5,10 @@ One background thread owns the model and the KV cache and loops:
 1. admit waiting requests while a KV slot is free and prefill the newcomers together (their
    prompts packed into one forward, M = the sum of their lengths, so that each weight is
    read once for all of them and the host launches one forward, not one per request), then
-   sample their first tokens; prefill tokens per iteration are bounded so that running
-   decodes are not stalled for long;
+   sample their first tokens; prefill tokens per iteration are bounded
+   (``max_prefill_tokens``) so that running decodes are not stalled for long: a prompt that
+   does not fit is prefilled in chunks over the next iterations (chunked prefill), decode
+   steps in between;
 2. run one decode step for every running sequence together (one forward, M = batch; on
    CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
    with an eager step every ``profile_every`` steps so kernel timings keep flowing);
@@ -98,6 +100,7 @@ class _Sequence:
     generated: list[int] = field(default_factory=list)
     last_token_time: float = 0.0
     cancelled: bool = False
+    prefilled: int = 0  # prompt tokens in the cache so far (a long prompt comes in chunks)
 
     @property
     def next_position(self) -> int:
@@ -185,6 +188,7 @@ class Engine:
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
+        self.prefilling: list[_Sequence] = []  # holding a slot, part of the prompt cached
         self.by_id: dict[str, _Sequence] = {}
         self._outbox: list[tuple[Sink, StreamEvent]] = []  # events not yet handed to their sinks
         self._cv = threading.Condition()
@@ -203,8 +207,9 @@ class Engine:
 
     @property
     def kv_tokens_in_use(self) -> int:
-        """Cache positions written by running sequences (a scrape-time estimate)."""
-        return sum(len(s.prompt_ids) + len(s.generated) for s in list(self.running))
+        """Cache positions written by running or prefilling sequences (a scrape-time estimate)."""
+        return (sum(len(s.prompt_ids) + len(s.generated) for s in list(self.running))
+                + sum(s.prefilled for s in list(self.prefilling)))
 
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="woq-engine", daemon=True)
@@ -278,21 +283,22 @@ class Engine:
             self._deliver()
             with self._cv:
                 self._reap_cancelled()
-                while not self._stop and not self.running and not self.waiting:
+                while not self._stop and not self.running and not self.prefilling and not self.waiting:
                     self._deliver()
                     self._cv.wait()
                 if self._stop:
                     break
-                admitted = self._take_admissible()
+                chunks = self._prefill_chunks()
             try:
-                prefill_tokens = self._prefill(admitted) if admitted else 0
+                prefill_tokens = self._prefill(chunks) if chunks else 0
                 if self.running:
                     self._decode_step(prefill_tokens)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
-                for seq in {id(s): s for s in admitted + self.running}.values():
+                failed = [s for s, _, _ in chunks] + self.running + self.prefilling
+                for seq in {id(s): s for s in failed}.values():
                     self._finish(seq, "error", error=f"generation failed: {type(exc).__name__}")
-        for seq in list(self.running) + list(self.waiting):
+        for seq in list(self.running) + list(self.prefilling) + list(self.waiting):
             self._finish(seq, "abort", error="the server shut down")
         self._deliver()
 
@@ -302,35 +308,50 @@ class Engine:
         for sink, ev in events:
             sink(ev)
 
-    def _take_admissible(self) -> list[_Sequence]:
-        """Pop waiting requests that get a slot now, within the prefill token budget."""
-        taken, budget = [], self.max_prefill_tokens
-        while self.waiting and self.free_slots:
-            seq = self.waiting[0]
-            if taken and len(seq.prompt_ids) > budget:
+    def _prefill_chunks(self) -> list[tuple[_Sequence, int, int]]:
+        """This iteration's prefill work within the token budget, as (sequence, first
+        position, tokens): first the rest of prompts begun earlier, then waiting requests
+        that get a slot now; the last one taken may get only a chunk of its prompt."""
+        chunks, budget = [], self.max_prefill_tokens
+        for seq in self.prefilling:
+            if budget == 0:
                 break
-            self.waiting.popleft()
+            n = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            chunks.append((seq, seq.prefilled, n))
+            budget -= n
+        while budget and self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
-            budget -= len(seq.prompt_ids)
-            taken.append(seq)
-        return taken
+            self.prefilling.append(seq)
+            n = min(len(seq.prompt_ids), budget)
+            chunks.append((seq, 0, n))
+            budget -= n
+        return chunks
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(seq)
             self._finish(seq, "abort")
-        for seq in [s for s in self.running if s.cancelled]:
+        for seq in [s for s in self.running + self.prefilling if s.cancelled]:
             self._finish(seq, "abort")
 
-    def _prefill(self, seqs: list[_Sequence]) -> int:
-        """Prefill ``seqs`` in one packed forward and emit their first tokens; prompt tokens."""
+    def _prefill(self, chunks: list[tuple[_Sequence, int, int]]) -> int:
+        """Prefill ``chunks`` in one packed forward; the sequences whose prompt is then
+        complete start running with their first token. Returns the prompt tokens."""
         dev = self.model.device
-        lens = [len(s.prompt_ids) for s in seqs]
-        ids = torch.tensor([[t for s in seqs for t in s.prompt_ids]], device=dev)
-        logits = self.model(ids, Batch.prefill(lens, [s.slot for s in seqs], dev), self.cache, last_only=True)
-        self.running.extend(seqs)
-        self._emit_tokens(seqs, logits)
-        return sum(lens)
+        ids = torch.tensor([[t for s, p, n in chunks for t in s.prompt_ids[p:p + n]]], device=dev)
+        batch = Batch.prefill([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev, [p for _, p, _ in chunks])
+        logits = self.model(ids, batch, self.cache, last_only=True)
+        done = []
+        for i, (seq, p, n) in enumerate(chunks):
+            seq.prefilled = p + n
+            if seq.prefilled == len(seq.prompt_ids):
+                done.append(i)
+                self.prefilling.remove(seq)
+                self.running.append(seq)
+        if done:
+            self._emit_tokens([chunks[i][0] for i in done], logits[done])
+        return sum(n for _, _, n in chunks)
 
     def _decode_step(self, prefill_tokens: int) -> None:
         seqs = [s for s in self.running if not s.cancelled]
@@ -395,6 +416,8 @@ class Engine:
                 error: str | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from .config import ArchConfig
 from .kv_cache import KVCache
@@ -102,10 +103,11 @@ class Batch:
     """Where the tokens of a forward pass sit: ``positions`` ``[B, T]`` and, with a KV
     cache, the cache ``slots``.
 
-    * prompts prefilled from position 0 (``Batch.prefill``): packed into one row (B = 1,
-      T = the sum of their lengths) so that every linear layer runs once for all of them;
-      ``slots`` holds each token's slot ``[T]``, ``prompt_lens``/``prompt_slots`` each
-      prompt's length and slot, and attention covers each prompt's own keys;
+    * prompt chunks prefilled (``Batch.prefill``): packed into one row (B = 1, T = the sum
+      of their lengths) so that every linear layer runs once for all of them; ``slots``
+      holds each token's slot ``[T]``, ``prompt_lens``/``prompt_slots``/``prompt_starts``
+      each chunk's length, slot and first position (0 for a whole prompt; a long prompt
+      comes in chunks), and attention covers each chunk's slot up to its own tokens;
     * a decode step on CUDA (``lengths`` ``[B]`` on the device): the decode-attention
       kernel reads ``lengths[b]`` live positions of slot ``slots[b]`` -- no host value
       involved, so the step can be captured in a CUDA graph;
@@ -118,16 +120,20 @@ class Batch:
     lengths: torch.Tensor | None = None
     prompt_lens: tuple[int, ...] | None = None
     prompt_slots: tuple[int, ...] | None = None
+    prompt_starts: tuple[int, ...] | None = None
 
     @classmethod
-    def prefill(cls, prompt_lens: list[int], prompt_slots: list[int], device: torch.device | str) -> Batch:
-        """The packed prefill of prompts of ``prompt_lens`` tokens into ``prompt_slots``."""
+    def prefill(cls, prompt_lens: list[int], prompt_slots: list[int], device: torch.device | str,
+                prompt_starts: list[int] | None = None) -> Batch:
+        """The packed prefill of prompt chunks of ``prompt_lens`` tokens into ``prompt_slots``
+        from positions ``prompt_starts`` (default 0: whole prompts)."""
+        starts = list(prompt_starts or [0] * len(prompt_lens))
         lens = torch.tensor(prompt_lens)
-        starts = torch.cumsum(lens, 0) - lens
-        positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+        offsets = torch.cumsum(lens, 0) - lens  # where each chunk begins in the packed row
+        positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(offsets - torch.tensor(starts), lens)
         slots = torch.repeat_interleave(torch.tensor(prompt_slots), lens)
         return cls(positions[None].to(device), slots.to(device), prompt_lens=tuple(prompt_lens),
-                   prompt_slots=tuple(prompt_slots))
+                   prompt_slots=tuple(prompt_slots), prompt_starts=tuple(starts))
 
     @property
     def is_prefill(self) -> bool:
@@ -189,12 +195,13 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(B, T, H * D))
 
     def _prefill(self, qkv: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache, fused) -> torch.Tensor:
-        """Packed prompts' attention outputs ``[T, H D]`` for their ``qkv`` ``[T, (H + 2 Hkv) D]``.
+        """Packed prompt chunks' attention outputs ``[T, H D]`` for their ``qkv`` ``[T, (H + 2 Hkv) D]``.
 
         Every token's rotated k and v go to its slot first (on CUDA RoPE and the write are
-        one kernel for all tokens); a prompt starts at position 0, so its keys and values
-        are then the contiguous positions ``[0, n)`` of its slot, and causal attention over
-        them is one SDPA call per prompt.
+        one kernel for all tokens); a chunk of n tokens from position p then sees the
+        contiguous positions ``[0, p + n)`` of its slot (its prompt's earlier chunks are
+        there already), causally aligned to the end (query i sees keys up to p + i): one
+        SDPA call per chunk.
         """
         T = qkv.shape[0]
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
@@ -209,9 +216,11 @@ class Attention(nn.Module):
             cache.write(self.layer_idx, batch.slots, positions, k, v.view(T, Hkv, D))
         q = q.transpose(0, 1)  # [H, T, D]
         outs, start = [], 0
-        for n, slot in zip(batch.prompt_lens, batch.prompt_slots):  # (SDPA backends: _PREFILL_ATTENTION)
-            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :n],
-                                                 v_cache[None, slot, :, :n], is_causal=True, enable_gqa=H != Hkv)
+        # (the SDPA backends: _PREFILL_ATTENTION, set for the whole forward)
+        for n, slot, p in zip(batch.prompt_lens, batch.prompt_slots, batch.prompt_starts):
+            causal = {"is_causal": True} if p == 0 else {"attn_mask": causal_lower_right(n, p + n)}
+            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :p + n],
+                                                 v_cache[None, slot, :, :p + n], enable_gqa=H != Hkv, **causal)
             outs.append(out[0].transpose(0, 1).reshape(n, H * D))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -62,7 +62,8 @@ class ServeSettings(ModelSettings):
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="share of GPU memory for weights + KV cache: caps --max-batch-size to what fits")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
-    max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps")
+    max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps "
+                                    "(longer prompts go in chunks)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")
     profile_every: int = Field(256, ge=0, description="run every N-th graph decode step eagerly, timing its kernels")

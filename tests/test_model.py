@@ -1,5 +1,6 @@
 """Our Llama-family forward against Hugging Face transformers' (the reference)."""
 import shutil
+import threading
 
 import pytest
 import torch
@@ -124,3 +125,35 @@ def test_smollm2_matches_transformers(smollm2_dir):
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert _greedy_engine(lm, prompt, 32) == theirs[0, len(prompt):].tolist()
+
+
+def test_chunked_prefill_engine_matches_transformers(tiny):
+    """With a prefill budget of 5 tokens, a 23-token prompt is prefilled in 5 chunks over 5
+    engine iterations (each chunk attending to the earlier chunks' cached keys), while a
+    second request decodes in between; both completions are HF's greedy tokens."""
+    path, ref = tiny
+    lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
+    long, short = _ids(1, 23, seed=5), _ids(1, 4, seed=6)
+    theirs = [ref.generate(p, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, p.shape[1]:].tolist()
+              for p in (long, short)]
+    steps = []
+    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=2, max_seq_len=256, max_prefill_tokens=5)
+    eng.observer = type("Obs", (), {
+        "on_step": lambda self, b, p: steps.append((b, p)), "on_first_token": lambda self, s: None,
+        "on_token_latency": lambda self, s: None, "on_finish": lambda self, *a: None})()
+    out = [[], []]
+    done = threading.Semaphore(0)
+    for i, p in enumerate((short, long)):
+        def sink(ev, i=i):
+            out[i].extend(ev.token_ids)
+            if ev.finish_reason:
+                done.release()
+        eng.submit(p[0].tolist(), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), sink)
+    eng.start()
+    try:
+        assert done.acquire(timeout=120) and done.acquire(timeout=120)
+    finally:
+        eng.shutdown()
+    assert out == [theirs[1], theirs[0]]
+    assert max(p for _, p in steps) <= 5 and sum(p for _, p in steps) == 23 + 4
+    assert sum(1 for b, p in steps if p > 0 and b == 1) >= 4  # the short one decoded while the long one prefilled
