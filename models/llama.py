@@ -28,12 +28,12 @@ from .kv_cache import KVCache
 
 _fused_enabled = True
 
-# Prefill attention (``CausalLM.hidden_states``) never takes cuDNN's SDPA (the default on an H100): cuDNN builds an
-# execution plan for every new sequence length, ~50 ms on its first call at that length
-# (measured on the H100 with torch 2.11), which a server -- whose prompts come in every
-# length -- would pay in time to first token again and again. Flash attention has no such
-# set-up (0.07 ms on a new length); memory-efficient attention and the math kernel are the
-# fallbacks (and the CPU's).
+# Prefill attention (set for the whole forward in ``CausalLM.hidden_states``) never takes
+# cuDNN's SDPA, the default on an H100: cuDNN builds an execution plan for every new
+# sequence length, ~50 ms on its first call at that length (measured on the H100 with
+# torch 2.11), which a server -- whose prompts come in every length -- would pay in time
+# to first token again and again. Flash attention has no such set-up (0.07 ms on a new
+# length); memory-efficient attention and the math kernel are the fallbacks (and the CPU's).
 _PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
