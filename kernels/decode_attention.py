@@ -11,7 +11,6 @@ device, so a step can be captured in a CUDA graph once and replayed at any lengt
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -19,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .device import sm_count
 from .fused import programmatic_prologue
 
 
@@ -86,13 +86,6 @@ def _merge_splits(Out, Lse, Final, lengths, stride_ob, stride_os, stride_oh, str
     tl.store(Final + b * stride_fb + h * stride_fh + d, out.to(Final.dtype.element_ty))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      lengths: torch.Tensor, max_len: int, splits: int | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
@@ -105,7 +98,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
-        splits = max(1, min(16, triton.next_power_of_2(math.ceil(2 * _sm_count(q.device) / (B * Hkv)))))
+        splits = max(1, min(16, triton.next_power_of_2(math.ceil(2 * sm_count(q.device) / (B * Hkv)))))
     split_len = max(64, math.ceil(max_len / splits / 64) * 64)
     splits = math.ceil(max_len / split_len)
     splits_pad = triton.next_power_of_2(splits)

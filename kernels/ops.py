@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import pdl
 from .cache import cache_dir
+from .device import sm_major
 from .layout import GpuWeight
 from .paths import DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
 
@@ -167,17 +168,10 @@ def row_blocks(m: int) -> int:
     return 1 if m <= 8 else 2
 
 
-@functools.cache
-def _sm_major(device: torch.device) -> int:
-    # cached: the query costs ~20 µs of host time, and every linear call of an eager
-    # prefill asks (through the dispatcher's kernel_max_rows)
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def supports_mixed_gemm(gw: GpuWeight) -> bool:
     """The mixed GEMM takes per-channel, g64 and g128 weights, on sm_80+ (its shared-memory
     ring does not fit a T4's 64 KB; there, M > 16 runs dequantize + cuBLAS)."""
-    return _sm_major(gw.qweight.device) >= 8 and (gw.per_channel or gw.group_size in GEMM_GROUPS)
+    return sm_major(gw.qweight.device) >= 8 and (gw.per_channel or gw.group_size in GEMM_GROUPS)
 
 
 def prepare(gw: GpuWeight, tune: bool = False) -> GpuWeight:

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from .device import sm_major
+
 _enabled = os.environ.get("WOQ_PDL", "1") != "0"
 
 
@@ -47,13 +49,8 @@ def _triton_has_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def triton_kwargs(device: torch.device) -> dict:
     """Launch arguments for a Triton kernel of this package with a ``PDL`` constexpr:
     programmatic on sm_90+ when enabled and the installed Triton can launch that way."""
-    on = _enabled and device.type == "cuda" and _sm90(device.index or 0) and _triton_has_pdl()
+    on = _enabled and device.type == "cuda" and sm_major(device) >= 9 and _triton_has_pdl()
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
