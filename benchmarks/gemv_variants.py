@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 
-CASES = [(28672, 8192, 1, 4), (21504, 14336, 1, 4), (28672, 4096, 1, 4), (28672, 8192, 16, 4), (28672, 8192, 1, 8)]
+CASES = [(28672, 8192, 1, 4), (21504, 14336, 1, 4), (28672, 4096, 1, 4), (4096, 14336, 1, 4), (6144, 4096, 1, 4),
+         (4096, 4096, 1, 4), (28672, 8192, 16, 4), (28672, 8192, 1, 8), (4096, 4096, 1, 8)]
 
 CHILD = r"""
 import json, sys, torch
@@ -31,8 +32,8 @@ for N, K, M, bits in json.loads(sys.argv[1]):
     gws = [ops.prepare(pack_for_gpu(qw, torch.float16)) for _ in range(copies_to_defeat_l2(N * K * bits // 8))]
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     best = (float("inf"), None)
-    for kw in (1, 2):
-        for b in sorted({0, sms, 2 * sms, ops.gemv_columns(N, kw)}):
+    for kw in ops.K_WARPS:
+        for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)}):
             try:
                 t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
             except RuntimeError:

@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize model e2e enginetests engine profile overhead pdlab serving bench msweep
-#           grid gemmcfg probe ncu stalls sass gdb tune aot gptq
+#           grid gemmcfg variants probe ncu stalls sass gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -56,6 +56,7 @@ for stage in "$@"; do
     gemmcfg) run gemmcfg $PY benchmarks/gemm_configs.py ${GEMMCFG_ARGS:-} ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
+    variants) run variants $PY benchmarks/gemv_variants.py ${VARIANTS:-""} ;;
     probe) run probe $PY benchmarks/probe_bandwidth.py ;;
     ncu) run ncu ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

@@ -241,7 +241,7 @@ def grid_sweep(shapes, ms) -> None:
                     for b in (0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)):
                         res[kw, b] = time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
                 best = min(res, key=res.get)
-                print(f"GRID {N}x{K} {fmt} M={M}: tuned {gws[0].grids.get(ops.row_blocks(M))} {tuned:.1f}us, "
+                print(f"GRID {N}x{K} {fmt} M={M}: tuned {gws[0].grids.get(ops.gemv_tuning_m(M))} {tuned:.1f}us, "
                       f"best {best} {res[best]:.1f}us | " + " ".join(f"{k}:{v:.1f}" for k, v in res.items()), flush=True)
 
 

@@ -163,9 +163,16 @@ def scratch(device: torch.device) -> _Scratch:
     return _scratch[device]
 
 
-def row_blocks(m: int) -> int:
-    """The GEMV variant for M rows: blocks of 8 rows per converted weight fragment."""
-    return 1 if m <= 8 else 2
+# The M at which the GEMV's launch (k-warps, grid) is measured, each standing for the Ms
+# up to it. The kernel's shared memory, hence the blocks an SM holds, grows with M
+# (csrc/gemv.cuh), so a grid measured at M = 8 can crowd some SMs and idle others at M = 2
+# (H100, 14336 x 4096 int8: 31.3 us at M = 2 against 27.3 at M = 8, same grid).
+GEMV_TUNED_MS = (1, 2, 4, 8, 16)
+
+
+def gemv_tuning_m(m: int) -> int:
+    """The measured M whose GEMV launch serves M rows."""
+    return next(t for t in GEMV_TUNED_MS if m <= t)
 
 
 def supports_mixed_gemm(gw: GpuWeight) -> bool:
@@ -200,7 +207,7 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_b
     """The GEMV kernel (M <= 16). ``max_blocks`` and ``k_warps`` override the measured
     grid (0: the kernel's own choice)."""
     _check_x(x, gw, GEMV_MAX_M)
-    tuned_k_warps, tuned_blocks = gw.grids.get(row_blocks(x.shape[0]), (0, 0))
+    tuned_k_warps, tuned_blocks = gw.grids.get(gemv_tuning_m(x.shape[0]), (0, 0))
     blocks = tuned_blocks if max_blocks is None else max_blocks
     k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(x.device)

@@ -1,10 +1,11 @@
 """Measured launch choices per weight shape, on the GPU at hand (once, then cached).
 
 For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
-  * the GEMV launch for each row-block variant (M <= 8, <= 16): k-warps per n-tile (1, 2
-    or 4 warps splitting each tile's K, so columns of 128, 64 or 32 channels) and the
-    grid (one resident wave, one block per SM, one block per column, ...) -- which wins
-    depends on how many columns the weight has against the SM count;
+  * the GEMV launch at M = 1, 2, 4, 8 and 16 (each standing for the Ms up to it):
+    k-warps per n-tile (1, 2 or 4 warps splitting each tile's K, so columns of 128, 64 or
+    32 channels) and the grid (one resident wave, one block per SM, one block per column,
+    ...) -- which wins depends on how many columns the weight has against the SM count
+    and on M (the kernel's shared memory, hence the blocks an SM holds, follows M);
   * the mixed GEMM over an M grid (32 .. 1024): each tile configuration x split-K, and
     dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
     crossover is the largest M of the grid at which the kernel still wins (we stop at
@@ -117,13 +118,13 @@ def measure(gw: GpuWeight) -> dict:
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
     copies = _rotation(gw)
     grids: dict[str, list[int]] = {}
-    for mb in (1, 2):
-        x = torch.randn(8 * mb, gw.K, device="cuda", dtype=gw.dtype)
+    for m in ops.GEMV_TUNED_MS:
+        x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
         t = {}
         for kw in ops.K_WARPS:
             for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw), max(1, sms // 2)}):
                 t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
-        grids[str(mb)] = list(min(t, key=t.get))
+        grids[str(m)] = list(min(t, key=t.get))
     plan: dict[str, list[int]] = {}
     max_m = ops.GEMV_MAX_M  # the GEMV beats dequantize + cuBLAS at M <= 16
     if ops.supports_mixed_gemm(gw):

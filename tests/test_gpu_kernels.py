@@ -157,7 +157,7 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
     assert layer.prepare_gpu(torch.float16)  # measures grids and the crossover, saves them
     saved = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())
     entry = saved[tuning.shape_key(layer.gpu)]
-    assert set(entry["grids"]) == {"1", "2"} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
+    assert set(entry["grids"]) == {str(m) for m in ops.GEMV_TUNED_MS} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
     assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 1 for c, s in entry["gemm"].values())
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     assert dispatch.choose_path(x, layer) == dispatch.GEMV

@@ -46,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -83,14 +84,22 @@ struct ZeroConsts<__half, 8> {
       : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))) {}
 };
 
+// int4: the unshifted nibbles (mask 0x000f000f) always land in row gid's registers and the
+// shifted ones in row gid + 8's (see the layout above), so each row needs one constant.
 template <>
 struct ZeroConsts<__half, 4> {
-  uint32_t sub_lo, sub_hi;  // half2(1024 + z) for the unshifted nibbles
-  uint32_t add_lo, add_hi;  // half2(-(64 + z)) for the nibbles shifted by 4 bits
+  uint32_t sub_lo;  // half2(1024 + z_lo): row gid, unshifted nibbles
+  uint32_t add_hi;  // half2(-(64 + z_hi)): row gid + 8, nibbles shifted by 4 bits
   ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi)
-      : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))),
-        add_lo(as_u32(__float2half2_rn(-64.f - z_lo))), add_hi(as_u32(__float2half2_rn(-64.f - z_hi))) {}
+      : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), add_hi(as_u32(__float2half2_rn(-64.f - z_hi))) {}
+  // From the stored pair half2(z_lo, z_hi): two half adds with operand swizzles, instead
+  // of two conversions to fp32 and back (exact: small integers).
+  __device__ __forceinline__ explicit ZeroConsts(uint32_t z_pair) {
+    const __half2 z = as_h2(z_pair);
+    sub_lo = as_u32(__hadd2(__low2half2(z), as_h2(0x64006400u)));   // + half2(1024, 1024)
+    add_hi = as_u32(__hsub2(as_h2(0xd400d400u), __high2half2(z)));  // half2(-64, -64) - z
+  }
 };
 
 template <>
@@ -110,6 +119,18 @@ struct ZeroConsts<__nv_bfloat16, 8> {
   ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi) : sub_lo(8388608.f + z_lo), sub_hi(8388608.f + z_hi) {}
 };
+
+// The constants of a stored zero-point pair (rows gid, gid + 8), in T.
+template <typename T, int BITS>
+__device__ __forceinline__ ZeroConsts<T, BITS> zero_consts(uint32_t z_pair) {
+  if constexpr (std::is_same_v<T, __half> && BITS == 4) {
+    return ZeroConsts<T, BITS>(z_pair);
+  } else {
+    const float2 z = std::is_same_v<T, __half> ? __half22float2(as_h2(z_pair))
+                                               : __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&z_pair));
+    return ZeroConsts<T, BITS>(z.x, z.y);
+  }
+}
 
 // d = a * b + c on packed pairs (bf16x2 needs sm_80; sub.bf16x2 would need sm_90).
 __device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {

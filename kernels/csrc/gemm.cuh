@@ -276,8 +276,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
               s_lo[nt] = dup_lo(sc);
               s_hi[nt] = dup_hi(sc);
               if constexpr (ZEROS) {
-                const float2 z = pair_to_float2<T>(ssm[Stage::kS / 4 + (nt * kGroups + g) * 8]);
-                zc[nt] = ZeroConsts<T, BITS>(z.x, z.y);
+                zc[nt] = zero_consts<T, BITS>(ssm[Stage::kS / 4 + (nt * kGroups + g) * 8]);
               }
             }
           }

@@ -70,6 +70,9 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; coun
 #ifndef WOQ_GEMV_STEPS
 #define WOQ_GEMV_STEPS 4
 #endif
+#ifndef WOQ_GEMV_MIN_BLOCKS  // blocks per SM the registers must allow (launch bounds)
+#define WOQ_GEMV_MIN_BLOCKS 2
+#endif
 
 constexpr int kGemvWarps = 8;
 constexpr int kGemvMaxM = 16;                // MB = 2 blocks of 8 rows
@@ -143,23 +146,28 @@ __host__ __device__ constexpr int groups_per_stage() {
   return GROUP == 0 ? 0 : (stage_k >= GROUP ? stage_k / GROUP : 1);
 }
 
-// Shared memory of one pipeline stage, in bytes (all parts 16-byte aligned).
+// Shared memory of one pipeline stage, in bytes (all parts 16-byte aligned): the weights,
+// then M rows of x, then the group scales (and zero points). The x rows are sized by the
+// launch's M, not by the 8 * MB rows an mma B operand spans: the lanes of rows >= M point
+// ldmatrix at row M - 1 (their output columns are discarded). At M = 1 and 4 k-warps this
+// is 2 KB of x per stage instead of 16.5 KB, which is what lets two blocks share an SM.
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 struct StageLayout {
   static constexpr int kW = kGemvWarps * kGemvSteps * 32 * 16;
-  static constexpr int kX = MB * 8 * TileShape<BITS, KW>::kXStride * static_cast<int>(sizeof(T));
+  static constexpr int kXRow = TileShape<BITS, KW>::kXStride * static_cast<int>(sizeof(T));  // a multiple of 16
   static constexpr int kGroups = groups_per_stage<BITS, KW, GROUP>();
   static constexpr int kS = TileShape<BITS, KW>::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
-  static constexpr int kBytes = kW + kX + kS + kZ;
+  __host__ __device__ static constexpr int x_bytes(int M) { return M * kXRow; }
+  __host__ __device__ static constexpr int bytes(int M) { return kW + x_bytes(M) + kS + kZ; }
   // after the ring: the fp32 sums of k-warps 1..KW-1, for k-warp 0 to add
   static constexpr int kReduce = (KW - 1) * TileShape<BITS, KW>::kTiles * 32 * MB * 4 * static_cast<int>(sizeof(float));
 };
 
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
-__host__ __device__ constexpr int gemv_smem_bytes() {
+__host__ __device__ constexpr int gemv_smem_bytes(int M) {
   using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
-  return kGemvStages * Stage::kBytes + Stage::kReduce;
+  return kGemvStages * Stage::bytes(M) + Stage::kReduce;
 }
 
 // The balanced contiguous partition of `units` work units over `blocks` blocks: the first
@@ -176,8 +184,13 @@ struct UnitPartition {
 
 // GROUP: group size in k (a power of two >= 32), or 0 for per-channel scales.
 // KW: k-warps per n-tile (1, 2 or 4).
+// Launch bounds: at least 2 blocks per SM, i.e. <= 128 registers. Without a minimum,
+// ptxas held some variants to 64 registers and spilled; capped at 80 (3 blocks per SM,
+// which M = 1's shared memory would allow at 1 k-warp) it spilled in the stage loop, and
+// measured slower on the H100 (28672 x 8192 int4 M = 1: 48.1 vs 48.0 us; 21504 x 14336:
+// 62.2 vs 61.6 us; benchmarks/gemv_variants.py "" -DWOQ_GEMV_MIN_BLOCKS=3).
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
-__global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(kGemvWarps * 32, WOQ_GEMV_MIN_BLOCKS) gemv_kernel(const GemvParams p) {
   using Shape = TileShape<BITS, KW>;
   using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
   constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride;
@@ -208,15 +221,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   const T* zeros = static_cast<const T*>(p.zeros);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  auto stage_base = [&](int slot) { return reinterpret_cast<char*>(smem) + slot * Stage::kBytes; };
+  // The stage size follows M (x rows, see StageLayout).
+  const int stage_bytes = Stage::bytes(p.M), x_bytes = Stage::x_bytes(p.M);
+  auto stage_base = [&](int slot) { return reinterpret_cast<char*>(smem) + slot * stage_bytes; };
 
   // Every address a thread copies from or to is fixed per thread up to a per-stage /
-  // per-column offset: computed once here, so that a stage's copies are a few adds
-  // (recomputed per copy, as first written, they took ~290 instructions per warp and
-  // stage in the SASS -- more than the stage's converts and mmas; the H100 timings moved
-  // by at most a few %, so the big shapes are not bound by instruction count alone).
+  // per-column offset. Sources advance as running pointers along the block's walk over
+  // (column, stage), destinations are a slot offset: a stage's copies are a few adds.
+  // (Recomputed per stage from (column, stage), the 64-bit address math took ~90
+  // instructions per warp and stage in the SASS, a third as many as the stage's converts
+  // and mmas; ptxas still rematerialises some of it under register pressure.)
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   // weights: this lane's 16 bytes of the warp's kSteps segments of its n-tile
+  constexpr int kStageWords = KW * kGemvSteps * 32;  // uint4 of one n-tile per stage
   const uint4* w_lane = p.w + (static_cast<size_t>(tile) * ktiles + kw * kGemvSteps) * 32 + lane;
   const size_t w_column_stride = static_cast<size_t>(kTiles) * ktiles * 32;
   const uint32_t w_dst = (warp * kGemvSteps * 32 + lane) * 16;
@@ -224,8 +241,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   constexpr int kSegs = SK / 8;
   static_assert(kSegs <= kThreads && kThreads % kSegs == 0, "one segment column per thread");
   constexpr int kRowsPerPass = kThreads / kSegs;
+  constexpr int kPasses = (MB * 8 + kRowsPerPass - 1) / kRowsPerPass;
   const int x_row = tid / kSegs, x_seg = tid % kSegs;
   const T* x_src = x + static_cast<size_t>(x_row) * p.K + x_seg * 8;
+  const size_t x_pass_stride = static_cast<size_t>(kRowsPerPass) * p.K;
   const uint32_t x_dst = Stage::kW + (x_row * XS + x_seg * 8) * static_cast<uint32_t>(sizeof(T));
   // group scales (and zeros): one 16-byte copy per thread at most, started from the
   // block's other half of threads (the activations' copies start at thread 0, and one
@@ -238,45 +257,72 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   const int s_j = s_is_zero ? s_idx - kSegsS : s_idx;
   const int s_tile = kGroups > 0 ? s_j / (kGroups * 2) : 0, s_r = kGroups > 0 ? s_j % (kGroups * 2) : 0;
   const T* s_src = (s_is_zero ? zeros : scales) + (static_cast<size_t>(s_tile) * p.groups_pad + s_r / 2) * 16 + (s_r % 2) * 8;
-  const uint32_t s_dst = Stage::kW + Stage::kX + (s_is_zero ? Stage::kS : 0) +
+  const size_t s_column_stride = static_cast<size_t>(kTiles) * p.groups_pad * 16;
+  const uint32_t s_dst = Stage::kW + x_bytes + (s_is_zero ? Stage::kS : 0) +
                          ((s_tile * kGroups) * 16 + s_r * 8) * static_cast<uint32_t>(sizeof(T));
 
-  // The cp.async copies of stage `st` of column `c` into ring slot `slot`, in two parts:
-  // what is constant while serving (weights, scales, zero points) and the activations,
-  // which the previous kernel may still be writing (see the prologue below).
-  auto fetch_weights = [&](int c, int st, int slot) {
-    const uint32_t base = smem_addr + slot * Stage::kBytes;
-    const int kt0 = (st * KW + kw) * kGemvSteps;  // this warp's first segment
-    if (c * kTiles + tile < p.n_tiles) {  // this lane's own weight bytes (each warp reads back only its own)
-      const uint4* src = w_lane + c * w_column_stride + st * (KW * kGemvSteps * 32);
+  // The fetch walk: the (column, stage) whose copies are issued next, kStages - 1 ahead of
+  // the one computed, with this thread's weight and scale sources for it. (c_ahead,
+  // st_ahead) walks the same sequence as the main loop's L without divisions.
+  int c_ahead = L_begin / p.nstages, st_ahead = L_begin % p.nstages;
+  const uint4* w_ahead = w_lane + c_ahead * w_column_stride + st_ahead * kStageWords;
+  const T* s_ahead = s_src + c_ahead * s_column_stride;  // the column's first group
+  bool w_column_ok = c_ahead * kTiles + tile < p.n_tiles, s_column_ok = c_ahead * kTiles + s_tile < p.n_tiles;
+  auto advance = [&]() {
+    if (++st_ahead == p.nstages) {
+      st_ahead = 0;
+      ++c_ahead;
+      w_ahead = w_lane + c_ahead * w_column_stride;
+      s_ahead += s_column_stride;
+      w_column_ok = c_ahead * kTiles + tile < p.n_tiles;
+      s_column_ok = c_ahead * kTiles + s_tile < p.n_tiles;
+    } else {
+      w_ahead += kStageWords;
+    }
+  };
+
+  // The cp.async copies of the walk's stage into ring slot `slot`, in two parts: what is
+  // constant while serving (weights, scales, zero points) and the activations, which the
+  // previous kernel may still be writing (see the prologue below).
+  auto fetch_weights = [&](int slot) {
+    const uint32_t base = smem_addr + slot * stage_bytes;
+    const int kt0 = (st_ahead * KW + kw) * kGemvSteps;  // this warp's first segment
+    if (w_column_ok) {  // this lane's own weight bytes (each warp reads back only its own)
       if (kt0 + kGemvSteps <= ktiles) {
 #pragma unroll
-        for (int s = 0; s < kGemvSteps; ++s) copy16_async(base + w_dst + s * 512, src + s * 32, true);
+        for (int s = 0; s < kGemvSteps; ++s) copy16_async(base + w_dst + s * 512, w_ahead + s * 32, true);
       } else {  // K's last stage
 #pragma unroll
         for (int s = 0; s < kGemvSteps; ++s)
-          if (kt0 + s < ktiles) copy16_async(base + w_dst + s * 512, src + s * 32, true);
+          if (kt0 + s < ktiles) copy16_async(base + w_dst + s * 512, w_ahead + s * 32, true);
       }
     }
     if constexpr (kGroups > 0) {  // the 16 scales (and zeros) of each group of each tile
       if (s_copies) {
-        const int g0 = (st * SK) / GROUP;
-        const bool valid = c * kTiles + s_tile < p.n_tiles && g0 + s_r / 2 < p.groups_pad;
-        const T* src = valid ? s_src + (static_cast<size_t>(c) * kTiles * p.groups_pad + g0) * 16 : s_src;
-        copy16_async(base + s_dst, src, valid);
+        const int g0 = (st_ahead * SK) / GROUP;  // (powers of two: a shift)
+        const bool valid = s_column_ok && g0 + s_r / 2 < p.groups_pad;
+        copy16_async(base + s_dst, valid ? s_ahead + g0 * 16 : s_src, valid);
       }
     }
   };
   auto fetch_x = [&](int st, int slot) {
-    const uint32_t base = smem_addr + slot * Stage::kBytes;
+    const uint32_t base = smem_addr + slot * stage_bytes;
     // rows < M; columns past K zero-filled (padded weights are exactly 0, but
     // 0 * uninitialised memory could be NaN)
     const bool x_valid = st * SK + x_seg * 8 < p.K;
     const T* xs = x_valid ? x_src + st * SK : x;
-    for (int m = x_row, j = 0; m < p.M; m += kRowsPerPass, ++j)
-      copy16_async(base + x_dst + j * (kRowsPerPass * XS * static_cast<int>(sizeof(T))),
-                   xs + (x_valid ? static_cast<size_t>(j) * kRowsPerPass * p.K : 0), x_valid);
+#pragma unroll
+    for (int j = 0; j < kPasses; ++j)
+      if (x_row + j * kRowsPerPass < p.M)
+        copy16_async(base + x_dst + j * (kRowsPerPass * XS * static_cast<int>(sizeof(T))),
+                     x_valid ? xs + j * x_pass_stride : x, x_valid);
   };
+
+  // ldmatrix row addresses (elements past a stage's x): lane l reads row l % 8 of each
+  // 8-row block, k-segment l / 8; rows >= M read row M - 1 (see StageLayout).
+  int x_lane[MB];
+#pragma unroll
+  for (int h = 0; h < MB; ++h) x_lane[h] = min(8 * h + (lane & 7), p.M - 1) * XS + 8 * (lane >> 3) + kw * Shape::kWarpK;
 
   const float bz = zero_point_bias(BITS);
   ZeroConsts<T, BITS> zc(bz, bz);  // symmetric: fixed; otherwise set per group / column
@@ -295,8 +341,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     constexpr bool kFull = decltype(full_tag)::value;
     const char* base = stage_base(slot);
     const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp * kGemvSteps * 32 + lane;
-    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (lane & 7) * XS + 8 * (lane >> 3) + kw * Shape::kWarpK;
-    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + tile * kGroups * 8 + gid;
+    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW);
+    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + x_bytes) + tile * kGroups * 8 + gid;
     [[maybe_unused]] const uint32_t* zsm = ssm + Stage::kS / 4;
     const int steps = kFull ? kGemvSteps : ktiles - (st * KW + kw) * kGemvSteps;
     [[maybe_unused]] float s_lo = 0.f, s_hi = 0.f;
@@ -310,7 +356,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
         const int i = s * Shape::kK16 + j;  // k16 index within the warp's share (compile-time)
         if (j % 2 == 0) {  // one ldmatrix.x4 per 8 rows of x covers two k16 blocks
 #pragma unroll
-          for (int h = 0; h < MB; ++h) ldmatrix_x4(bx[h], xsm + h * 8 * XS + i * 16);
+          for (int h = 0; h < MB; ++h) ldmatrix_x4(bx[h], xsm + x_lane[h] + i * 16);
         }
         if constexpr (GROUP != 0) {
           if (i % kGroupK16 == 0 || i == 0) {  // a group starts (or the share starts inside one)
@@ -320,8 +366,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
             s_lo = sc.x;
             s_hi = sc.y;
             if constexpr (ZEROS) {
-              const float2 z = pair_to_float2<T>(zsm[g * 8]);
-              zc = ZeroConsts<T, BITS>(z.x, z.y);
+              zc = zero_consts<T, BITS>(zsm[g * 8]);
             }
           }
         }
@@ -369,7 +414,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
       }
     }
     if constexpr (KW > 1) {  // k-warps 1..KW-1 hand their sums to k-warp 0, lane for lane
-      float* red = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kGemvStages * Stage::kBytes);
+      float* red = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kGemvStages * stage_bytes);
       auto slot = [&](int k, int h, int i) { return red + (((k - 1) * kTiles + tile) * MB * 4 + h * 4 + i) * 32 + lane; };
       if (kw > 0) {
 #pragma unroll
@@ -444,14 +489,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   };
 
   // Pipeline over this block's stages: kStages - 1 in flight ahead of the one computed.
-  // (c_ahead, st_ahead) walks the same sequence as L without divisions.
-  int c_ahead = L_begin / p.nstages, st_ahead = L_begin % p.nstages;
-  auto advance = [&]() {
-    if (++st_ahead == p.nstages) {
-      st_ahead = 0;
-      ++c_ahead;
-    }
-  };
   // Prologue: kStages - 1 stages in flight. Under a programmatic launch (launch.cuh)
   // their weights stream in while the previous kernel finishes; x, the outputs and the
   // workspace wait for it. One commit group per stage still (the first also holds the
@@ -462,7 +499,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
   for (int q = 0; q < kGemvStages - 1; ++q) {
     st_prologue[q] = st_ahead;
     if (L_begin + q < L_end) {
-      fetch_weights(c_ahead, st_ahead, q);
+      fetch_weights(q);
       advance();
     }
   }
@@ -481,7 +518,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const GemvParams 
     __syncthreads();  // stage L visible to all; the slot of stage L - 1 free to overwrite
     if (L + kGemvStages - 1 < L_end) {
       const int ahead_slot = slot == 0 ? kGemvStages - 1 : slot - 1;
-      fetch_weights(c_ahead, st_ahead, ahead_slot);
+      fetch_weights(ahead_slot);
       fetch_x(st_ahead, ahead_slot);
       advance();
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 
 #include "gemv.cuh"
 #include "launch.cuh"
@@ -14,10 +15,17 @@ template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   using Shape = TileShape<BITS, KW>;
   const PackedWeight& w = a.weight;
-  constexpr int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>();
   auto kernel = gemv_kernel<T, BITS, MB, KW, GROUP, ZEROS>;
-  static const int resident = resident_blocks(kernel, kGemvWarps * 32, smem);
-  if (resident < 1) return cudaErrorInvalidConfiguration;
+  // The shared memory follows M (StageLayout), and so may the blocks an SM holds: the
+  // occupancy is queried once per M, after one opt-in for the largest M.
+  const int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(a.M);
+  static std::atomic<int> resident_by_m[kGemvMaxM + 1];  // 0: not queried yet
+  int resident = resident_by_m[a.M].load(std::memory_order_relaxed);
+  if (resident == 0) {
+    resident = resident_blocks(kernel, kGemvWarps * 32, smem, gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB));
+    if (resident < 1) return cudaErrorInvalidConfiguration;
+    resident_by_m[a.M].store(resident, std::memory_order_relaxed);
+  }
   GemvParams p;
   set_operands(p, a);
   p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;

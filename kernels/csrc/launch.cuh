@@ -73,11 +73,13 @@ void set_operands(KernelOperands& p, const Args& a) {
 }
 
 // Resident blocks per SM of `kernel` at `threads` threads and `smem` bytes of dynamic
-// shared memory, after opting in to more than 48 KB where needed; 0 on failure.
+// shared memory, after opting in to up to `smem_max` (>= smem) bytes where that exceeds
+// 48 KB; 0 on failure.
 template <typename Kernel>
-int resident_blocks(Kernel kernel, int threads, int smem) {
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+int resident_blocks(Kernel kernel, int threads, int smem, int smem_max = 0) {
+  smem_max = smem_max > smem ? smem_max : smem;
+  if (smem_max > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max) != cudaSuccess)
     return 0;
   int resident = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem) != cudaSuccess) return 0;
