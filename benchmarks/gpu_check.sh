@@ -56,7 +56,7 @@ for stage in "$@"; do
     gemmcfg) run gemmcfg $PY benchmarks/gemm_configs.py ${GEMMCFG_ARGS:-} ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
-    variants) run variants $PY benchmarks/gemv_variants.py ${VARIANTS:-""} ;;
+    variants) run variants $PY benchmarks/gemv_variants.py ;;  # the default build; variants: call the script with flag sets
     probe) run probe $PY benchmarks/probe_bandwidth.py ;;
     ncu) run ncu ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
