@@ -24,20 +24,24 @@ def main() -> None:
     ap.add_argument("--shapes", default="28672x8192,21504x14336,14336x4096,4096x4096")
     ap.add_argument("--ms", default="32,64,128,256")
     ap.add_argument("--splits", default="1,0")
+    ap.add_argument("--configs", default="", help="comma-separated tile configurations (default: all)")
+    ap.add_argument("--formats", default="", help="comma-separated formats of benchmarks/kernels.py (default: all)")
     args = ap.parse_args()
     assert ops.available(), "the CUDA kernels failed to build"
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
+    configs = [int(c) for c in args.configs.split(",")] if args.configs else list(ops.GEMM_TILES)
+    formats = {f: FORMATS[f] for f in args.formats.split(",")} if args.formats else FORMATS
     for N, K in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         dense = [w.clone() for _ in range(copies_to_defeat_l2(N * K * 2))]
-        for fmt, spec in FORMATS.items():
+        for fmt, spec in formats.items():
             gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 cublas = time_calls([lambda d=d: F.linear(x, d) for d in dense])
                 res = {}
-                for c in ops.GEMM_TILES:
+                for c in configs:
                     for s in map(int, args.splits.split(",")):
                         res[c, s] = time_calls([lambda g=g: ops.gemm(x, g, config=c, splits=s) for g in gws])
                 best = min(res, key=res.get)
