@@ -1,6 +1,6 @@
 """Every mixed-GEMM tile configuration x split-K on a few shapes and M, against cuBLAS fp16
 (what kernels/tuning.py chooses from, shown whole): python benchmarks/gemm_configs.py
-[--shapes 28672x8192,...] [--ms 32,64,128,256]."""
+[--shapes 28672x8192,...] [--ms 32,64,128,256] [--configs 2,4] [--formats int4_g128]."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,9 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
     configs = [int(c) for c in args.configs.split(",")] if args.configs else list(ops.GEMM_TILES)
+    unknown = [f for f in args.formats.split(",") if args.formats and f not in FORMATS]
+    if unknown or any(c not in ops.GEMM_TILES for c in configs):
+        ap.error(f"formats are {', '.join(FORMATS)}; configs are {', '.join(map(str, ops.GEMM_TILES))}")
     formats = {f: FORMATS[f] for f in args.formats.split(",")} if args.formats else FORMATS
     for N, K in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
