@@ -27,14 +27,14 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="comma-separated tile configurations (default: all)")
     ap.add_argument("--formats", default="", help="comma-separated formats of benchmarks/kernels.py (default: all)")
     args = ap.parse_args()
+    configs = args.configs.split(",") if args.configs else list(map(str, ops.GEMM_TILES))
+    formats = args.formats.split(",") if args.formats else list(FORMATS)
+    if not set(configs) <= set(map(str, ops.GEMM_TILES)) or not set(formats) <= set(FORMATS):
+        ap.error(f"formats are {', '.join(FORMATS)}; configs are {', '.join(map(str, ops.GEMM_TILES))}")
+    configs, formats = [int(c) for c in configs], {f: FORMATS[f] for f in formats}
     assert ops.available(), "the CUDA kernels failed to build"
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
-    configs = [int(c) for c in args.configs.split(",")] if args.configs else list(ops.GEMM_TILES)
-    unknown = [f for f in args.formats.split(",") if args.formats and f not in FORMATS]
-    if unknown or any(c not in ops.GEMM_TILES for c in configs):
-        ap.error(f"formats are {', '.join(FORMATS)}; configs are {', '.join(map(str, ops.GEMM_TILES))}")
-    formats = {f: FORMATS[f] for f in args.formats.split(",")} if args.formats else FORMATS
     for N, K in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         dense = [w.clone() for _ in range(copies_to_defeat_l2(N * K * 2))]
