@@ -11,8 +11,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 WOQ_CACHE=${WOQ_CACHE:-/tmp/woq-cache} HF_HUB_OFFLINE=1
 PY=python3
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
+wheels=$(ls .whl/*.whl .peers/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
