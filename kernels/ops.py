@@ -254,6 +254,8 @@ def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | Non
     if x.dtype != gw.dtype:
         raise TypeError(f"activations are {x.dtype}, the weight was packed for {gw.dtype}")
     x = x.contiguous()
+    if x.data_ptr() % 16:  # a view into the middle of a row; the kernels copy 16-byte units
+        x = x.clone()
     if path == GEMV:
         return gemv(x, gw, bias)
     if path == MIXED_GEMM:

@@ -65,6 +65,39 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
             assert err <= 2 * err_cublas + 1e-6, f"M={M} k_warps={k_warps}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
 
 
+@pytest.mark.parametrize("bits,group", [(4, 256), (8, 256), (8, None)])
+@pytest.mark.parametrize("K", [8, 120, 264])
+def test_gemv_stages_past_k_read_no_stale_shared_memory(K, bits, group):
+    """K shorter than a pipeline stage, or a group padding K past a whole stage: the x
+    columns past K are never copied, and the zero weights there must meet zeros, not what
+    an earlier launch left in shared memory (here: NaNs, from a call on NaN activations)."""
+    dtype = torch.float16
+    qw, w64, g = _case(200, K, bits, group, False, dtype, seed=K + bits)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    big = ops.prepare(pack_for_gpu(quantize(torch.randn(4096, 4096, device="cuda"), QuantSpec(bits, group, False)), dtype))
+    for M in (1, 5, 16):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        ref = x.double() @ w64.T
+        for k_warps in ops.K_WARPS:
+            ops.gemv(torch.full((M, 4096), float("nan"), device="cuda", dtype=dtype), big, k_warps=k_warps)
+            y = ops.gemv(x, gw, k_warps=k_warps)
+            assert torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: stale shared memory reached the output"
+            assert _rel(y, ref) < 2e-3, f"M={M} k_warps={k_warps}"
+
+
+def test_misaligned_activations_are_realigned_or_refused():
+    """A view of x that does not start on a 16-byte boundary: the dispatch copies it; the raw
+    op refuses it with a clear error (its copies move 16-byte units)."""
+    dtype = torch.float16
+    qw, w64, g = _case(256, 512, 4, 128, False, dtype, seed=3)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    x = torch.randn(3 * 512 + 4, device="cuda", generator=g).to(dtype)[4:].view(3, 512)  # 8 bytes off
+    assert x.is_contiguous() and x.data_ptr() % 16
+    assert _rel(ops.run_path("gemv", x, gw, None), x.double() @ w64.T) < 2e-3
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        ops.gemv(x, gw)
+
+
 GEMM_MS = (17, 31, 48, 64, 100, 128, 256, 1000, 4096)  # tails of every tile configuration
 
 
