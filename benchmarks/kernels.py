@@ -94,12 +94,15 @@ class Peers:
             return []
         return [(bnb, *bnbF.quantize_4bit(w.clone(), quant_type="nf4", blocksize=64)) for _ in range(min(copies, 16))]
 
-    def timings(self, x16: torch.Tensor) -> dict[str, float]:
+    def timings(self, x16: torch.Tensor, others: bool = True) -> dict[str, float]:
+        """µs per call of cuBLAS fp16/bf16 and, with ``others``, of every installed peer."""
         xb = x16.to(torch.bfloat16)
         out = {
             "cublas_fp16": time_calls([lambda W=W: F.linear(x16, W) for W in self.dense16]),
             "cublas_bf16": time_calls([lambda W=W: F.linear(xb, W) for W in self.dense_bf16]),
         }
+        if not others:
+            return out
         if self.tiny:
             out["tinygemm_int4_bf16"] = time_calls(
                 [lambda p=p, z=z: torch._weight_int4pack_mm(xb, p, 128, z) for p, z in self.tiny])
@@ -287,8 +290,8 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                     t["kernel"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
                 t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
                 t["dispatched"] = t["kernel"] if (M <= crossover and "kernel" in t) else t["dequant_cublas"]
-                if fmt == "int4_g128":  # peers once per shape
-                    t.update(peers.timings(x))
+                if fmt == "int4_g128":  # peers once per shape (beyond M = 256 cuBLAS only: the
+                    t.update(peers.timings(x, others=M <= 256))  # issue's peer range; tinygemm takes ms there)
                 for impl, us in t.items():
                     rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover))
                 print(f"MSWEEP {N}x{K} {fmt} M={M} (crossover {crossover}): "
