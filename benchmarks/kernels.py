@@ -296,9 +296,11 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                     rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover))
                 print(f"MSWEEP {N}x{K} {fmt} M={M} (crossover {crossover}): "
                       + "  ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+            # what is measured so far survives a run cut short (the GPU machine's time limit)
+            write_json(out_dir / "kernels_msweep.json", dict(info, rows=rows, complete=False))
         del peers, gws
         torch.cuda.empty_cache()
-    result = dict(info, rows=rows)
+    result = dict(info, rows=rows, complete=True)
     write_json(out_dir / "kernels_msweep.json", result)
     (out_dir / "kernels_msweep.md").write_text(msweep_summary(result))
     plot_msweep(result, out_dir / "kernels_msweep.png")
@@ -306,6 +308,9 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
 
 
 def msweep_summary(result: dict) -> str:
+    def ratio(a, b):  # "-" where a run cut short left a cell unmeasured
+        return f"{a / b:.2f}×" if isinstance(a, float) and isinstance(b, float) else "-"
+
     rows = result["rows"]
     head = ["N×K", "M", "int4 dispatched", "int4 kernel", "int4 deq+cuBLAS", "int8 dispatched", "int8 kernel",
             "int8 deq+cuBLAS", "cuBLAS fp16", "tinygemm", "gemlite w4", "gemlite w8", "bnb nf4", "int4 vs cuBLAS", "int8 vs cuBLAS"]
@@ -321,8 +326,8 @@ def msweep_summary(result: dict) -> str:
             table.append([f"{N}×{K}", M, d4, g("int4_g128", "kernel"), g("int4_g128", "dequant_cublas"), d8,
                           g("int8_channel", "kernel"), g("int8_channel", "dequant_cublas"), cb,
                           g("int4_g128", "tinygemm_int4_bf16"), g("int4_g128", "gemlite_w4_fp16"),
-                          g("int4_g128", "gemlite_w8_fp16"), g("int4_g128", "bnb_nf4_fp16"), f"{cb / d4:.2f}×",
-                          f"{cb / d8:.2f}×"])
+                          g("int4_g128", "gemlite_w8_fp16"), g("int4_g128", "bnb_nf4_fp16"), ratio(cb, d4),
+                          ratio(cb, d8)])
             if 17 <= M <= 256:  # the range for the peers
                 for ours_us, peer in [(d4, "tinygemm_int4_bf16"), (d4, "gemlite_w4_fp16"), (d4, "bnb_nf4_fp16"),
                                       (d8, "gemlite_w8_fp16")]:
@@ -331,7 +336,8 @@ def msweep_summary(result: dict) -> str:
                         margins.setdefault(peer, []).append((q / ours_us, f"{N}×{K} M={M}"))
     cross = sorted({(r["N"], r["K"], r["fmt"], r["crossover"]) for r in rows})
     notes = "; ".join(f"{n}×{k} {f}: kernel up to M={c}" for n, k, f, c in cross)
-    return (f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
+    cut = "" if result.get("complete", True) else f"**Incomplete run** ({result.get('note', 'cut short')}).\n\n"
+    return (cut + f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
             f"fp16 activations. Measured crossovers: {notes}.\n\n" + markdown_table(head, table) + "\n"
             + "\nAgainst the peers at M = 17..256 (dispatched int4 vs the int4 peers, int8 vs gemlite w8):\n\n"
             + "".join(f"- {peer}: its time ÷ ours is at least {min(m)[0]:.2f}× ({min(m)[1]}) over {len(m)} cases\n"
