@@ -290,8 +290,10 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                     t["kernel"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
                 t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
                 t["dispatched"] = t["kernel"] if (M <= crossover and "kernel" in t) else t["dequant_cublas"]
-                if fmt == "int4_g128":  # peers once per shape (beyond M = 256 cuBLAS only: the
-                    t.update(peers.timings(x, others=M <= 256))  # issue's peer range; tinygemm takes ms there)
+                # Peers once per shape; beyond M = 256 (the peer range) cuBLAS only:
+                # tinygemm alone takes milliseconds a call there.
+                if fmt == "int4_g128":
+                    t.update(peers.timings(x, others=M <= 256))
                 for impl, us in t.items():
                     rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover))
                 print(f"MSWEEP {N}x{K} {fmt} M={M} (crossover {crossover}): "

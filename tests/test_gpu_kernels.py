@@ -68,9 +68,9 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
 @pytest.mark.parametrize("bits,group", [(4, 256), (8, 256), (8, None)])
 @pytest.mark.parametrize("K", [8, 120, 264])
 def test_gemv_stages_past_k_read_no_stale_shared_memory(K, bits, group):
-    """K shorter than a pipeline stage, or a group padding K past a whole stage: the x
-    columns past K are never copied, and the zero weights there must meet zeros, not what
-    an earlier launch left in shared memory (here: NaNs, from a call on NaN activations)."""
+    """K shorter than a pipeline stage, or a group padding K past a whole stage: the zero
+    weights past K must meet zeros (the copies zero-fill x there), not what an earlier
+    launch left in shared memory (here: NaNs, from a call on NaN activations)."""
     dtype = torch.float16
     qw, w64, g = _case(200, K, bits, group, False, dtype, seed=K + bits)
     gw = ops.prepare(pack_for_gpu(qw, dtype))

@@ -68,8 +68,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
 
 // The L2 prefetch-size hint of every cp.async (WOQ_L2_PREFETCH: 0, 64, 128 or 256 bytes):
 // on a miss the L2 fetches the aligned run from DRAM rather than just the 32-byte
-// sectors asked for. A warp's 16-byte lane copies cover whole 512-byte weight segments, so
-// nothing fetched is wasted; the DRAM sees fewer, larger requests. Measured on the H100
+// sectors asked for. A warp's 16-byte lane copies cover whole 512-byte weight segments, and
+// a tile's group scales lie in consecutive runs, so nothing fetched goes unused; the intent
+// is fewer, larger DRAM requests (not profiled). Measured on the H100
 // (benchmarks/gemv_variants.py, best grid each, same run, none / 128 B / 256 B): int4 M = 1
 // 28672 x 8192 48.1 / 47.2 / 47.9 us, 21504 x 14336 61.6 / 60.7 / 60.8, 4096 x 4096 6.7 /
 // 6.5 / 6.6; int8 M = 1 28672 x 8192 84.5 / 83.3 / 83.6; int4 M = 16 62.8 / 62.8 / 65.9.

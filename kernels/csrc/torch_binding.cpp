@@ -64,7 +64,7 @@ void check_activations(const at::Tensor& x, const at::Tensor& scales, const std:
                        int64_t n, int64_t k, int64_t max_rows, const std::string& rows_message) {
   check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
   check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
-  // (the kernels copy rows of x in 16-byte units: cp.async, bulk copies)
+  // (the kernels copy x in 16-byte cp.async units; a misaligned one would fault on the device)
   check(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must start on a 16-byte boundary (clone a view that does not)");
   check(x.size(0) >= 1 && x.size(0) <= max_rows, rows_message + ", got " + str(x.size(0)));
   check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
