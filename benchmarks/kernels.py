@@ -175,6 +175,12 @@ def _get(rows, N, K, M, impl):
     return r[0] if r else None
 
 
+def peer_margins(margins: dict[str, list[tuple[float, str]]]) -> str:
+    """One line per peer: its closest call, (peer time / ours, case), over all cases."""
+    return "".join(f"- {peer}: its time ÷ ours is at least {min(m)[0]:.2f}× ({min(m)[1]}) over {len(m)} cases\n"
+                   for peer, m in margins.items())
+
+
 def summary(result: dict) -> str:
     rows = result["rows"]
     shapes = sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1])
@@ -204,15 +210,13 @@ def summary(result: dict) -> str:
                 o, q = g(ours_impl), g(peer)
                 if o and q:
                     margins.setdefault(peer, []).append((q["us"] / o["us"], f"{N}×{K} M={M}"))
-    check = "".join(f"- {peer}: its time ÷ ours is at least {min(m)[0]:.2f}× ({min(m)[1]}) over {len(m)} cases\n"
-                    for peer, m in margins.items())
     bw = result["bandwidth_bytes_per_s"] / 1e12
     hdr = (f"GPU: {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, CUDA {result['cuda']}; "
            f"copy bandwidth {bw:.2f} TB/s (read+write). Median µs per call, CUDA graph of 20 calls, weights "
            f"rotated past 4× L2. % roof = (weight+scale+zero bytes + x + y) / bandwidth ÷ time. "
            f"Our kernels launch programmatically on sm_90+ (kernels/pdl.py: a call's weight stream overlaps the "
            f"previous call's tail); \"plain\": the same calls launched plainly, as the peers are.\n\n")
-    return hdr + markdown_table(head, table) + "\n\nAgainst the peers (int4 vs the int4 peers, int8 vs gemlite w8):\n\n" + check
+    return hdr + markdown_table(head, table) + "\n\nAgainst the peers (int4 vs the int4 peers, int8 vs gemlite w8):\n\n" + peer_margins(margins)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -342,8 +346,7 @@ def msweep_summary(result: dict) -> str:
     return (cut + f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
             f"fp16 activations. Measured crossovers: {notes}.\n\n" + markdown_table(head, table) + "\n"
             + "\nAgainst the peers at M = 17..256 (dispatched int4 vs the int4 peers, int8 vs gemlite w8):\n\n"
-            + "".join(f"- {peer}: its time ÷ ours is at least {min(m)[0]:.2f}× ({min(m)[1]}) over {len(m)} cases\n"
-                      for peer, m in margins.items()))
+            + peer_margins(margins))
 
 
 def plot_msweep(result: dict, path: Path) -> None:
