@@ -13,6 +13,8 @@ import sys
 
 CASES = [(28672, 8192, 1, 4), (21504, 14336, 1, 4), (28672, 4096, 1, 4), (4096, 14336, 1, 4), (6144, 4096, 1, 4),
          (4096, 4096, 1, 4), (28672, 8192, 16, 4), (28672, 8192, 1, 8), (4096, 4096, 1, 8)]
+if os.environ.get("VARIANT_CASES"):  # "N,K,M,BITS;...": other cases (e.g. M = 17..32)
+    CASES = [tuple(int(v) for v in c.split(",")) for c in os.environ["VARIANT_CASES"].split(";")]
 
 CHILD = r"""
 import json, sys, torch
@@ -33,10 +35,12 @@ for N, K, M, bits in json.loads(sys.argv[1]):
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     best = (float("inf"), None)
     for kw in ops.K_WARPS:
+        if M > ops.GEMV_MAX_M and kw > 2:  # (the kernel's wide instantiations)
+            continue
         for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)}):
             try:
                 t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
-            except RuntimeError:
+            except (RuntimeError, ValueError):  # a launch this build refuses
                 continue
             best = min(best, (t, (kw, b)))
     roof = gws[0].nbytes() / bw * 1e6

@@ -284,23 +284,27 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
         peers = Peers(w, copies_to_defeat_l2(N * K // 2))
         for fmt, spec in FORMATS.items():
             gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
-            crossover = gws[0].max_kernel_m
+            crossover, gemv_reach = gws[0].max_kernel_m, gws[0].gemv_max_m
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 t = {}
-                if M <= ops.GEMV_MAX_M:
-                    t["kernel"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
-                elif ops.supports_mixed_gemm(gws[0]):
-                    t["kernel"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
+                if M <= ops.gemv_rows_limit(gws[0]):
+                    t["gemv"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                if M > ops.GEMV_MAX_M and ops.supports_mixed_gemm(gws[0]):
+                    t["mixed_gemm"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
                 t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
-                t["dispatched"] = t["kernel"] if (M <= crossover and "kernel" in t) else t["dequant_cublas"]
+                # what models/dispatch.py runs: the GEMV up to its measured reach, the mixed
+                # GEMM up to the crossover, dequantize + cuBLAS beyond
+                kernel = t.get("gemv") if M <= gemv_reach else t.get("mixed_gemm")
+                t["dispatched"] = kernel if (M <= crossover and kernel is not None) else t["dequant_cublas"]
                 # Peers once per shape; beyond M = 256 (the peer range) cuBLAS only:
                 # tinygemm alone takes milliseconds a call there.
                 if fmt == "int4_g128":
                     t.update(peers.timings(x, others=M <= 256))
                 for impl, us in t.items():
-                    rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover))
-                print(f"MSWEEP {N}x{K} {fmt} M={M} (crossover {crossover}): "
+                    rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover,
+                                     gemv_max_m=gemv_reach))
+                print(f"MSWEEP {N}x{K} {fmt} M={M} (GEMV to {gemv_reach}, crossover {crossover}): "
                       + "  ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
             # what is measured so far survives a run cut short (the GPU machine's time limit)
             write_json(out_dir / "kernels_msweep.json", dict(info, rows=rows, complete=False))
@@ -318,19 +322,24 @@ def msweep_summary(result: dict) -> str:
         return f"{a / b:.2f}×" if isinstance(a, float) and isinstance(b, float) else "-"
 
     rows = result["rows"]
-    head = ["N×K", "M", "int4 dispatched", "int4 kernel", "int4 deq+cuBLAS", "int8 dispatched", "int8 kernel",
-            "int8 deq+cuBLAS", "cuBLAS fp16", "tinygemm", "gemlite w4", "gemlite w8", "bnb nf4", "int4 vs cuBLAS", "int8 vs cuBLAS"]
+    head = ["N×K", "M", "int4 dispatched", "int4 GEMV", "int4 GEMM", "int4 deq+cuBLAS", "int8 dispatched", "int8 GEMV",
+            "int8 GEMM", "int8 deq+cuBLAS", "cuBLAS fp16", "tinygemm", "gemlite w4", "gemlite w8", "bnb nf4",
+            "int4 vs cuBLAS", "int8 vs cuBLAS"]
     table = []
     margins = {}
     for N, K in sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1]):
         for M in sorted({r["M"] for r in rows}):
             def g(fmt, impl):
                 r = [x for x in rows if (x["N"], x["K"], x["M"], x["fmt"], x["impl"]) == (N, K, M, fmt, impl)]
+                if not r and impl in ("gemv", "mixed_gemm"):  # runs before the GEMV / GEMM split
+                    r = [x for x in rows if (x["N"], x["K"], x["M"], x["fmt"], x["impl"]) == (N, K, M, fmt, "kernel")
+                         and (M <= 16) == (impl == "gemv")]
                 return r[0]["us"] if r else "-"
             cb = g("int4_g128", "cublas_fp16")
             d4, d8 = g("int4_g128", "dispatched"), g("int8_channel", "dispatched")
-            table.append([f"{N}×{K}", M, d4, g("int4_g128", "kernel"), g("int4_g128", "dequant_cublas"), d8,
-                          g("int8_channel", "kernel"), g("int8_channel", "dequant_cublas"), cb,
+            table.append([f"{N}×{K}", M, d4, g("int4_g128", "gemv"), g("int4_g128", "mixed_gemm"),
+                          g("int4_g128", "dequant_cublas"), d8, g("int8_channel", "gemv"), g("int8_channel", "mixed_gemm"),
+                          g("int8_channel", "dequant_cublas"), cb,
                           g("int4_g128", "tinygemm_int4_bf16"), g("int4_g128", "gemlite_w4_fp16"),
                           g("int4_g128", "gemlite_w8_fp16"), g("int4_g128", "bnb_nf4_fp16"), ratio(cb, d4),
                           ratio(cb, d8)])
@@ -340,9 +349,11 @@ def msweep_summary(result: dict) -> str:
                     q = g("int4_g128", peer)
                     if q != "-" and ours_us != "-":
                         margins.setdefault(peer, []).append((q / ours_us, f"{N}×{K} M={M}"))
-    cross = sorted({(r["N"], r["K"], r["fmt"], r["crossover"]) for r in rows})
-    notes = "; ".join(f"{n}×{k} {f}: kernel up to M={c}" for n, k, f, c in cross)
+    cross = sorted({(r["N"], r["K"], r["fmt"], r.get("gemv_max_m", 16), r["crossover"]) for r in rows})
+    notes = "; ".join(f"{n}×{k} {f}: GEMV up to M={v}, kernels up to M={c}" for n, k, f, v, c in cross)
     cut = "" if result.get("complete", True) else f"**Incomplete run** ({result.get('note', 'cut short')}).\n\n"
+    if result.get("complete", True) and result.get("note"):
+        cut = result["note"] + "\n\n"
     return (cut + f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
             f"fp16 activations. Measured crossovers: {notes}.\n\n" + markdown_table(head, table) + "\n"
             + "\nAgainst the peers at M = 17..256 (dispatched int4 vs the int4 peers, int8 vs gemlite w8):\n\n"
@@ -358,21 +369,22 @@ def plot_msweep(result: dict, path: Path) -> None:
     shapes = sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1])
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.8), squeeze=False)
     for ax, (N, K) in zip(axes[0], shapes):
-        for fmt, impl, style in [("int4_g128", "kernel", "-o"), ("int4_g128", "dequant_cublas", "--"),
-                                 ("int8_channel", "kernel", "-s"), ("int8_channel", "dequant_cublas", ":"),
+        for fmt, impl, style in [("int4_g128", "dispatched", "-o"), ("int4_g128", "dequant_cublas", "--"),
+                                 ("int8_channel", "dispatched", "-s"), ("int8_channel", "dequant_cublas", ":"),
                                  ("int4_g128", "cublas_fp16", "-k"), ("int4_g128", "tinygemm_int4_bf16", "-x"),
                                  ("int4_g128", "gemlite_w4_fp16", "-^"), ("int4_g128", "gemlite_w8_fp16", "-v"),
                                  ("int4_g128", "bnb_nf4_fp16", "-d")]:
             pts = sorted((r["M"], r["us"]) for r in rows if (r["N"], r["K"], r["fmt"], r["impl"]) == (N, K, fmt, impl))
             if pts:
-                ax.plot(*zip(*pts), style, label=f"{fmt.split('_')[0]} {impl}" if impl in ("kernel", "dequant_cublas") else impl, ms=3)
+                ax.plot(*zip(*pts), style, label=f"{fmt.split('_')[0]} {impl}" if impl in ("dispatched", "dequant_cublas") else impl, ms=3)
         for fmt, color in (("int4_g128", "C0"), ("int8_channel", "C2")):
-            c = [r["crossover"] for r in rows if (r["N"], r["K"], r["fmt"]) == (N, K, fmt)]
-            if c:
-                ax.axvline(c[0], color=color, alpha=0.4, lw=1)
+            c = [r for r in rows if (r["N"], r["K"], r["fmt"]) == (N, K, fmt)]
+            if c:  # solid: kernels -> dequantize + cuBLAS; dotted: GEMV -> mixed GEMM
+                ax.axvline(c[0]["crossover"], color=color, alpha=0.4, lw=1)
+                ax.axvline(c[0].get("gemv_max_m", 16), color=color, alpha=0.4, lw=1, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{N}×{K} (lines: measured crossovers)", fontsize=9)
+        ax.set_title(f"{N}×{K} (crossovers: dotted GEMV→GEMM, solid →deq+cuBLAS)", fontsize=8)
         ax.set_xlabel("M")
         ax.set_ylabel("µs")
     axes[0][0].legend(fontsize=6)

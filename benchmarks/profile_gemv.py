@@ -1,6 +1,6 @@
 """A few kernel launches of one shape, for ncu: python benchmarks/profile_gemv.py N K M BITS [BLOCKS [K_WARPS]].
-M <= 16 runs the GEMV (BLOCKS, K_WARPS: its grid); larger M the mixed GEMM (BLOCKS, K_WARPS read as
-tile config and split-K; 0 0 = the measured plan)."""
+M <= gw.gemv_max_m (16, or up to 32 where measured faster) runs the GEMV (BLOCKS, K_WARPS: its grid);
+larger M the mixed GEMM (BLOCKS, K_WARPS read as tile config and split-K; 0 0 = the measured plan)."""
 import sys
 
 import torch
@@ -17,7 +17,7 @@ spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
 gw = ops.prepare(pack_for_gpu(quantize(torch.randn(N, K, device="cuda") * 0.02, spec), torch.float16), tune=True)
 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
 for _ in range(3):
-    if M <= ops.GEMV_MAX_M:
+    if M <= gw.gemv_max_m:
         ops.gemv(x, gw, max_blocks=blocks or None, k_warps=k_warps)
     else:
         ops.gemm(x, gw, config=blocks if len(sys.argv) > 5 else None, splits=k_warps)

@@ -1,5 +1,5 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
-columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..16; the mixed GEMM's three tile
+columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..32 (1 to 4 row blocks); the mixed GEMM's three tile
 configurations with and without split-K, M tails. Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
@@ -16,7 +16,8 @@ for (N, K), bits, group, sym, dtype in itertools.product(
 ):
     qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
     gw = ops.prepare(pack_for_gpu(qw, dtype))
-    for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4)]:
+    for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4), (19, 0, 0), (32, 3, 2),
+                               (27, 0, 1)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps)
     for M, config, splits in [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]:

@@ -21,4 +21,4 @@ for model, shapes in SHAPES.items():
                 qw = quantize(torch.randn(N, K, device="cuda") * 0.02,
                               QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=dtype))
                 gw = ops.prepare(pack_for_gpu(qw, dtype), tune=True)
-                print(model, N, K, spec.describe(), dtype, gw.grids, gw.max_kernel_m, flush=True)
+                print(model, N, K, spec.describe(), dtype, gw.grids, gw.gemv_max_m, gw.max_kernel_m, flush=True)

@@ -83,15 +83,18 @@ class GpuWeight:
     K_pad: int
     group_size: int  # K_pad when per-channel
     dtype: torch.dtype
-    # GEMV launch per row-block count (1, 2 blocks of 8 rows): (k-warps per n-tile, grid
-    # size); absent or 0: the kernel's own choice. Measured per shape at load
-    # (kernels/tuning.py).
+    # GEMV launch per tuned M (ops.GEMV_TUNED_MS, each standing for the Ms up to it):
+    # (k-warps per n-tile, grid size); absent or 0: the kernel's own choice. Measured per
+    # shape at load (kernels/tuning.py).
     grids: dict = field(default_factory=dict)
     # Mixed-GEMM launch per M bound: {m: (tile config, split-K)} for rows up to m (the
     # smallest bound >= M applies). Measured per shape at load (tuning.py).
     gemm_plan: dict = field(default_factory=dict)
     # Largest M the kernels serve before dequantize + cuBLAS wins (measured, tuning.py).
     max_kernel_m: int = 128
+    # Largest M the GEMV serves: 16, or up to 32 where it measured faster than the mixed
+    # GEMM (tuning.py; per-channel, g64 and g128 weights).
+    gemv_max_m: int = 16
 
     @property
     def n_tiles(self) -> int:

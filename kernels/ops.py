@@ -21,14 +21,14 @@ from . import pdl
 from .cache import cache_dir
 from .device import sm_major
 from .layout import GpuWeight
-from .paths import DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
+from .paths import DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, GEMV_WIDE_MAX_M, MIXED_GEMM  # noqa: F401 (re-exported)
 
 log = logging.getLogger("woq.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp",)  # = setup.py
 GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
-K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV)
+K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV; M > 16: 1 and 2)
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 # Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh)
 GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128)}
@@ -135,10 +135,10 @@ class _Scratch:
         self.device = device
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.sms = sms
-        # Partial sums. GEMV: 2 x 16 rows x 128 channels per block, for up to 4 resident
+        # Partial sums. GEMV: 2 x 32 rows x 128 channels per block, for up to 4 resident
         # blocks per SM. Mixed GEMM: 2 * SMs of its largest tiles (128 x 128; more of the
         # smaller ones). The launchers cap their split so as never to exceed it.
-        floats = max(4 * sms * 2 * GEMV_MAX_M * GEMV_WARPS * 16, 2 * sms * GEMM_TILE_FLOATS)
+        floats = max(4 * sms * 2 * GEMV_WIDE_MAX_M * GEMV_WARPS * 16, 2 * sms * GEMM_TILE_FLOATS)
         self.workspace = torch.empty(floats, dtype=torch.float32, device=device)
         self.counters = torch.zeros(2 * sms, dtype=torch.int32, device=device)
         self.dense: dict[torch.dtype, torch.Tensor] = {}
@@ -167,12 +167,19 @@ def scratch(device: torch.device) -> _Scratch:
 # up to it. The kernel's shared memory, hence the blocks an SM holds, grows with M
 # (csrc/gemv.cuh), so a grid measured at M = 8 can crowd some SMs and idle others at M = 2
 # (H100, 14336 x 4096 int8: 31.3 us at M = 2 against 27.3 at M = 8, same grid).
-GEMV_TUNED_MS = (1, 2, 4, 8, 16)
+# 24 and 32: the kernel's 3 and 4 row blocks, measured for the weights that allow them.
+GEMV_TUNED_MS = (1, 2, 4, 8, 16, 24, 32)
 
 
 def gemv_tuning_m(m: int) -> int:
     """The measured M whose GEMV launch serves M rows."""
     return next(t for t in GEMV_TUNED_MS if m <= t)
+
+
+def gemv_rows_limit(gw: GpuWeight) -> int:
+    """Rows the GEMV kernel takes for this weight: 32 for per-channel, g64 and g128 weights
+    (the formats the mixed GEMM takes too, so that the tuner can choose), else 16."""
+    return GEMV_WIDE_MAX_M if gw.per_channel or gw.group_size in GEMM_GROUPS else GEMV_MAX_M
 
 
 def supports_mixed_gemm(gw: GpuWeight) -> bool:
@@ -204,9 +211,13 @@ def _check_x(x: torch.Tensor, gw: GpuWeight, limit: int) -> None:
 
 def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
          k_warps: int | None = None) -> torch.Tensor:
-    """The GEMV kernel (M <= 16). ``max_blocks`` and ``k_warps`` override the measured
-    grid (0: the kernel's own choice)."""
-    _check_x(x, gw, GEMV_MAX_M)
+    """The GEMV kernel (M <= 16; <= 32 for the weights ``gemv_rows_limit`` allows).
+    ``max_blocks`` and ``k_warps`` override the measured grid (0: the kernel's own choice)."""
+    limit = gemv_rows_limit(gw)
+    if x.dim() == 2 and x.shape[0] > limit:
+        raise ValueError(f"the GEMV takes 1 to {limit} rows for this weight (up to {GEMV_WIDE_MAX_M} for per-channel, "
+                         f"g64 and g128 weights), got shape {tuple(x.shape)}")
+    _check_x(x, gw, limit)
     tuned_k_warps, tuned_blocks = gw.grids.get(gemv_tuning_m(x.shape[0]), (0, 0))
     blocks = tuned_blocks if max_blocks is None else max_blocks
     k_warps = tuned_k_warps if k_warps is None else k_warps

@@ -1,15 +1,18 @@
 """Measured launch choices per weight shape, on the GPU at hand (once, then cached).
 
 For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
-  * the GEMV launch at M = 1, 2, 4, 8 and 16 (each standing for the Ms up to it):
+  * the GEMV launch at M = 1, 2, 4, 8, 16 (and 24, 32 where the weight's format allows
+    them; each standing for the Ms up to it):
     k-warps per n-tile (1, 2 or 4 warps splitting each tile's K, so columns of 128, 64 or
     32 channels) and the grid (one resident wave, one block per SM, one block per column,
     ...) -- which wins depends on how many columns the weight has against the SM count
     and on M (the kernel's shared memory, hence the blocks an SM holds, follows M);
-  * the mixed GEMM over an M grid (32 .. 1024): each tile configuration x split-K, and
+  * the mixed GEMM over an M grid (24 .. 1024): each tile configuration x split-K, and
     dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
     crossover is the largest M of the grid at which the kernel still wins (we stop at
-    the first loss: beyond it the dense GEMM's reuse only grows).
+    the first loss: beyond it the dense GEMM's reuse only grows);
+  * the GEMV's reach: the largest of M = 16, 24, 32 up to which its best launch is no
+    slower than the mixed GEMM and dequantize + cuBLAS (again stopping at the first loss).
 Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
 defaults for measured GPUs: ``kernels/tuned/``). ``WOQ_TUNE=0`` disables measuring; the
 kernel's own default grid and a fixed crossover are used then.
@@ -27,12 +30,13 @@ import torch
 
 from .cache import cache_dir
 from .layout import GpuWeight
+from .paths import GEMV_MAX_M
 from .timing import graph_time_us
 
 log = logging.getLogger("woq.kernels")
 
 DEFAULT_MAX_KERNEL_M = 128  # without measurements (WOQ_TUNE=0)
-GEMM_MS = (32, 64, 128, 256, 512, 1024)
+GEMM_MS = (24, 32, 64, 128, 256, 512, 1024)
 _tables: dict[str, dict] = {}
 
 
@@ -89,7 +93,13 @@ def _rotation(gw: GpuWeight) -> list[GpuWeight]:
 
 
 def _time_us(fn, copies: list[GpuWeight]) -> float:
-    """Median microseconds per call of ``fn(copy)`` over the rotated copies."""
+    """Median microseconds per call of ``fn(copy)`` over the rotated copies; infinite for
+    a launch this GPU refuses (e.g. a shared-memory ring larger than it has)."""
+    try:
+        fn(copies[0])  # (graph_time_us calls it eagerly too; a refusal must not reach a capture)
+    except (ValueError, RuntimeError) as exc:
+        log.debug("launch refused: %s", exc)
+        return math.inf
     # 11 replays: launch choices a few % apart must not be picked by noise
     return graph_time_us([lambda g=g: fn(g) for g in copies], calls=16, reps=11)
 
@@ -118,14 +128,23 @@ def measure(gw: GpuWeight) -> dict:
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
     copies = _rotation(gw)
     grids: dict[str, list[int]] = {}
-    for m in ops.GEMV_TUNED_MS:
+    gemv_us: dict[int, float] = {}
+    for m in (m for m in ops.GEMV_TUNED_MS if m <= ops.gemv_rows_limit(gw)):
         x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
         t = {}
         for kw in ops.K_WARPS:
+            if m > ops.GEMV_MAX_M and kw > 2:  # (the kernel's wide instantiations)
+                continue
             for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw), max(1, sms // 2)}):
                 t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
-        grids[str(m)] = list(min(t, key=t.get))
+        best = min(t, key=t.get)
+        if math.isinf(t[best]):  # no launch fits this GPU at this M
+            continue
+        grids[str(m)] = list(best)
+        gemv_us[m] = t[best]
     plan: dict[str, list[int]] = {}
+    gemm_us: dict[int, float] = {}
+    dense_us: dict[int, float] = {}
     max_m = ops.GEMV_MAX_M  # the GEMV beats dequantize + cuBLAS at M <= 16
     if ops.supports_mixed_gemm(gw):
         for m in GEMM_MS:
@@ -135,11 +154,21 @@ def measure(gw: GpuWeight) -> dict:
                 t[c, s] = _time_us(lambda g, c=c, s=s: ops.gemm(x, g, config=c, splits=s), copies)
             best = min(t, key=t.get)
             plan[str(m)] = list(best)
-            if t[best] > _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies):
+            gemm_us[m] = t[best]
+            dense_us[m] = _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies)
+            if t[best] > dense_us[m]:
                 break
             max_m = m
     del copies
-    return {"grids": grids, "gemm": plan, "max_kernel_m": max_m}
+    # Past 16 rows the GEMV must beat both other paths where they were measured (an M the
+    # GEMM loop did not reach ends the GEMV's reach too).
+    gemv_max_m = ops.GEMV_MAX_M
+    for m in sorted(m for m in gemv_us if m > ops.GEMV_MAX_M):
+        rivals = [d[m] for d in (gemm_us, dense_us) if m in d]
+        if not rivals or gemv_us[m] > min(rivals):
+            break
+        gemv_max_m = m
+    return {"grids": grids, "gemm": plan, "max_kernel_m": max(max_m, gemv_max_m), "gemv_max_m": gemv_max_m}
 
 
 def tuned(gw: GpuWeight) -> dict:
@@ -148,7 +177,7 @@ def tuned(gw: GpuWeight) -> dict:
     table = _table()
     if key not in table:
         if os.environ.get("WOQ_TUNE", "1") == "0":
-            return {"grids": {}, "gemm": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M}
+            return {"grids": {}, "gemm": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M, "gemv_max_m": GEMV_MAX_M}
         log.info("tuning the woq kernels for %s on %s", key, torch.cuda.get_device_name())
         table[key] = measure(gw)
         _save()
@@ -165,9 +194,10 @@ def all_tables() -> dict[str, dict]:
 
 
 def apply(gw: GpuWeight) -> GpuWeight:
-    """Set the weight's measured launches: GEMV grids, mixed-GEMM plan, crossover."""
+    """Set the weight's measured launches: GEMV grids and reach, mixed-GEMM plan, crossover."""
     entry = tuned(gw)
     gw.max_kernel_m = entry["max_kernel_m"]
+    gw.gemv_max_m = entry.get("gemv_max_m", GEMV_MAX_M)
     gw.grids = {int(k): tuple(v) for k, v in entry["grids"].items()}
     gw.gemm_plan = {int(k): tuple(v) for k, v in entry.get("gemm", {}).items()}
     return gw

@@ -8,9 +8,10 @@ path               when
 =================  ===========================================================
 ``dense``          unquantized layer (``--quant none``): ``F.linear``
 ``cpu_reference``  quantized layer off CUDA, or CUDA without the compiled kernels
-``gemv``           CUDA, M <= 16 (decode): the weight-only GEMV kernel
-``mixed_gemm``     CUDA, 16 < M <= the measured crossover (at most 64): the same
-                   tensor-core kernel with up to 8 row blocks per weight fragment
+``gemv``           CUDA, M <= 16 (decode): the weight-only GEMV kernel; up to 32
+                   rows where it measured faster than the mixed GEMM for the shape
+``mixed_gemm``     CUDA, from there to the measured crossover: the tensor-core GEMM
+                   with fused dequantization
 ``dequant_cublas`` CUDA, larger M (prefill): dequantize to a scratch buffer + cuBLAS
 =================  ===========================================================
 
@@ -68,8 +69,11 @@ class Dispatchable(Protocol):
     def has_gpu_kernels(self) -> bool:
         """Whether the layer holds its weight in the GPU kernels' layout."""
 
+    def gemv_max_rows(self) -> int:
+        """Largest M the layer's GEMV serves (16, or up to 32 where measured faster)."""
+
     def kernel_max_rows(self) -> int:
-        """Largest M the layer's kernel serves before dequantize + cuBLAS is faster."""
+        """Largest M the layer's kernels serve before dequantize + cuBLAS is faster."""
 
     def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
         """Compute the layer through ``path``."""
@@ -82,7 +86,7 @@ def choose_path(x: torch.Tensor, layer: Dispatchable) -> str:
     if not (x.is_cuda and layer.has_gpu_kernels()):
         return CPU_REFERENCE
     m = x.shape[0]
-    if m <= GEMV_MAX_M:
+    if m <= layer.gemv_max_rows():
         return GEMV
     if m <= layer.kernel_max_rows():
         return MIXED_GEMM

@@ -33,6 +33,9 @@ class DenseLinear(nn.Module):
     def has_gpu_kernels(self) -> bool:
         return False
 
+    def gemv_max_rows(self) -> int:
+        return 0
+
     def kernel_max_rows(self) -> int:
         return 0
 
@@ -88,10 +91,13 @@ class WeightOnlyLinear(nn.Module):
     def has_gpu_kernels(self) -> bool:
         return self.gpu is not None
 
+    def gemv_max_rows(self) -> int:
+        return self.gpu.gemv_max_m
+
     def kernel_max_rows(self) -> int:
         from ..kernels import ops
 
-        return self.gpu.max_kernel_m if ops.supports_mixed_gemm(self.gpu) else ops.GEMV_MAX_M
+        return self.gpu.max_kernel_m if ops.supports_mixed_gemm(self.gpu) else self.gpu.gemv_max_m
 
     def prepare_gpu(self, act_dtype: torch.dtype, tune: bool = True) -> bool:
         """Repack the weight into the GPU kernels' layout (once, at load) and measure its

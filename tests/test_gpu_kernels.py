@@ -51,13 +51,15 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
     qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=N + K + bits)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     w_lowp = w64.to(dtype)  # what dequant + cuBLAS would multiply
-    for M in range(1, 17):
+    assert ops.gemv_rows_limit(gw) == 32  # (these formats: per-channel, g64, g128)
+    for M in range(1, 33):  # 1 to 4 row blocks, every tail
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         cublas = F.linear(x, w_lowp, bias)
         err_cublas = _rel(cublas, ref)
-        for k_warps in (None, *ops.K_WARPS):  # the kernel's own choice, then each split of K
+        # the kernel's own choice, then each split of K (above 16 rows: 1 or 2 k-warps)
+        for k_warps in (None, *(kw for kw in ops.K_WARPS if M <= ops.GEMV_MAX_M or kw <= 2)):
             _poison_next_alloc(M * N, dtype)
             y = ops.gemv(x, gw, bias, k_warps=k_warps)
             assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: unwritten output"
@@ -143,22 +145,25 @@ def test_mixed_gemm_split_k_is_deterministic(bits, group, config, dtype):
             assert torch.equal(ops.gemm(x, gw, config=config, splits=splits), first), f"splits={splits}"
 
 
+GRID_CASES = [(m, bits, group, kw) for m in (5, 27) for bits, group in [(4, 128), (4, 32), (8, 256), (8, None)]
+              for kw in (1, 2, 4) if m <= 16 or (group in (None, 64, 128) and kw <= 2)]  # (27: 4 row blocks)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("k_warps", [1, 2, 4])
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 256), (8, None)])
-def test_any_grid_gives_the_same_bits(bits, group, k_warps, dtype):
+@pytest.mark.parametrize("m,bits,group,k_warps", GRID_CASES)
+def test_any_grid_gives_the_same_bits(m, bits, group, k_warps, dtype):
     """Cutting columns between blocks (partials reduced in block order) gives exactly the
     one-block-per-column result, whatever the grid, call after call (counters re-armed)."""
     qw, w64, g = _case(3000, 4096, bits, group, False, dtype, seed=7)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
-    x = torch.randn(5, 4096, device="cuda", generator=g).to(dtype)
+    x = torch.randn(m, 4096, device="cuda", generator=g).to(dtype)
     ref = x.double() @ w64.T
     columns = -(-3000 // (16 * ops.GEMV_WARPS // k_warps))
     whole = ops.gemv(x, gw, max_blocks=columns, k_warps=k_warps)  # one block per column: no partials
     assert _rel(whole, ref) < 2e-3
     for blocks in (1, 2, 7, 50, 200, 1000, 0):
         for _ in range(3):  # counters must be re-armed by each column's last contributor
-            _poison_next_alloc(5 * 3000, dtype)
+            _poison_next_alloc(m * 3000, dtype)
             y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps)
             assert torch.isfinite(y).all()
             assert _rel(y, ref) < 2e-3, f"max_blocks={blocks}"
@@ -192,11 +197,13 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
     entry = saved[tuning.shape_key(layer.gpu)]
     assert set(entry["grids"]) == {str(m) for m in ops.GEMV_TUNED_MS} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
     assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 1 for c, s in entry["gemm"].values())
+    assert entry["gemv_max_m"] in (16, 24, 32) and layer.gpu.gemv_max_m == entry["gemv_max_m"]
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     assert dispatch.choose_path(x, layer) == dispatch.GEMV
-    for m in (17, 64, 65, 300, 2000):
+    for m in (16, 17, 24, 25, 32, 33, 64, 65, 300, 2000):
         path = dispatch.choose_path(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer)
-        expect = dispatch.MIXED_GEMM if m <= entry["max_kernel_m"] else dispatch.DEQUANT_CUBLAS
+        expect = (dispatch.GEMV if m <= entry["gemv_max_m"] else
+                  dispatch.MIXED_GEMM if m <= entry["max_kernel_m"] else dispatch.DEQUANT_CUBLAS)
         assert path == expect, (m, path)
     tuning._tables.clear()  # later tests see the normal tables again
     eager = layer(x)
@@ -221,8 +228,14 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
 def test_bad_arguments_raise_clear_errors():
     qw = quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 64, False))
     gw = ops.prepare(pack_for_gpu(qw, torch.float16))
-    with pytest.raises(ValueError, match="1 to 16 rows"):
-        ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), gw)
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        ops.gemv(torch.randn(33, 128, device="cuda", dtype=torch.float16), gw)
+    g32 = ops.prepare(pack_for_gpu(quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 32, False)),
+                                   torch.float16))
+    with pytest.raises(ValueError, match="1 to 16 rows for this weight"):
+        ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), g32)
+    with pytest.raises(ValueError, match="above 16 rows the GEMV takes k_warps"):
+        ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), gw, k_warps=4)
     with pytest.raises(ValueError, match="per-channel or g"):
         ops.gemm(torch.randn(32, 128, device="cuda", dtype=torch.float16),
                  ops.prepare(pack_for_gpu(quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 32, False)),
@@ -247,7 +260,7 @@ def test_custom_ops_work_under_torch_compile():
         torch.testing.assert_close(compiled(x), layer(x), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("m", [1, 9, 40])  # GEMV with 1 and 2 row blocks, the mixed GEMM
+@pytest.mark.parametrize("m", [1, 9, 20, 30, 40])  # GEMV with 1 to 4 row blocks, the mixed GEMM
 def test_programmatic_launches_give_the_plain_launches_bits(m):
     """A dependent chain (GEMV/GEMM -> Triton RMSNorm -> GEMV/GEMM -> SiLU*up -> ...), each
     kernel reading the previous one's output and sharing the split-K scratch, replayed from
@@ -265,7 +278,7 @@ def test_programmatic_launches_give_the_plain_launches_bits(m):
     norm_w = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
 
     def linear(x, gw):
-        return ops.gemv(x, gw) if m <= ops.GEMV_MAX_M else ops.gemm(x, gw)
+        return ops.gemv(x, gw) if m <= ops.GEMV_WIDE_MAX_M else ops.gemm(x, gw)
 
     def chain(x):
         h = linear(x, layers[0])  # [m, 8192]

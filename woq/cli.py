@@ -122,9 +122,10 @@ class EvalPpl(ModelSettings):
 
 
 class BenchDispatch(ModelSettings):
-    """Print (and plot) the measured dispatch table: per weight shape, the kernel grid of each
-    row-block variant and the crossover M from the kernel to dequantize + cuBLAS. With a
-    CUDA GPU, --tune-model loads a model first, measuring its shapes that are new."""
+    """Print (and plot) the measured dispatch table: per weight shape, the GEMV's grid at each
+    tuned M, the mixed GEMM's launch per M range, the largest M the GEMV serves and the
+    crossover M from the kernels to dequantize + cuBLAS. With a CUDA GPU, --tune-model
+    loads a model first, measuring its shapes that are new."""
 
     tune_model: bool = Field(False, description="load --model on the GPU first (measures new shapes)")
     plot: Path | None = Field(None, description="write a PNG of the crossovers here")
@@ -143,15 +144,16 @@ class BenchDispatch(ModelSettings):
             return
         for name, table in tables.items():
             print(f"\n{name}\n(GEMV: k-warps x grid size; mixed GEMM: tile config x split-K, per M range)")
+            gemv_ms = sorted({int(m) for e in table.values() for m in e["grids"]})
             ms = sorted({int(m) for e in table.values() for m in e.get("gemm", {})})
-            print("| weight (NxK, format, dtype) | M<=8 | M<=16 | " + " | ".join(f"M<={m}" for m in ms)
-                  + " | kernels up to M |")
-            print("|---" * (4 + len(ms)) + "|")
+            print("| weight (NxK, format, dtype) | " + " | ".join(f"GEMV M<={m}" for m in gemv_ms) + " | "
+                  + " | ".join(f"GEMM M<={m}" for m in ms) + " | GEMV up to M | kernels up to M |")
+            print("|---" * (3 + len(gemv_ms) + len(ms)) + "|")
             for key, e in sorted(table.items()):
                 g, p = e["grids"], e.get("gemm", {})
-                cells = ["x".join(map(str, g[str(v)])) if str(v) in g else "-" for v in (1, 2)]
+                cells = ["x".join(map(str, g[str(m)])) if str(m) in g else "-" for m in gemv_ms]
                 cells += ["c{}x{}".format(*p[str(m)]) if str(m) in p else "-" for m in ms]
-                print(f"| {key} | " + " | ".join(cells) + f" | {e['max_kernel_m']} |")
+                print(f"| {key} | " + " | ".join(cells) + f" | {e.get('gemv_max_m', 16)} | {e['max_kernel_m']} |")
         if self.plot:
             import matplotlib
             matplotlib.use("Agg")

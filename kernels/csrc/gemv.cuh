@@ -1,6 +1,10 @@
-// Weight-only GEMV (M <= 16): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W int8/int4,
-// x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows (1 or 2) share each converted weight
+// Weight-only GEMV (M <= 32): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W int8/int4,
+// x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows (1 to 4) share each converted weight
 // fragment. Larger M: the mixed GEMM (gemm.cuh), which reuses this file's layout and helpers.
+// M <= 16 always runs here (decode); 17..32 runs here where the tuner measured it faster
+// than the mixed GEMM for the shape (kernels/tuning.py). Measured on the H100, M = 32:
+// 21504 x 14336 int8 140.5 us against the GEMM's 156.3, int4 114.7 against 118.8; but
+// 28672 x 8192 int4 93.2 against 78.2 -- hence a measurement per shape, not a rule.
 //
 // Why tensor cores for a "GEMV": at M = 16, an int4 weight streamed at 3 TB/s feeds
 // ~6e12 weights/s, i.e. ~1e14 multiply-adds/s -- more than the fp32 CUDA cores do
@@ -10,8 +14,8 @@
 //
 // Operand roles are swapped ("y^T = W x^T"): the weights are the 16-row A operand of
 // mma.m16n8k16 (16 output channels per mma) and the activations the 8-column B operand
-// (8 rows of x). M <= 8 wastes nothing on the weight side; 9 <= M <= 16 issues a second
-// mma that reuses the same converted weight fragment.
+// (8 rows of x). M <= 8 wastes nothing on the weight side; each further 8 rows issue one
+// more mma that reuses the same converted weight fragment.
 //
 // Work decomposition:
 //   * each lane owns 16 bytes of every 512-byte weight segment, which kernels/layout.py
@@ -73,12 +77,16 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; coun
 #ifndef WOQ_GEMV_MIN_BLOCKS  // blocks per SM the registers must allow (launch bounds)
 #define WOQ_GEMV_MIN_BLOCKS 2
 #endif
+#ifndef WOQ_GEMV_WIDE_MIN_BLOCKS  // the same for MB = 3, 4 (M = 17..32)
+#define WOQ_GEMV_WIDE_MIN_BLOCKS 1
+#endif
 
 constexpr int kGemvWarps = 8;
-constexpr int kGemvMaxM = 16;                // MB = 2 blocks of 8 rows
+constexpr int kGemvMaxM = kGemvMaxRows;      // 32: MB = 4 blocks of 8 rows (woq_kernels.h)
 constexpr int kGemvStages = WOQ_GEMV_STAGES;  // shared-memory ring depth
 constexpr int kGemvSteps = WOQ_GEMV_STEPS;    // 512-byte weight segments per warp per stage
 constexpr int kGemvMaxKWarps = 4;
+constexpr int kGemvWideMaxKWarps = 2;        // MB = 3, 4 (see gemv_launch.cuh)
 
 // Output channels per column (block) for KW k-warps per n-tile.
 __host__ __device__ constexpr int gemv_column_channels(int k_warps) { return 16 * (kGemvWarps / k_warps); }
@@ -189,8 +197,15 @@ struct UnitPartition {
 // which M = 1's shared memory would allow at 1 k-warp) it spilled in the stage loop, and
 // measured slower on the H100 (28672 x 8192 int4 M = 1: 48.1 vs 48.0 us; 21504 x 14336:
 // 62.2 vs 61.6 us; benchmarks/gemv_variants.py "" -DWOQ_GEMV_MIN_BLOCKS=3).
+// MB = 3, 4 (M > 16): one block per SM. Their x rows fill most of the shared memory, so
+// one block is what an SM holds at most shapes anyway, and held to 128 registers the
+// int4 g128 kernel with zero points spilled (92 bytes at MB = 4). Measured against 2
+// (H100, gemv_variants.py "" -DWOQ_GEMV_WIDE_MIN_BLOCKS=2, best grid, us): 21504 x 14336
+// int4 M = 17 90.9 vs 78.4 (two 17-row rings still fit), M = 32 114.8 vs 121.3; 28672 x
+// 8192 int4 M = 24 78.9 vs 80.4; int8 and 4096 x 4096 within 1 us either way.
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
-__global__ void __launch_bounds__(kGemvWarps * 32, WOQ_GEMV_MIN_BLOCKS) gemv_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS : WOQ_GEMV_WIDE_MIN_BLOCKS)
+    gemv_kernel(const GemvParams p) {
   using Shape = TileShape<BITS, KW>;
   using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
   constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride;

@@ -62,4 +62,18 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1, KW) \
   WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2, KW)
 
+// M = 17..32 (MB = 3, 4): the formats the mixed GEMM takes (per-channel, g64, g128),
+// which are the ones whose choice between the two is measured; 1 or 2 k-warps (at 4, the
+// int4 stage's 1024 columns of 32 rows of x would not fit the shared memory).
+#define WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, BITS, MB, KW) \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 0)                \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 64)               \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 128)
+
+#define WOQ_GEMV_WIDE_INSTANTIATE_KW(T, KW)      \
+  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 4, 3, KW) \
+  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 4, 4, KW) \
+  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 8, 3, KW) \
+  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 8, 4, KW)
+
 }  // namespace woq

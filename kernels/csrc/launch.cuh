@@ -74,15 +74,19 @@ void set_operands(KernelOperands& p, const Args& a) {
 
 // Resident blocks per SM of `kernel` at `threads` threads and `smem` bytes of dynamic
 // shared memory, after opting in to up to `smem_max` (>= smem) bytes where that exceeds
-// 48 KB; 0 on failure.
+// 48 KB; 0 on failure (e.g. a ring larger than this GPU's shared memory: an A100 has
+// 164 KB, a T4 64 KB). A failure is also cleared from the runtime's last-error state:
+// left there, launch_kernel's cudaGetLastError would report it for the next, valid launch.
 template <typename Kernel>
 int resident_blocks(Kernel kernel, int threads, int smem, int smem_max = 0) {
   smem_max = smem_max > smem ? smem_max : smem;
-  if (smem_max > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max) != cudaSuccess)
-    return 0;
   int resident = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem) != cudaSuccess) return 0;
+  if ((smem_max > 48 * 1024 &&
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max) != cudaSuccess) ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
   return resident;
 }
 

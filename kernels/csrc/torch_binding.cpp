@@ -75,10 +75,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, at::Tensor& workspace,
                 at::Tensor& counters) {
-  check_activations(x, scales, bias, n, k, 16, "the GEMV takes 1 to 16 rows");
+  check_activations(x, scales, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
   const c10::cuda::CUDAGuard guard(x.device());
   woq::GemvArgs a;
   a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  if (x.size(0) > woq::kGemvAnyWeightMaxRows) {
+    const int g = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
+    check(g == 0 || g == 64 || g == 128,
+          "the GEMV takes more than 16 rows only for per-channel, g64 and g128 weights, got g" + str(g));
+    check(k_warps <= 2, "above 16 rows the GEMV takes k_warps 0 (by shape), 1 or 2, got " + str(k_warps));
+  }
   a.x = x.data_ptr();
   a.bias = bias ? bias->data_ptr() : nullptr;
   at::Tensor y = at::empty({x.size(0), n}, x.options());

@@ -1,10 +1,13 @@
 // Instantiations and launchers of the woq kernels (framework-free; see woq_kernels.h).
+#include <algorithm>
+
 #include "dequant.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
 
-// Defined in gemv_launch.cuh, instantiated in gemv_{fp16,bf16}_k{1,2,4}.cu.
+// Defined in gemv_launch.cuh, instantiated in gemv_{fp16,bf16}_k{1,2,4}.cu (M <= 16) and
+// gemv_{fp16,bf16}_m32_k{1,2}.cu (M = 17..32).
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..4}.cu.
@@ -19,13 +22,22 @@ cudaError_t gemv_by_group(const GemvArgs& a, cudaStream_t stream) {
   const int group = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
 #define WOQ_CASE(G) \
   case G: return z ? gemv_launch<T, BITS, MB, KW, G, true>(a, stream) : gemv_launch<T, BITS, MB, KW, G, false>(a, stream);
-  switch (group) {
-    WOQ_CASE(0)
-    WOQ_CASE(32)
-    WOQ_CASE(64)
-    WOQ_CASE(128)
-    WOQ_CASE(256)
-    default: return cudaErrorInvalidValue;
+  if constexpr (MB > 2) {  // M > 16: the wide instantiations (gemv_launch.cuh)
+    switch (group) {
+      WOQ_CASE(0)
+      WOQ_CASE(64)
+      WOQ_CASE(128)
+      default: return cudaErrorInvalidValue;
+    }
+  } else {
+    switch (group) {
+      WOQ_CASE(0)
+      WOQ_CASE(32)
+      WOQ_CASE(64)
+      WOQ_CASE(128)
+      WOQ_CASE(256)
+      default: return cudaErrorInvalidValue;
+    }
   }
 #undef WOQ_CASE
 }
@@ -40,18 +52,40 @@ int default_k_warps(int N) {
 }
 
 template <typename T, int BITS, int MB>
-cudaError_t gemv_by_k_warps(const GemvArgs& a, cudaStream_t stream) {
-  switch (a.k_warps > 0 ? a.k_warps : default_k_warps(a.weight.N)) {
+cudaError_t gemv_with_k_warps(const GemvArgs& a, int k_warps, cudaStream_t stream) {
+  switch (k_warps) {
     case 1: return gemv_by_group<T, BITS, MB, 1>(a, stream);
     case 2: return gemv_by_group<T, BITS, MB, 2>(a, stream);
-    case 4: return gemv_by_group<T, BITS, MB, 4>(a, stream);
+    case 4:
+      if constexpr (MB <= 2) return gemv_by_group<T, BITS, MB, 4>(a, stream);
+      return cudaErrorInvalidValue;  // at most 2 k-warps above 16 rows (gemv_launch.cuh)
     default: return cudaErrorInvalidValue;
   }
 }
 
+template <typename T, int BITS, int MB>
+cudaError_t gemv_by_k_warps(const GemvArgs& a, cudaStream_t stream) {
+  if (a.k_warps > 0) return gemv_with_k_warps<T, BITS, MB>(a, a.k_warps, stream);
+  // Our choice: the shape's default, halved while its ring does not fit this GPU's shared
+  // memory (the ring grows with the k-warps and with M: an A100's 164 KB per block hold
+  // 2 k-warps' int4 ring up to M = 16, 1 k-warp's up to 32; an H100's 227 KB hold all).
+  int k_warps = std::min(default_k_warps(a.weight.N), MB > 2 ? kGemvWideMaxKWarps : kGemvMaxKWarps);
+  cudaError_t err = gemv_with_k_warps<T, BITS, MB>(a, k_warps, stream);
+  while (err == cudaErrorInvalidConfiguration && k_warps > 1) {
+    k_warps /= 2;
+    err = gemv_with_k_warps<T, BITS, MB>(a, k_warps, stream);
+  }
+  return err;
+}
+
 template <typename T, int BITS>
 cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
-  return a.M <= 8 ? gemv_by_k_warps<T, BITS, 1>(a, stream) : gemv_by_k_warps<T, BITS, 2>(a, stream);
+  switch ((a.M + 7) / 8) {  // blocks of 8 rows
+    case 1: return gemv_by_k_warps<T, BITS, 1>(a, stream);
+    case 2: return gemv_by_k_warps<T, BITS, 2>(a, stream);
+    case 3: return gemv_by_k_warps<T, BITS, 3>(a, stream);
+    default: return gemv_by_k_warps<T, BITS, 4>(a, stream);
+  }
 }
 
 template <typename T, int BITS, int CFG>

@@ -20,14 +20,19 @@ struct PackedWeight {
   int groups_pad;
 };
 
+// Rows the GEMV takes: up to 16 for every weight, up to 32 for per-channel, g64 and g128
+// weights (the formats the mixed GEMM also takes, between which the tuner chooses).
+constexpr int kGemvAnyWeightMaxRows = 16;
+constexpr int kGemvMaxRows = 32;
+
 struct GemvArgs {
   PackedWeight weight;
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
   const void* bias;  // [N] or nullptr
   void* y;           // [M, N]
-  int M;                   // 1..16
+  int M;                   // 1..32 (17..32: per-channel, g64 and g128 weights only)
   int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
-  int k_warps;             // warps splitting each n-tile's K: 1, 2, 4; 0 = by shape
+  int k_warps;             // warps splitting each n-tile's K: 1, 2, 4 (M > 16: 1, 2); 0 = by shape
   float* workspace;        // partial column sums: 2 * M * 128 floats per block
   long long workspace_floats;
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
