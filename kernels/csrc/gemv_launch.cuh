@@ -47,33 +47,27 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   template cudaError_t gemv_launch<T, BITS, MB, KW, GROUP, false>(const GemvArgs&, cudaStream_t); \
   template cudaError_t gemv_launch<T, BITS, MB, KW, GROUP, true>(const GemvArgs&, cudaStream_t);
 
-// The GEMV (M <= 8, <= 16): per-channel and group sizes 32..256.
-#define WOQ_GEMV_INSTANTIATE_BITS_MB(T, BITS, MB, KW) \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 0)           \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 32)          \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 64)          \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 128)         \
+// The group sizes instantiated: up to 16 rows every one the packer makes (per-channel,
+// 32..256); at 17..32 rows (MB = 3, 4) those the mixed GEMM takes too (per-channel, g64,
+// g128), which are the ones whose choice between the two is measured.
+#define WOQ_GEMV_GEMM_GROUPS(T, BITS, MB, KW) \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 0)   \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 64)  \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 128)
+#define WOQ_GEMV_ALL_GROUPS(T, BITS, MB, KW) \
+  WOQ_GEMV_GEMM_GROUPS(T, BITS, MB, KW)      \
+  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 32) \
   WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 256)
 
-// One translation unit per (activation type, k-warps): they build in parallel.
-#define WOQ_GEMV_INSTANTIATE(T, KW)         \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 1, KW) \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 4, 2, KW) \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 1, KW) \
-  WOQ_GEMV_INSTANTIATE_BITS_MB(T, 8, 2, KW)
+// Both bit widths at two row-block counts, with the group list GROUPS.
+#define WOQ_GEMV_INSTANTIATE_ROWS(GROUPS, T, MB_A, MB_B, KW) \
+  GROUPS(T, 4, MB_A, KW) GROUPS(T, 4, MB_B, KW) GROUPS(T, 8, MB_A, KW) GROUPS(T, 8, MB_B, KW)
 
-// M = 17..32 (MB = 3, 4): the formats the mixed GEMM takes (per-channel, g64, g128),
-// which are the ones whose choice between the two is measured; 1 or 2 k-warps (at 4, the
-// int4 stage's 1024 columns of 32 rows of x would not fit the shared memory).
-#define WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, BITS, MB, KW) \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 0)                \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 64)               \
-  WOQ_INSTANTIATE_GROUP(T, BITS, MB, KW, 128)
-
-#define WOQ_GEMV_WIDE_INSTANTIATE_KW(T, KW)      \
-  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 4, 3, KW) \
-  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 4, 4, KW) \
-  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 8, 3, KW) \
-  WOQ_GEMV_WIDE_INSTANTIATE_BITS_MB(T, 8, 4, KW)
+// One translation unit per (activation type, k-warps, row range): they build in parallel.
+// M <= 16: gemv_{fp16,bf16}_k{1,2,4}.cu. M = 17..32: gemv_{fp16,bf16}_m32_k{1,2}.cu, 1 or
+// 2 k-warps (at 4, the int4 stage's 1024 columns of 32 rows of x would not fit the
+// shared memory).
+#define WOQ_GEMV_INSTANTIATE(T, KW) WOQ_GEMV_INSTANTIATE_ROWS(WOQ_GEMV_ALL_GROUPS, T, 1, 2, KW)
+#define WOQ_GEMV_WIDE_INSTANTIATE_KW(T, KW) WOQ_GEMV_INSTANTIATE_ROWS(WOQ_GEMV_GEMM_GROUPS, T, 3, 4, KW)
 
 }  // namespace woq
