@@ -34,9 +34,7 @@ for N, K, M, bits in json.loads(sys.argv[1]):
     gws = [ops.prepare(pack_for_gpu(qw, torch.float16)) for _ in range(copies_to_defeat_l2(N * K * bits // 8))]
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     best = (float("inf"), None)
-    for kw in ops.K_WARPS:
-        if M > ops.GEMV_MAX_M and kw > 2:  # (the kernel's wide instantiations)
-            continue
+    for kw in ops.gemv_k_warps(M):
         for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)}):
             try:
                 t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])

@@ -331,9 +331,6 @@ def msweep_summary(result: dict) -> str:
         for M in sorted({r["M"] for r in rows}):
             def g(fmt, impl):
                 r = [x for x in rows if (x["N"], x["K"], x["M"], x["fmt"], x["impl"]) == (N, K, M, fmt, impl)]
-                if not r and impl in ("gemv", "mixed_gemm"):  # runs before the GEMV / GEMM split
-                    r = [x for x in rows if (x["N"], x["K"], x["M"], x["fmt"], x["impl"]) == (N, K, M, fmt, "kernel")
-                         and (M <= 16) == (impl == "gemv")]
                 return r[0]["us"] if r else "-"
             cb = g("int4_g128", "cublas_fp16")
             d4, d8 = g("int4_g128", "dispatched"), g("int8_channel", "dispatched")
@@ -349,7 +346,7 @@ def msweep_summary(result: dict) -> str:
                     q = g("int4_g128", peer)
                     if q != "-" and ours_us != "-":
                         margins.setdefault(peer, []).append((q / ours_us, f"{N}×{K} M={M}"))
-    cross = sorted({(r["N"], r["K"], r["fmt"], r.get("gemv_max_m", 16), r["crossover"]) for r in rows})
+    cross = sorted({(r["N"], r["K"], r["fmt"], r["gemv_max_m"], r["crossover"]) for r in rows})
     notes = "; ".join(f"{n}×{k} {f}: GEMV up to M={v}, kernels up to M={c}" for n, k, f, v, c in cross)
     cut = "" if result.get("complete", True) else f"**Incomplete run** ({result.get('note', 'cut short')}).\n\n"
     if result.get("complete", True) and result.get("note"):
@@ -381,7 +378,7 @@ def plot_msweep(result: dict, path: Path) -> None:
             c = [r for r in rows if (r["N"], r["K"], r["fmt"]) == (N, K, fmt)]
             if c:  # solid: kernels -> dequantize + cuBLAS; dotted: GEMV -> mixed GEMM
                 ax.axvline(c[0]["crossover"], color=color, alpha=0.4, lw=1)
-                ax.axvline(c[0].get("gemv_max_m", 16), color=color, alpha=0.4, lw=1, ls=":")
+                ax.axvline(c[0]["gemv_max_m"], color=color, alpha=0.4, lw=1, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{N}×{K} (crossovers: dotted GEMV→GEMM, solid →deq+cuBLAS)", fontsize=8)

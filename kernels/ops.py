@@ -28,7 +28,7 @@ log = logging.getLogger("woq.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp",)  # = setup.py
 GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
-K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV; M > 16: 1 and 2)
+K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV; M > 16: gemv_k_warps)
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 # Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh)
 GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128)}
@@ -176,16 +176,27 @@ def gemv_tuning_m(m: int) -> int:
     return next(t for t in GEMV_TUNED_MS if m <= t)
 
 
+def _gemm_format(gw: GpuWeight) -> bool:
+    """Per-channel, g64 or g128: the formats the mixed GEMM (and the GEMV past 16 rows) take."""
+    return gw.per_channel or gw.group_size in GEMM_GROUPS
+
+
 def gemv_rows_limit(gw: GpuWeight) -> int:
     """Rows the GEMV kernel takes for this weight: 32 for per-channel, g64 and g128 weights
     (the formats the mixed GEMM takes too, so that the tuner can choose), else 16."""
-    return GEMV_WIDE_MAX_M if gw.per_channel or gw.group_size in GEMM_GROUPS else GEMV_MAX_M
+    return GEMV_WIDE_MAX_M if _gemm_format(gw) else GEMV_MAX_M
+
+
+def gemv_k_warps(m: int) -> tuple[int, ...]:
+    """The k-warp counts the GEMV is built for at M = m: 1, 2, 4; above 16 rows 1, 2 (an
+    int4 stage of 4 k-warps and 32 rows of x would not fit the shared memory)."""
+    return K_WARPS if m <= GEMV_MAX_M else tuple(kw for kw in K_WARPS if kw <= 2)
 
 
 def supports_mixed_gemm(gw: GpuWeight) -> bool:
     """The mixed GEMM takes per-channel, g64 and g128 weights, on sm_80+ (its shared-memory
     ring does not fit a T4's 64 KB; there, M > 16 runs dequantize + cuBLAS)."""
-    return sm_major(gw.qweight.device) >= 8 and (gw.per_channel or gw.group_size in GEMM_GROUPS)
+    return sm_major(gw.qweight.device) >= 8 and _gemm_format(gw)
 
 
 def prepare(gw: GpuWeight, tune: bool = False) -> GpuWeight:

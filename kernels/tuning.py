@@ -132,9 +132,7 @@ def measure(gw: GpuWeight) -> dict:
     for m in (m for m in ops.GEMV_TUNED_MS if m <= ops.gemv_rows_limit(gw)):
         x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
         t = {}
-        for kw in ops.K_WARPS:
-            if m > ops.GEMV_MAX_M and kw > 2:  # (the kernel's wide instantiations)
-                continue
+        for kw in ops.gemv_k_warps(m):
             for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw), max(1, sms // 2)}):
                 t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
         best = min(t, key=t.get)

@@ -9,7 +9,7 @@ TUNED = Path(__file__).resolve().parents[1] / "kernels" / "tuned"
 
 
 def test_bench_dispatch_prints_every_stored_choice(tmp_path):
-    table_file = sorted(TUNED.glob("*.json"))[0]
+    table_file = min(TUNED.glob("*.json"))
     table = json.loads(table_file.read_text())
     out = subprocess.run([sys.executable, "-m", "woq", "bench", "dispatch"], capture_output=True, text=True,
                          env={"WOQ_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=True, timeout=120).stdout

@@ -58,8 +58,7 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         cublas = F.linear(x, w_lowp, bias)
         err_cublas = _rel(cublas, ref)
-        # the kernel's own choice, then each split of K (above 16 rows: 1 or 2 k-warps)
-        for k_warps in (None, *(kw for kw in ops.K_WARPS if M <= ops.GEMV_MAX_M or kw <= 2)):
+        for k_warps in (None, *ops.gemv_k_warps(M)):  # the kernel's own choice, then each split of K
             _poison_next_alloc(M * N, dtype)
             y = ops.gemv(x, gw, bias, k_warps=k_warps)
             assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: unwritten output"
