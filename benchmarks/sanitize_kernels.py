@@ -1,6 +1,7 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
 columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..32 (1 to 4 row blocks); the mixed GEMM's three tile
-configurations with and without split-K, M tails. Run by benchmarks/gpu_check.sh under the sanitizer."""
+configurations with and without split-K, M tails; shallower rings under smaller GPUs'
+shared memory. Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
 import torch
@@ -24,5 +25,11 @@ for (N, K), bits, group, sym, dtype in itertools.product(
         ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  config=config, splits=splits)
     ops.dequantize(gw)
+    # the shallower rings of GPUs with less shared memory (3 and 2 stages: a T4, an RTX 30/40)
+    for limit, M, k_warps in [(64 << 10, 1, 1), (64 << 10, 16, 1), (99 << 10, 16, 2), (99 << 10, 32, 1)]:
+        with ops.shared_memory_limit(limit):
+            ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, max_blocks=0, k_warps=k_warps)
+    with ops.shared_memory_limit(99 << 10):
+        ops.gemm(torch.randn(70, K, device="cuda", dtype=dtype), gw, config=2 if bits == 4 else 4, splits=2)
 torch.cuda.synchronize()
 print("sanitizer workload done")

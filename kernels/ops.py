@@ -7,6 +7,7 @@ into ``$WOQ_CACHE/torch_extensions/<hash of sources, torch, arch>``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -194,9 +195,21 @@ def gemv_k_warps(m: int) -> tuple[int, ...]:
 
 
 def supports_mixed_gemm(gw: GpuWeight) -> bool:
-    """The mixed GEMM takes per-channel, g64 and g128 weights, on sm_80+ (its shared-memory
-    ring does not fit a T4's 64 KB; there, M > 16 runs dequantize + cuBLAS)."""
+    """The mixed GEMM takes per-channel, g64 and g128 weights, on sm_80+ (a T4's 64 KB of
+    shared memory hold 2 stages of few of its tiles; there, M > 16 runs dequantize + cuBLAS)."""
     return sm_major(gw.qweight.device) >= 8 and _gemm_format(gw)
+
+
+@contextlib.contextmanager
+def shared_memory_limit(nbytes: int):
+    """Within the block, the kernels plan their shared-memory rings as if this GPU had at most
+    ``nbytes`` per block and per SM (64 KiB: a T4; 99 KiB: an RTX 30/40 or L4; 163 KiB: an
+    A100): a large GPU then runs the shallower rings a smaller one gets (tests)."""
+    torch.ops.woq.set_shared_memory_limit(nbytes)
+    try:
+        yield
+    finally:
+        torch.ops.woq.set_shared_memory_limit(0)
 
 
 def prepare(gw: GpuWeight, tune: bool = False) -> GpuWeight:

@@ -144,6 +144,58 @@ def test_mixed_gemm_split_k_is_deterministic(bits, group, config, dtype):
             assert torch.equal(ops.gemm(x, gw, config=config, splits=splits), first), f"splits={splits}"
 
 
+# Shared memory per block and per SM of smaller GPUs than the one testing (woq_kernels.h).
+SMALLER_GPUS = {"T4": 64 << 10, "RTX30/40": 99 << 10, "A100": 163 << 10}
+
+
+@pytest.mark.parametrize("gpu", list(SMALLER_GPUS))
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (8, None, True)])
+def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, group, sym):
+    """With the shared memory of a T4, an RTX 30/40 or an A100, the launchers plan
+    shallower rings (2 or 3 stages) or fewer k-warps: every launch that runs matches
+    fp64, every one that cannot fit is refused with a clear error, and the kernels' own
+    choices (k_warps, tile config left to them) always run. At T4 size, the int4 g128
+    GEMV of 32 rows is refused at any k-warps (even two stages exceed 64 KB), which shows
+    the limit reaches the planner; at A100 size every launch fits."""
+    dtype = torch.float16
+    qw, w64, g = _case(1000, 1536, bits, group, sym, dtype, seed=bits)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    refused = []
+    with ops.shared_memory_limit(SMALLER_GPUS[gpu]):
+        for M in (1, 8, 16, 17, 32):
+            x = torch.randn(M, 1536, device="cuda", generator=g).to(dtype)
+            ref = x.double() @ w64.T
+            for k_warps in (None, *ops.gemv_k_warps(M)):
+                _poison_next_alloc(M * 1000, dtype)
+                try:
+                    y = ops.gemv(x, gw, k_warps=k_warps)
+                except ValueError as e:
+                    assert "fits this GPU's shared memory" in str(e)
+                    refused.append(("gemv", M, k_warps))
+                    continue
+                assert torch.isfinite(y).all() and _rel(y, ref) < 2e-3, f"gemv M={M} k_warps={k_warps}"
+        for M in (48, 100, 128) if gpu != "T4" else ():  # (a T4 runs dequantize + cuBLAS there)
+            x = torch.randn(M, 1536, device="cuda", generator=g).to(dtype)
+            ref = x.double() @ w64.T
+            for config in (-1, *ops.GEMM_TILES):
+                _poison_next_alloc(M * 1000, dtype)
+                try:
+                    y = ops.gemm(x, gw, config=config, splits=0)
+                except ValueError as e:
+                    assert "fits this GPU's shared memory" in str(e)
+                    refused.append(("gemm", M, config))
+                    continue
+                assert torch.isfinite(y).all() and _rel(y, ref) < 2e-3, f"gemm M={M} config={config}"
+    assert not [r for r in refused if r[2] in (None, -1) and r[1] <= 16 or r[0] == "gemm" and r[2] == -1]
+    t4_int4_wide = [("gemv", 32, kw) for kw in (None, 1, 2)]
+    if gpu == "T4" and bits == 4:
+        assert set(t4_int4_wide) <= set(refused)
+    if gpu == "A100":
+        assert refused == []
+    y = ops.gemv(torch.randn(32, 1536, device="cuda", generator=g).to(dtype), gw)  # the limit is lifted
+    assert torch.isfinite(y).all()
+
+
 GRID_CASES = [(m, bits, group, kw) for m in (5, 27) for bits, group in [(4, 128), (4, 32), (8, 256), (8, None)]
               for kw in (1, 2, 4) if m <= 16 or (group in (None, 64, 128) and kw <= 2)]  # (27: 4 row blocks)
 

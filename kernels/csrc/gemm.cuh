@@ -63,7 +63,7 @@ namespace woq {
 
 constexpr int kGemmWarps = 8;
 constexpr int kGemmStageK = 128;  // k per pipeline stage
-constexpr int kGemmMaxStages = 4;  // shared-memory ring depth (fewer where 2 blocks must fit)
+constexpr int kGemmMaxStages = 4;  // shared-memory ring depth, at most (gemm_launch.cuh)
 constexpr int kGemmXStride = kGemmStageK + 8;  // +16 B per x row: conflict-free ldmatrix
 constexpr int kGemmConfigs = 5;
 
@@ -97,6 +97,7 @@ struct GemmParams : KernelOperands {  // workspace: [tiles, splits, BM * BN] (sp
   int nstages;  // ceil(K_pad / kGemmStageK)
   int m_tiles;  // ceil(M / BM)
   int splits;   // blocks per output tile
+  int stages;   // depth of the shared-memory ring, 2..kGemmMaxStages
 };
 
 // Shared memory of one stage, in bytes (every part a multiple of 16).
@@ -110,17 +111,7 @@ struct GemmStage {
   static constexpr int kS = Shape::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
   static constexpr int kBytes = kW + kX + kS + kZ;
-  // as many stages (<= 4) as fit kMinBlocks blocks in an sm_80/sm_90 SM's 227 KB
-  static constexpr int kRing = (220 * 1024) / (Shape::kMinBlocks * kBytes);
-  static constexpr int kStages = kRing < kGemmMaxStages ? kRing : kGemmMaxStages;
-  static_assert(kStages >= 2, "a ring of at least two stages");
 };
-
-template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
-__host__ __device__ constexpr int gemm_smem_bytes() {
-  using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
-  return Stage::kStages * Stage::kBytes;
-}
 
 // Both halves of a packed pair set to its low (or high) half: one row's scale for the
 // two k of a fragment register.
@@ -141,10 +132,9 @@ __device__ __forceinline__ uint32_t mul_pair<__nv_bfloat16>(uint32_t a, uint32_t
 // GROUP: group size in k (64 or 128; a divisor of the stage), or 0 for per-channel.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) gemm_kernel(const GemmParams p) {
-#if WOQ_SM80  // the host launches it on sm_80+ only (its ring needs > 64 KB of shared memory)
+#if WOQ_SM80  // sm_80+ only: a T4's 64 KB hold 2 stages of few tiles; it runs dequant + cuBLAS
   using Shape = GemmShape<CFG>;
   using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
-  constexpr int kGemmStages = Stage::kStages;
   constexpr int kThreads = kGemmWarps * 32;
   constexpr int BM = Shape::kBM, MBW = Shape::kMBW, NTW = Shape::kNTW, kTiles = Shape::kTiles;
   constexpr int KT = TileShape<BITS>::kK, KT16 = KT / 16, kSegs = Stage::kSegs;
@@ -301,32 +291,34 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   };
 
-  // Pipeline: kGemmStages - 1 stages in flight ahead of the one computed. The prologue
+  // Pipeline: p.stages - 1 stages in flight ahead of the one computed. The prologue
   // fetches their weights before waiting for the previous kernel (a programmatic launch,
   // launch.cuh), x after; one commit group per stage (the first also holds the other
   // stages' weights), so the main loop's wait counts are unchanged.
   allow_dependent_launch();
 #pragma unroll
-  for (int q = 0; q < kGemmStages - 1; ++q)
-    if (st_begin + q < st_end) fetch_weights(st_begin + q, q);
+  for (int q = 0; q < kGemmMaxStages - 1; ++q)
+    if (q < p.stages - 1 && st_begin + q < st_end) fetch_weights(st_begin + q, q);
   wait_for_prior_grid();
 #pragma unroll
-  for (int q = 0; q < kGemmStages - 1; ++q) {
-    if (st_begin + q < st_end) fetch_x(st_begin + q, q);
-    cp_async_commit();
+  for (int q = 0; q < kGemmMaxStages - 1; ++q) {
+    if (q < p.stages - 1) {
+      if (st_begin + q < st_end) fetch_x(st_begin + q, q);
+      cp_async_commit();
+    }
   }
   int slot = 0;
   for (int st = st_begin; st < st_end; ++st) {
-    cp_async_wait<kGemmStages - 2>();
+    cp_async_wait_dynamic<kGemmMaxStages - 2>(p.stages - 2);
     __syncthreads();  // stage st visible to all; the slot of stage st - 1 free to overwrite
-    if (st + kGemmStages - 1 < st_end) {
-      const int ahead_slot = slot == 0 ? kGemmStages - 1 : slot - 1;
-      fetch_weights(st + kGemmStages - 1, ahead_slot);
-      fetch_x(st + kGemmStages - 1, ahead_slot);
+    if (st + p.stages - 1 < st_end) {
+      const int ahead_slot = slot == 0 ? p.stages - 1 : slot - 1;
+      fetch_weights(st + p.stages - 1, ahead_slot);
+      fetch_x(st + p.stages - 1, ahead_slot);
     }
     cp_async_commit();
     if (warp_live) compute(slot);
-    slot = slot == kGemmStages - 1 ? 0 : slot + 1;
+    slot = slot == p.stages - 1 ? 0 : slot + 1;
   }
   cp_async_wait<0>();
 

@@ -15,10 +15,22 @@ template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   using Shape = GemmShape<CFG>;
   const PackedWeight& w = a.weight;
-  constexpr int smem = gemm_smem_bytes<T, BITS, CFG, GROUP, ZEROS>();
+  using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
   auto kernel = gemm_kernel<T, BITS, CFG, GROUP, ZEROS>;
-  static const int resident = resident_blocks(kernel, kGemmWarps * 32, smem);  // blocks per SM
-  if (resident < 1) return cudaErrorInvalidConfiguration;
+  // The deepest ring (<= 4 stages) with which the blocks per SM the configuration is built
+  // for fit (an H100: 4 stages, or 3 for two blocks of config 3's int8 tile); else the
+  // deepest one block takes (an A100's 163 KB: config 2's int4 tile 3 deep).
+  static PlanCache plan_cache;
+  const LaunchPlan plan = plan_cache.get([&] {
+    const SharedMemoryBudget budget = shared_memory_budget();
+    int stages = ring_stages(budget, Stage::kBytes, 0, kGemmMaxStages, Shape::kMinBlocks);
+    if (stages == 0) stages = ring_stages(budget, Stage::kBytes, 0, kGemmMaxStages, 1);
+    if (stages == 0) return LaunchPlan{0, 0};
+    return LaunchPlan{stages, resident_blocks(kernel, kGemmWarps * 32, stages * Stage::kBytes)};
+  });
+  if (plan.resident < 1) return cudaErrorInvalidConfiguration;
+  const int smem = plan.stages * Stage::kBytes;
+  const int resident = plan.resident;  // blocks per SM
   GemmParams p;
   set_operands(p, a);
   p.nstages = (w.K_pad + kGemmStageK - 1) / kGemmStageK;
@@ -34,6 +46,7 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   if (tiles > a.counters_len) splits = 1;
   splits = std::max(1LL, std::min(splits, a.workspace_floats / (tiles * tile_floats)));
   p.splits = static_cast<int>(splits);
+  p.stages = plan.stages;
   const long long blocks = tiles * splits;
   if (blocks > (1LL << 30)) return cudaErrorInvalidValue;
   return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream, p);

@@ -29,9 +29,10 @@
 //     4096 x 4096 the 8 n-tiles per block of KW = 1 make only 32 columns for 132 SMs,
 //     KW = 4 makes 128, each reduced inside its block;
 //   * a stage's weights, activations and group scales/zeros are fetched with cp.async
-//     into a kStages-deep shared-memory ring, so ~3 stages of memory traffic stay in
-//     flight without holding registers (measured: a register prefetch of one chunk left
-//     the kernel latency-bound at ~47% of the bandwidth);
+//     into a shared-memory ring of p.stages (4 where it fits; fewer on GPUs with less
+//     shared memory, chosen at launch), so ~3 stages of memory traffic stay in flight
+//     without holding registers (measured: a register prefetch of one chunk left the
+//     kernel latency-bound at ~47% of the bandwidth);
 //   * the group size is a template parameter: group boundaries fall at compile-time
 //     positions of the unrolled k16 loop (no counters, no divisions in the hot loop);
 //   * the grid is persistent and balanced "stream-K" style: the (column, stage) units
@@ -62,10 +63,13 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; coun
   int nstages;          // pipeline stages per column (ceil(K_pad / stage k))
   int unit_stages;      // stages per work unit: a group never straddles two blocks
   int units;            // columns * nstages / unit_stages; gridDim.x <= units
+  int stages;           // depth of the shared-memory ring, 2..kGemvMaxStages (launch.cuh)
 };
 
 // Pipeline shape. Build-time macros only so that benchmarks/gemv_variants.py can time
-// alternatives (WOQ_NVCC_FLAGS="-DWOQ_GEMV_STAGES=6"); the defaults are the measured best
+// alternatives (WOQ_NVCC_FLAGS="-DWOQ_GEMV_STAGES=6"); the defaults are the measured best.
+// WOQ_GEMV_STAGES is the deepest ring, which a launch gets where the GPU's shared memory
+// holds it (an H100: at every M and k-warp count built)
 // (H100, this session: 6 stages made 28672 x 8192 int4 M = 1 slower, 64.2 vs 56.2 us --
 // 124 KB of shared memory leaves one block per SM instead of two).
 #ifndef WOQ_GEMV_STAGES
@@ -83,7 +87,7 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; coun
 
 constexpr int kGemvWarps = 8;
 constexpr int kGemvMaxM = kGemvMaxRows;      // 32: MB = 4 blocks of 8 rows (woq_kernels.h)
-constexpr int kGemvStages = WOQ_GEMV_STAGES;  // shared-memory ring depth
+constexpr int kGemvMaxStages = WOQ_GEMV_STAGES;  // shared-memory ring depth, at most
 constexpr int kGemvSteps = WOQ_GEMV_STEPS;    // 512-byte weight segments per warp per stage
 constexpr int kGemvMaxKWarps = 4;
 constexpr int kGemvWideMaxKWarps = 2;        // MB = 3, 4 (see gemv_launch.cuh)
@@ -173,9 +177,9 @@ struct StageLayout {
 };
 
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
-__host__ __device__ constexpr int gemv_smem_bytes(int M) {
+__host__ __device__ constexpr int gemv_smem_bytes(int M, int stages) {
   using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
-  return kGemvStages * Stage::bytes(M) + Stage::kReduce;
+  return stages * Stage::bytes(M) + Stage::kReduce;
 }
 
 // The balanced contiguous partition of `units` work units over `blocks` blocks: the first
@@ -276,7 +280,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   const uint32_t s_dst = Stage::kW + x_bytes + (s_is_zero ? Stage::kS : 0) +
                          ((s_tile * kGroups) * 16 + s_r * 8) * static_cast<uint32_t>(sizeof(T));
 
-  // The fetch walk: the (column, stage) whose copies are issued next, kStages - 1 ahead of
+  // The fetch walk: the (column, stage) whose copies are issued next, p.stages - 1 ahead of
   // the one computed, with this thread's weight and scale sources for it. (c_ahead,
   // st_ahead) walks the same sequence as the main loop's L without divisions.
   int c_ahead = L_begin / p.nstages, st_ahead = L_begin % p.nstages;
@@ -429,7 +433,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
       }
     }
     if constexpr (KW > 1) {  // k-warps 1..KW-1 hand their sums to k-warp 0, lane for lane
-      float* red = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + kGemvStages * stage_bytes);
+      float* red = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.stages * stage_bytes);
       auto slot = [&](int k, int h, int i) { return red + (((k - 1) * kTiles + tile) * MB * 4 + h * 4 + i) * 32 + lane; };
       if (kw > 0) {
 #pragma unroll
@@ -503,36 +507,38 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
     }
   };
 
-  // Pipeline over this block's stages: kStages - 1 in flight ahead of the one computed.
-  // Prologue: kStages - 1 stages in flight. Under a programmatic launch (launch.cuh)
+  // Pipeline over this block's stages: p.stages - 1 in flight ahead of the one computed.
+  // Prologue: p.stages - 1 stages in flight. Under a programmatic launch (launch.cuh)
   // their weights stream in while the previous kernel finishes; x, the outputs and the
   // workspace wait for it. One commit group per stage still (the first also holds the
   // other stages' weights), so the main loop's wait counts are unchanged.
   allow_dependent_launch();
-  int st_prologue[kGemvStages - 1];
+  int st_prologue[kGemvMaxStages - 1];
 #pragma unroll
-  for (int q = 0; q < kGemvStages - 1; ++q) {
+  for (int q = 0; q < kGemvMaxStages - 1; ++q) {
     st_prologue[q] = st_ahead;
-    if (L_begin + q < L_end) {
+    if (q < p.stages - 1 && L_begin + q < L_end) {
       fetch_weights(q);
       advance();
     }
   }
   wait_for_prior_grid();
 #pragma unroll
-  for (int q = 0; q < kGemvStages - 1; ++q) {
-    if (L_begin + q < L_end) fetch_x(st_prologue[q], q);
-    cp_async_commit();
+  for (int q = 0; q < kGemvMaxStages - 1; ++q) {
+    if (q < p.stages - 1) {
+      if (L_begin + q < L_end) fetch_x(st_prologue[q], q);
+      cp_async_commit();
+    }
   }
   int segment_start = L_begin;  // first stage of the current column segment
   int c = L_begin / p.nstages, st = L_begin % p.nstages;
   load_channel_zeros(c);
   int slot = 0;
   for (int L = L_begin; L < L_end; ++L) {
-    cp_async_wait<kGemvStages - 2>();
+    cp_async_wait_dynamic<kGemvMaxStages - 2>(p.stages - 2);
     __syncthreads();  // stage L visible to all; the slot of stage L - 1 free to overwrite
-    if (L + kGemvStages - 1 < L_end) {
-      const int ahead_slot = slot == 0 ? kGemvStages - 1 : slot - 1;
+    if (L + p.stages - 1 < L_end) {
+      const int ahead_slot = slot == 0 ? p.stages - 1 : slot - 1;
       fetch_weights(ahead_slot);
       fetch_x(st_ahead, ahead_slot);
       advance();
@@ -546,7 +552,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
         compute(st, slot, std::false_type{});
       }
     }
-    slot = slot == kGemvStages - 1 ? 0 : slot + 1;
+    slot = slot == p.stages - 1 ? 0 : slot + 1;
     if (st == p.nstages - 1 || L == L_end - 1) {
       finish_column(c, segment_start == c * p.nstages && st == p.nstages - 1, segment_start == L_begin);
       reset();

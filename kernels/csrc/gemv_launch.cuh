@@ -3,7 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 
 #include "gemv.cuh"
 #include "launch.cuh"
@@ -14,18 +13,23 @@ namespace woq {
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   using Shape = TileShape<BITS, KW>;
+  using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
   const PackedWeight& w = a.weight;
   auto kernel = gemv_kernel<T, BITS, MB, KW, GROUP, ZEROS>;
-  // The shared memory follows M (StageLayout), and so may the blocks an SM holds: the
-  // occupancy is queried once per M, after one opt-in for the largest M.
-  const int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(a.M);
-  static std::atomic<int> resident_by_m[kGemvMaxM + 1];  // 0: not queried yet
-  int resident = resident_by_m[a.M].load(std::memory_order_relaxed);
-  if (resident == 0) {
-    resident = resident_blocks(kernel, kGemvWarps * 32, smem, gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB));
-    if (resident < 1) return cudaErrorInvalidConfiguration;
-    resident_by_m[a.M].store(resident, std::memory_order_relaxed);
-  }
+  // The stage follows M (StageLayout), and so may the ring depth and the blocks an SM
+  // holds: planned once per M (and shared-memory budget). The opt-in is the most any M of
+  // this instantiation may take, so that one M's plan never shrinks another's.
+  static PlanCache plans[kGemvMaxM + 1];
+  const LaunchPlan plan = plans[a.M].get([&] {
+    const SharedMemoryBudget budget = shared_memory_budget();
+    const int stages = ring_stages(budget, Stage::bytes(a.M), Stage::kReduce, kGemvMaxStages, 1);
+    if (stages == 0) return LaunchPlan{0, 0};
+    const int opt_in = std::min(budget.per_block, gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB, kGemvMaxStages));
+    const int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(a.M, stages);
+    return LaunchPlan{stages, resident_blocks(kernel, kGemvWarps * 32, smem, opt_in)};
+  });
+  if (plan.resident < 1) return cudaErrorInvalidConfiguration;
+  const int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(a.M, plan.stages);
   GemvParams p;
   set_operands(p, a);
   p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
@@ -34,8 +38,9 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   const long long units = static_cast<long long>(columns) * (p.nstages / p.unit_stages);
   if (units > (1LL << 30)) return cudaErrorInvalidValue;  // the kernel's partition is 32-bit
   p.units = static_cast<int>(units);
+  p.stages = plan.stages;
   // One resident wave, unless asked for fewer blocks; never more than the workspace holds.
-  long long blocks = a.max_blocks > 0 ? a.max_blocks : static_cast<long long>(resident) * gemv_sm_count();
+  long long blocks = a.max_blocks > 0 ? a.max_blocks : static_cast<long long>(plan.resident) * gemv_sm_count();
   const long long ws_blocks = a.workspace_floats / (2LL * a.M * gemv_column_channels(KW));
   blocks = std::min(std::min(blocks, units), std::max(1LL, ws_blocks));
   return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream, p);

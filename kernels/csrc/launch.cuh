@@ -20,6 +20,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
+
 #include "woq_kernels.h"
 
 namespace woq {
@@ -89,6 +92,45 @@ int resident_blocks(Kernel kernel, int threads, int smem, int smem_max = 0) {
   }
   return resident;
 }
+
+// The deepest shared-memory ring of 2..max_stages stages of `stage_bytes` (plus
+// `extra_bytes` after it) with which `blocks_per_sm` blocks fit in one SM of budget `b`;
+// 0 if not even two stages fit. The rings are sized for an H100, where every
+// configuration gets its full depth; smaller GPUs get shallower rings (fewer bytes in
+// flight, but the kernel runs): e.g. the GEMV's int4 M = 1 stage of ~18 KB takes 3 deep
+// in a T4's 64 KB, its M = 16 stage of ~26 KB 3 deep in an RTX 30/40's 99 KB.
+inline int ring_stages(const SharedMemoryBudget& b, int stage_bytes, int extra_bytes, int max_stages,
+                       int blocks_per_sm) {
+  const int per_block = std::min(b.per_block, b.per_sm / blocks_per_sm - b.reserved_per_block);
+  for (int s = max_stages; s >= 2; --s)
+    if (s * stage_bytes + extra_bytes <= per_block) return s;
+  return 0;
+}
+
+// A launch's ring depth and resident blocks per SM (0: it does not fit this GPU).
+struct LaunchPlan {
+  int stages, resident;
+};
+
+// One cached LaunchPlan, planned on first use and again after the shared-memory budget
+// changes (woq_kernels.h). Packed in one atomic word: launches may come from several
+// host threads, and a plan is cheap to recompute if two of them race.
+class PlanCache {
+ public:
+  template <typename Plan>
+  LaunchPlan get(Plan plan) {
+    const unsigned long long tag = static_cast<unsigned long long>(shared_memory_generation()) + 1;
+    const unsigned long long w = word_.load(std::memory_order_relaxed);
+    if ((w >> 32) == tag) return {static_cast<int>((w >> 16) & 0xffff), static_cast<int>(w & 0xffff)};
+    const LaunchPlan p = plan();
+    word_.store((tag << 32) | (static_cast<unsigned long long>(p.stages) << 16) | static_cast<unsigned>(p.resident),
+                std::memory_order_relaxed);
+    return p;
+  }
+
+ private:
+  std::atomic<unsigned long long> word_{0};
+};
 
 // Launch `kernel<<<blocks, threads, smem, stream>>>(params)`, programmatically dependent
 // on the stream's previous kernel where enabled and the device supports it (sm_90+).

@@ -113,6 +113,21 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// The same for a count known only at run time (a ring depth chosen at launch, launch.cuh):
+// wait_group takes an immediate, so one uniform branch per count from MAX down.
+template <int MAX>
+__device__ __forceinline__ void cp_async_wait_dynamic(int n) {
+  if constexpr (MAX > 0) {
+    if (n >= MAX) {
+      cp_async_wait<MAX>();
+    } else {
+      cp_async_wait_dynamic<MAX - 1>(n);
+    }
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
 // Streaming 16-byte load of weights: read once, so do not keep them in L1.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;

@@ -104,6 +104,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
+  check(err != cudaErrorInvalidConfiguration, "gemv launch failed: not even a 2-stage ring of k_warps=" +
+                                                  str(k_warps) + " at M=" + str(a.M) +
+                                                  " fits this GPU's shared memory (fewer k-warps would)");
   check(err == cudaSuccess, std::string("gemv launch failed: ") + cudaGetErrorString(err));
   return y;
 }
@@ -133,6 +136,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.counters = counters.data_ptr<int>();
   a.counters_len = counters.numel();
   const cudaError_t err = woq::launch_gemm(a, at::cuda::getCurrentCUDAStream());
+  check(err != cudaErrorInvalidConfiguration, "mixed GEMM launch failed: not even a 2-stage ring of tile config " +
+                                                  str(config) + " fits this GPU's shared memory (a smaller tile would)");
   check(err == cudaSuccess, std::string("mixed GEMM launch failed: ") + cudaGetErrorString(err));
   return y;
 }
@@ -153,6 +158,13 @@ void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::
 // Process-wide: whether the GEMV and GEMM launch programmatically on sm_90+ (launch.cuh).
 void set_programmatic_launch(bool enabled) { woq::set_programmatic_launch(enabled); }
 
+// Process-wide: a cap on the shared memory the launchers plan rings with (0: none), so
+// that a test on a large GPU runs the shallower rings of a smaller one (woq_kernels.h).
+void set_shared_memory_limit(int64_t bytes) {
+  check(bytes >= 0 && bytes <= (1 << 30), "the shared-memory limit is a byte count >= 0");
+  woq::set_shared_memory_limit(static_cast<int>(bytes));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(woq, m) {
@@ -166,6 +178,7 @@ TORCH_LIBRARY(woq, m) {
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
+  m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
 }
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {

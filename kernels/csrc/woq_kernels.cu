@@ -1,5 +1,6 @@
 // Instantiations and launchers of the woq kernels (framework-free; see woq_kernels.h).
 #include <algorithm>
+#include <atomic>
 
 #include "dequant.cuh"
 #include "woq_kernels.h"
@@ -66,9 +67,9 @@ cudaError_t gemv_with_k_warps(const GemvArgs& a, int k_warps, cudaStream_t strea
 template <typename T, int BITS, int MB>
 cudaError_t gemv_by_k_warps(const GemvArgs& a, cudaStream_t stream) {
   if (a.k_warps > 0) return gemv_with_k_warps<T, BITS, MB>(a, a.k_warps, stream);
-  // Our choice: the shape's default, halved while its ring does not fit this GPU's shared
-  // memory (the ring grows with the k-warps and with M: an A100's 164 KB per block hold
-  // 2 k-warps' int4 ring up to M = 16, 1 k-warp's up to 32; an H100's 227 KB hold all).
+  // Our choice: the shape's default, halved while not even a 2-stage ring fits this GPU's
+  // shared memory (a stage grows with the k-warps and with M: a T4's 64 KB hold 1 k-warp's
+  // int4 stages up to M = 16, an RTX 30/40's 99 KB 2 k-warps' up to 16; an H100 holds all).
   int k_warps = std::min(default_k_warps(a.weight.N), MB > 2 ? kGemvWideMaxKWarps : kGemvMaxKWarps);
   cudaError_t err = gemv_with_k_warps<T, BITS, MB>(a, k_warps, stream);
   while (err == cudaErrorInvalidConfiguration && k_warps > 1) {
@@ -107,8 +108,8 @@ cudaError_t gemm_by_group(const GemmArgs& a, cudaStream_t stream) {
 int default_gemm_config(int M) { return M <= 32 ? 0 : M <= 64 ? 1 : 2; }
 
 template <typename T, int BITS>
-cudaError_t gemm_by_config(const GemmArgs& a, cudaStream_t stream) {
-  switch (a.config >= 0 ? a.config : default_gemm_config(a.M)) {
+cudaError_t gemm_with_config(const GemmArgs& a, int config, cudaStream_t stream) {
+  switch (config) {
     case 0: return gemm_by_group<T, BITS, 0>(a, stream);
     case 1: return gemm_by_group<T, BITS, 1>(a, stream);
     case 2: return gemm_by_group<T, BITS, 2>(a, stream);
@@ -116,6 +117,16 @@ cudaError_t gemm_by_config(const GemmArgs& a, cudaStream_t stream) {
     case 4: return gemm_by_group<T, BITS, 4>(a, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// The caller's configuration, or ours: by M, then the smallest tile (config 4) where this
+// GPU's shared memory holds no 2-stage ring of the larger one (an RTX 30/40's 99 KB and
+// the int8 tiles of configs 1 and 2).
+template <typename T, int BITS>
+cudaError_t gemm_by_config(const GemmArgs& a, cudaStream_t stream) {
+  if (a.config >= 0) return gemm_with_config<T, BITS>(a, a.config, stream);
+  const cudaError_t err = gemm_with_config<T, BITS>(a, default_gemm_config(a.M), stream);
+  return err == cudaErrorInvalidConfiguration ? gemm_with_config<T, BITS>(a, 4, stream) : err;
 }
 
 template <typename T>
@@ -172,6 +183,32 @@ bool programmatic_launch_enabled = true;
 void set_programmatic_launch(bool enabled) { programmatic_launch_enabled = enabled; }
 bool programmatic_launch() { return programmatic_launch_enabled; }
 
+namespace {
+std::atomic<int> shared_memory_limit{0};
+std::atomic<int> shared_memory_generation_{0};
+}  // namespace
+
+void set_shared_memory_limit(int bytes) {
+  shared_memory_limit.store(bytes > 0 ? bytes : 0);
+  shared_memory_generation_.fetch_add(1);
+}
+
+SharedMemoryBudget shared_memory_budget() {
+  int dev = 0, per_block = 0, per_sm = 0, reserved = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  const int limit = shared_memory_limit.load();
+  if (limit > 0) {
+    per_block = std::min(per_block, limit);
+    per_sm = std::min(per_sm, limit);
+  }
+  return {per_block, per_sm, reserved};
+}
+
+int shared_memory_generation() { return shared_memory_generation_.load(std::memory_order_relaxed); }
+
 int gemv_sm_count() {
   static int count = 0;
   if (count == 0) {
@@ -190,8 +227,7 @@ cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t launch_gemm(const GemmArgs& a, cudaStream_t stream) {
-  // sm_80+: the ring of 4 stages needs up to ~200 KB of shared memory (a T4 has 64 KB);
-  // below that, mid-M layers run dequantize + cuBLAS.
+  // sm_80+ (cp.async, bf16 mma); a T4's mid-M layers run dequantize + cuBLAS.
   if (!valid_weight(a.weight, a.dtype) || a.M < 1 || device_cc_major() < 8) return cudaErrorInvalidValue;
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;

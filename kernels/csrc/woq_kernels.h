@@ -69,6 +69,18 @@ int gemv_sm_count();
 // Compute capability major of the current device.
 int device_cc_major();
 
+// Shared memory the launchers plan their rings with, in bytes: the current device's
+// per-block opt-in maximum and per-SM capacity (an H100 227 / 228 KB, an A100 163 / 164,
+// an RTX 30/40 or L4 99 / 100, a T4 64 / 64), each capped by set_shared_memory_limit.
+// The cap (0: none) lets a GPU test on a large GPU run the shallower rings a small one gets.
+struct SharedMemoryBudget {
+  int per_block, per_sm, reserved_per_block;
+};
+SharedMemoryBudget shared_memory_budget();
+void set_shared_memory_limit(int bytes);
+// Changes with every set_shared_memory_limit: the launchers' cached plans expire.
+int shared_memory_generation();
+
 // Programmatic dependent launch of the GEMV and GEMM on sm_90+ (launch.cuh): on by
 // default; off makes every launch a plain one (for measuring what it brings).
 void set_programmatic_launch(bool enabled);
