@@ -151,6 +151,8 @@ def measure(gw: GpuWeight) -> dict:
             for c, s in _gemm_candidates(m, gw.N, sms):
                 t[c, s] = _time_us(lambda g, c=c, s=s: ops.gemm(x, g, config=c, splits=s), copies)
             best = min(t, key=t.get)
+            if math.isinf(t[best]):  # no tile fits this GPU (not seen: config 4 fits 99 KB)
+                break
             plan[str(m)] = list(best)
             gemm_us[m] = t[best]
             dense_us[m] = _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies)

@@ -196,6 +196,31 @@ def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, 
     assert torch.isfinite(y).all()
 
 
+@pytest.mark.parametrize("gpu", ["T4", "RTX30/40"])
+def test_tuner_on_smaller_gpus_chooses_only_launches_that_fit(gpu):
+    """The tuner under a smaller GPU's shared memory: refused launches are never chosen, every
+    chosen one runs and matches fp64, and where no GEMV launch of 32 rows fits (int4 g128
+    on a T4: two stages exceed 64 KB) the GEMV's reach stops below 32 rows."""
+    from woq.kernels import tuning
+
+    dtype = torch.float16
+    qw, w64, g = _case(1000, 1536, 4, 128, False, dtype, seed=21)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    with ops.shared_memory_limit(SMALLER_GPUS[gpu]):
+        entry = tuning.measure(gw)
+        if gpu == "T4":
+            assert "32" not in entry["grids"] and entry["gemv_max_m"] < 32
+        assert entry["grids"], "no GEMV launch chosen"
+        for m, (k_warps, blocks) in entry["grids"].items():
+            x = torch.randn(int(m), 1536, device="cuda", generator=g).to(dtype)
+            y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps)
+            assert _rel(y, x.double() @ w64.T) < 2e-3, f"M={m}"
+        for m, (config, splits) in entry["gemm"].items():
+            x = torch.randn(int(m), 1536, device="cuda", generator=g).to(dtype)
+            y = ops.gemm(x, gw, config=config, splits=splits)
+            assert _rel(y, x.double() @ w64.T) < 2e-3, f"M={m}"
+
+
 GRID_CASES = [(m, bits, group, kw) for m in (5, 27) for bits, group in [(4, 128), (4, 32), (8, 256), (8, None)]
               for kw in (1, 2, 4) if m <= 16 or (group in (None, 64, 128) and kw <= 2)]  # (27: 4 row blocks)
 
