@@ -18,8 +18,9 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
   auto kernel = gemm_kernel<T, BITS, CFG, GROUP, ZEROS>;
   // The deepest ring (<= 4 stages) with which the blocks per SM the configuration is built
-  // for fit (an H100: 4 stages, or 3 for two blocks of config 3's int8 tile); else the
-  // deepest one block takes (an A100's 163 KB: config 2's int4 tile 3 deep).
+  // for fit (an H100: 4 stages, or 3 for two blocks of config 3's int8 tile; an A100: 3 for
+  // config 2's one block); else the deepest one block takes (an RTX 30/40's 99 KB: config
+  // 3's tiles 2 or 3 deep, alone on the SM).
   static PlanCache plan_cache;
   const LaunchPlan plan = plan_cache.get([&] {
     const SharedMemoryBudget budget = shared_memory_budget();
