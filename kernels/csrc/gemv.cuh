@@ -67,11 +67,11 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; coun
 };
 
 // Pipeline shape. Build-time macros only so that benchmarks/gemv_variants.py can time
-// alternatives (WOQ_NVCC_FLAGS="-DWOQ_GEMV_STAGES=6"); the defaults are the measured best.
-// WOQ_GEMV_STAGES is the deepest ring, which a launch gets where the GPU's shared memory
-// holds it (an H100: at every M and k-warp count built)
-// (H100, this session: 6 stages made 28672 x 8192 int4 M = 1 slower, 64.2 vs 56.2 us --
-// 124 KB of shared memory leaves one block per SM instead of two).
+// alternatives (WOQ_NVCC_FLAGS="-DWOQ_GEMV_STAGES=6"); the defaults are the measured best
+// (H100: 6 stages made 28672 x 8192 int4 M = 1 slower, 64.2 vs 56.2 us -- 124 KB of
+// shared memory leaves one block per SM instead of two). WOQ_GEMV_STAGES is the deepest
+// ring; a launch gets it where the GPU's shared memory holds it (an H100: at every M and
+// k-warp count built), a shallower one elsewhere (gemv_launch.cuh).
 #ifndef WOQ_GEMV_STAGES
 #define WOQ_GEMV_STAGES 4
 #endif
