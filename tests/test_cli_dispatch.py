@@ -24,3 +24,14 @@ def test_bench_dispatch_prints_every_stored_choice(tmp_path):
         for m, (config, splits) in entry["gemm"].items():
             assert cells[f"GEMM M<={m}"] == f"c{config}x{splits}", (key, m)
         assert cells["GEMV up to M"] == str(entry["gemv_max_m"]) and cells["kernels up to M"] == str(entry["max_kernel_m"])
+
+
+def test_shipped_tables_are_keyed_by_the_current_kernel_source():
+    """A table is used only by the kernel build it was measured with (the file name ends in
+    the hash of kernels/csrc): after a kernel change the shipped H100 defaults must be
+    re-measured (benchmarks/gpu_check.sh tune) or, for a comment-only change, renamed --
+    else every H100 user re-tunes at first load."""
+    from woq.kernels.ops import _source_hash
+
+    stems = [f.stem for f in TUNED.glob("*.json")]
+    assert stems and all(s.rsplit("-", 1)[1] == _source_hash() for s in stems), (stems, _source_hash())
