@@ -104,9 +104,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
-  check(err != cudaErrorInvalidConfiguration, "gemv launch failed: not even a 2-stage ring of k_warps=" +
-                                                  str(k_warps) + " at M=" + str(a.M) +
-                                                  " fits this GPU's shared memory (fewer k-warps would)");
+  check(err != cudaErrorInvalidConfiguration,
+        "gemv launch failed: not even a 2-stage ring " +
+            (k_warps > 0 ? "of k_warps=" + str(k_warps) + " at M=" + str(a.M) + " fits this GPU's shared memory (fewer k-warps would)"
+                         : "at M=" + str(a.M) + " fits this GPU's shared memory at any k-warp count (fewer rows would)"));
   check(err == cudaSuccess, std::string("gemv launch failed: ") + cudaGetErrorString(err));
   return y;
 }
