@@ -205,6 +205,8 @@ def shared_memory_limit(nbytes: int):
     """Within the block, the kernels plan their shared-memory rings as if this GPU had at most
     ``nbytes`` per block and per SM (64 KiB: a T4; 99 KiB: an RTX 30/40 or L4; 163 KiB: an
     A100): a large GPU then runs the shallower rings a smaller one gets (tests)."""
+    if not load():
+        raise RuntimeError("the woq CUDA kernels are not available")
     torch.ops.woq.set_shared_memory_limit(nbytes)
     try:
         yield
