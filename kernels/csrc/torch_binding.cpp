@@ -106,7 +106,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorInvalidConfiguration,
         "gemv launch failed: not even a 2-stage ring " +
-            (k_warps > 0 ? "of k_warps=" + str(k_warps) + " at M=" + str(a.M) + " fits this GPU's shared memory (fewer k-warps would)"
+            (k_warps > 0 ? "of k_warps=" + str(k_warps) + " at M=" + str(a.M) + " fits this GPU's shared memory (fewer k-warps or rows may)"
                          : "at M=" + str(a.M) + " fits this GPU's shared memory at any k-warp count (fewer rows would)"));
   check(err == cudaSuccess, std::string("gemv launch failed: ") + cudaGetErrorString(err));
   return y;
