@@ -348,10 +348,10 @@ def msweep_summary(result: dict) -> str:
                         margins.setdefault(peer, []).append((q / ours_us, f"{N}×{K} M={M}"))
     cross = sorted({(r["N"], r["K"], r["fmt"], r["gemv_max_m"], r["crossover"]) for r in rows})
     notes = "; ".join(f"{n}×{k} {f}: GEMV up to M={v}, kernels up to M={c}" for n, k, f, v, c in cross)
-    cut = "" if result.get("complete", True) else f"**Incomplete run** ({result.get('note', 'cut short')}).\n\n"
-    if result.get("complete", True) and result.get("note"):
-        cut = result["note"] + "\n\n"
-    return (cut + f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
+    note = result.get("note", "")
+    if not result.get("complete", True):
+        note = f"**Incomplete run** ({note or 'cut short'})."
+    return ((note + "\n\n" if note else "") + f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
             f"fp16 activations. Measured crossovers: {notes}.\n\n" + markdown_table(head, table) + "\n"
             + "\nAgainst the peers at M = 17..256 (dispatched int4 vs the int4 peers, int8 vs gemlite w8):\n\n"
             + peer_margins(margins))
