@@ -35,7 +35,7 @@ for N, K, M, bits in json.loads(sys.argv[1]):
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     best = (float("inf"), None)
     for kw in ops.gemv_k_warps(M):
-        for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)}):
+        for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw, M)}):
             try:
                 t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
             except (RuntimeError, ValueError):  # a launch this build refuses

@@ -263,7 +263,7 @@ def grid_sweep(shapes, ms) -> None:
                 tuned = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
                 res = {}
                 for kw in ops.K_WARPS:
-                    for b in (0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw)):
+                    for b in (0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw, M)):
                         res[kw, b] = time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
                 best = min(res, key=res.get)
                 print(f"GRID {N}x{K} {fmt} M={M}: tuned {gws[0].grids.get(ops.gemv_tuning_m(M))} {tuned:.1f}us, "

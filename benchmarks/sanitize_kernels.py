@@ -18,7 +18,7 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4), (19, 0, 0), (32, 3, 2),
-                               (27, 0, 1)]:
+                               (27, 0, 1), (30, 5, 1)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps)
     for M, config, splits in [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]:
@@ -26,7 +26,7 @@ for (N, K), bits, group, sym, dtype in itertools.product(
                  config=config, splits=splits)
     ops.dequantize(gw)
     # the shallower rings of GPUs with less shared memory (3 and 2 stages: a T4, an RTX 30/40)
-    for limit, M, k_warps in [(64 << 10, 1, 1), (64 << 10, 16, 1), (99 << 10, 16, 2), (99 << 10, 32, 1)]:
+    for limit, M, k_warps in [(64 << 10, 1, 1), (64 << 10, 16, 1), (99 << 10, 16, 2), (99 << 10, 24, 1)]:
         with ops.shared_memory_limit(limit):
             ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, max_blocks=0, k_warps=k_warps)
     with ops.shared_memory_limit(99 << 10):

@@ -36,10 +36,12 @@ GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 1
 GEMM_TILE_FLOATS = max(bm * bn for bm, bn in GEMM_TILES.values())
 
 
-def gemv_columns(n: int, k_warps: int) -> int:
-    """Blocks of output channels ("columns") the GEMV cuts ``n`` channels into: each
-    block has GEMV_WARPS // k_warps n-tiles of 16 channels (csrc/gemv.cuh)."""
-    return math.ceil(n / (16 * (GEMV_WARPS // k_warps)))
+def gemv_columns(n: int, k_warps: int, m: int = 1) -> int:
+    """Blocks of output channels ("columns") the GEMV cuts ``n`` channels into at ``m`` rows:
+    each block has GEMV_WARPS // k_warps n-tiles of 16 channels, twice as many above 16
+    rows at one k-warp (two n-tiles per warp: csrc/gemv.cuh, gemv_tiles_per_warp)."""
+    tiles_per_warp = 2 if m > GEMV_MAX_M and k_warps == 1 else 1
+    return math.ceil(n / (16 * tiles_per_warp * (GEMV_WARPS // k_warps)))
 
 
 def gemm_tiles(m: int, n: int, config: int) -> int:

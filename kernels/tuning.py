@@ -133,7 +133,7 @@ def measure(gw: GpuWeight) -> dict:
         x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
         t = {}
         for kw in ops.gemv_k_warps(m):
-            for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw), max(1, sms // 2)}):
+            for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw, m), max(1, sms // 2)}):
                 t[kw, b] = _time_us(lambda g, b=b, kw=kw: ops.gemv(x, g, max_blocks=b, k_warps=kw), copies)
         best = min(t, key=t.get)
         if math.isinf(t[best]):  # no launch fits this GPU at this M

@@ -234,7 +234,7 @@ def test_any_grid_gives_the_same_bits(m, bits, group, k_warps, dtype):
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     x = torch.randn(m, 4096, device="cuda", generator=g).to(dtype)
     ref = x.double() @ w64.T
-    columns = -(-3000 // (16 * ops.GEMV_WARPS // k_warps))
+    columns = ops.gemv_columns(3000, k_warps, m)
     whole = ops.gemv(x, gw, max_blocks=columns, k_warps=k_warps)  # one block per column: no partials
     assert _rel(whole, ref) < 2e-3
     for blocks in (1, 2, 7, 50, 200, 1000, 0):

@@ -24,8 +24,9 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   static PlanCache plan_cache;
   const LaunchPlan plan = plan_cache.get([&] {
     const SharedMemoryBudget budget = shared_memory_budget();
-    int stages = ring_stages(budget, Stage::kBytes, 0, kGemmMaxStages, Shape::kMinBlocks);
-    if (stages == 0) stages = ring_stages(budget, Stage::kBytes, 0, kGemmMaxStages, 1);
+    const int static_bytes = static_smem_bytes(kernel);
+    int stages = ring_stages(budget, Stage::kBytes, static_bytes, kGemmMaxStages, Shape::kMinBlocks);
+    if (stages == 0) stages = ring_stages(budget, Stage::kBytes, static_bytes, kGemmMaxStages, 1);
     if (stages == 0) return LaunchPlan{0, 0};
     return LaunchPlan{stages, resident_blocks(kernel, kGemmWarps * 32, stages * Stage::kBytes)};
   });

@@ -21,13 +21,14 @@
 //   * each lane owns 16 bytes of every 512-byte weight segment, which kernels/layout.py
 //     arranged to be exactly that lane's A fragments for 4 (int4) or 2 (int8)
 //     consecutive k16 blocks of one n-tile (16 output channels);
-//   * a block is 8 warps: kTiles = 8 / KW adjacent n-tiles (a "column" of 16 * kTiles
-//     output channels), each shared by KW warps that split the tile's K range ("k-warps").
-//     A pipeline stage covers KW * kSteps segments of every tile of the column; k-warp
-//     kw takes the kw-th run of kSteps. At the column's end the k-warps' fp32 sums meet
-//     in shared memory (fixed order: deterministic). KW > 1 is for small shapes: at
-//     4096 x 4096 the 8 n-tiles per block of KW = 1 make only 32 columns for 132 SMs,
-//     KW = 4 makes 128, each reduced inside its block;
+//   * a block is 8 warps: kTiles = NT * 8 / KW adjacent n-tiles (a "column" of 16 * kTiles
+//     output channels), each warp owning NT of them (1; 2 above 16 rows at one k-warp,
+//     see gemv_tiles_per_warp), each n-tile shared by KW warps that split its K range
+//     ("k-warps"). A pipeline stage covers KW * kSteps segments of every tile of the
+//     column; k-warp kw takes the kw-th run of kSteps. At the column's end the k-warps'
+//     fp32 sums meet in shared memory (fixed order: deterministic). KW > 1 is for small
+//     shapes: at 4096 x 4096 the 8 n-tiles per block of KW = 1 make only 32 columns for
+//     132 SMs, KW = 4 makes 128, each reduced inside its block;
 //   * a stage's weights, activations and group scales/zeros are fetched with cp.async
 //     into a shared-memory ring of p.stages (4 where it fits; fewer on GPUs with less
 //     shared memory, chosen at launch), so ~3 stages of memory traffic stay in flight
@@ -59,7 +60,7 @@
 
 namespace woq {
 
-struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; counters: [columns]
+struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 16 * kTiles]; counters: [columns]
   int nstages;          // pipeline stages per column (ceil(K_pad / stage k))
   int unit_stages;      // stages per work unit: a group never straddles two blocks
   int units;            // columns * nstages / unit_stages; gridDim.x <= units
@@ -84,6 +85,15 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 128]; coun
 #ifndef WOQ_GEMV_WIDE_MIN_BLOCKS  // the same for MB = 3, 4 (M = 17..32)
 #define WOQ_GEMV_WIDE_MIN_BLOCKS 1
 #endif
+#ifndef WOQ_GEMV_NARROW_NT  // n-tiles per warp at MB = 1, 2 (see gemv_tiles_per_warp)
+#define WOQ_GEMV_NARROW_NT 1
+#endif
+#ifndef WOQ_GEMV_WIDE_NT  // the same for MB = 3, 4 at 1 k-warp
+#define WOQ_GEMV_WIDE_NT 2
+#endif
+#ifndef WOQ_GEMV_WIDE_KW2_NT  // the same at 2 k-warps
+#define WOQ_GEMV_WIDE_KW2_NT 1
+#endif
 
 constexpr int kGemvWarps = 8;
 constexpr int kGemvMaxM = kGemvMaxRows;      // 32: MB = 4 blocks of 8 rows (woq_kernels.h)
@@ -91,9 +101,6 @@ constexpr int kGemvMaxStages = WOQ_GEMV_STAGES;  // shared-memory ring depth, at
 constexpr int kGemvSteps = WOQ_GEMV_STEPS;    // 512-byte weight segments per warp per stage
 constexpr int kGemvMaxKWarps = 4;
 constexpr int kGemvWideMaxKWarps = 2;        // MB = 3, 4 (see gemv_launch.cuh)
-
-// Output channels per column (block) for KW k-warps per n-tile.
-__host__ __device__ constexpr int gemv_column_channels(int k_warps) { return 16 * (kGemvWarps / k_warps); }
 
 template <int BITS, int KW = 1>
 struct TileShape {
@@ -103,7 +110,7 @@ struct TileShape {
   static constexpr int kWarpK16 = kWarpK / 16;
   static constexpr int kStageK = KW * kWarpK;           // k per pipeline stage
   static constexpr int kXStride = kStageK + 8;          // +16 B per smem row: conflict-free ldmatrix
-  static constexpr int kTiles = kGemvWarps / KW;        // n-tiles per column
+  static constexpr int kTiles = kGemvWarps / KW;        // n-tiles per column at one n-tile per warp
 };
 
 // Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ and friends.
@@ -158,6 +165,25 @@ __host__ __device__ constexpr int groups_per_stage() {
   return GROUP == 0 ? 0 : (stage_k >= GROUP ? stage_k / GROUP : 1);
 }
 
+// n-tiles per warp (NT). Each 8 rows of x a warp loads with ldmatrix feed NT n-tiles' mma;
+// at one n-tile per warp and 32 rows, the warp reads 8 bytes of x from shared memory per
+// byte of int4 weight, which with the cp.async traffic comes near an SM's shared-memory
+// bandwidth at the weight stream's pace. Two n-tiles halve that. Measured on the H100
+// (benchmarks/gemv_variants.py "" -DWOQ_GEMV_WIDE_NT=1, best grid, us, NT 2 / 1):
+// 28672 x 8192 int4 M = 17 63.3 / 75.8, M = 32 77.9 / 95.4; 21504 x 14336 int4 M = 17
+// 81.7 / 95.3, M = 32 107.0 / 117.3; int8 28672 x 8192 M = 32 99.0 / 115.3; the small
+// shapes run 2 k-warps, which keep one n-tile (two doubled their stage and halved their
+// columns: 4096 x 14336 int4 M = 32 55.9 against 30.3). The price: a 1-k-warp stage of 32
+// rows is ~51 KB, so GPUs with 99 KB of shared memory (RTX 30/40, L4) run the GEMV up to
+// ~24 rows and the mixed GEMM above. Kept at 1 where a stage's group scales would need
+// more than one copy per thread (the scale fetch does one).
+template <int BITS, int MB, int KW, int GROUP, bool ZEROS>
+__host__ __device__ constexpr int gemv_tiles_per_warp() {
+  constexpr int wanted = MB <= 2 ? WOQ_GEMV_NARROW_NT : KW == 1 ? WOQ_GEMV_WIDE_NT : WOQ_GEMV_WIDE_KW2_NT;
+  constexpr int copies = wanted * TileShape<BITS, KW>::kTiles * groups_per_stage<BITS, KW, GROUP>() * 2 * (ZEROS ? 2 : 1);
+  return copies <= kGemvWarps * 32 ? wanted : 1;
+}
+
 // Shared memory of one pipeline stage, in bytes (all parts 16-byte aligned): the weights,
 // then M rows of x, then the group scales (and zero points). The x rows are sized by the
 // launch's M, not by the 8 * MB rows an mma B operand spans: the lanes of rows >= M point
@@ -165,15 +191,17 @@ __host__ __device__ constexpr int groups_per_stage() {
 // is 2 KB of x per stage instead of 16.5 KB, which is what lets two blocks share an SM.
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 struct StageLayout {
-  static constexpr int kW = kGemvWarps * kGemvSteps * 32 * 16;
+  static constexpr int kNT = gemv_tiles_per_warp<BITS, MB, KW, GROUP, ZEROS>();
+  static constexpr int kTiles = kNT * TileShape<BITS, KW>::kTiles;  // n-tiles per column
+  static constexpr int kW = kGemvWarps * kNT * kGemvSteps * 32 * 16;
   static constexpr int kXRow = TileShape<BITS, KW>::kXStride * static_cast<int>(sizeof(T));  // a multiple of 16
   static constexpr int kGroups = groups_per_stage<BITS, KW, GROUP>();
-  static constexpr int kS = TileShape<BITS, KW>::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
+  static constexpr int kS = kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
   __host__ __device__ static constexpr int x_bytes(int M) { return M * kXRow; }
   __host__ __device__ static constexpr int bytes(int M) { return kW + x_bytes(M) + kS + kZ; }
   // after the ring: the fp32 sums of k-warps 1..KW-1, for k-warp 0 to add
-  static constexpr int kReduce = (KW - 1) * TileShape<BITS, KW>::kTiles * 32 * MB * 4 * static_cast<int>(sizeof(float));
+  static constexpr int kReduce = (KW - 1) * kTiles * 32 * MB * 4 * static_cast<int>(sizeof(float));
 };
 
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
@@ -214,13 +242,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
   constexpr int KT = Shape::kK, SK = Shape::kStageK, XS = Shape::kXStride;
   constexpr int kThreads = kGemvWarps * 32;
-  constexpr int kTiles = Shape::kTiles;
+  constexpr int NT = Stage::kNT;           // n-tiles per warp
+  constexpr int kTiles = Stage::kTiles;   // n-tiles per column
   constexpr int kCols = 16 * kTiles;      // output channels per column
   constexpr int kGroupK16 = GROUP / 16;   // k16 blocks per group
   constexpr int kGroups = Stage::kGroups;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int tile = warp / KW, kw = warp % KW;  // this warp's n-tile in the column, its K share
+  const int tile0 = warp / KW * NT, kw = warp % KW;  // this warp's first n-tile in the column, its K share
   const int gid = lane >> 2, t4 = lane & 3;
   const int ktiles = p.K_pad / KT;
   const int units_per_column = p.nstages / p.unit_stages;
@@ -251,11 +280,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   // instructions per warp and stage in the SASS, a third as many as the stage's converts
   // and mmas; ptxas still rematerialises some of it under register pressure.)
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // weights: this lane's 16 bytes of the warp's kSteps segments of its n-tile
+  // weights: this lane's 16 bytes of the warp's kSteps segments of each of its n-tiles
+  // (in shared memory: the warp's NT runs of kSteps segments, one after the other)
   constexpr int kStageWords = KW * kGemvSteps * 32;  // uint4 of one n-tile per stage
-  const uint4* w_lane = p.w + (static_cast<size_t>(tile) * ktiles + kw * kGemvSteps) * 32 + lane;
-  const size_t w_column_stride = static_cast<size_t>(kTiles) * ktiles * 32;
-  const uint32_t w_dst = (warp * kGemvSteps * 32 + lane) * 16;
+  const uint4* w_lane = p.w + (static_cast<size_t>(tile0) * ktiles + kw * kGemvSteps) * 32 + lane;
+  const size_t w_tile_stride = static_cast<size_t>(ktiles) * 32;
+  const size_t w_column_stride = kTiles * w_tile_stride;
+  const uint32_t w_dst = (warp * NT * kGemvSteps * 32 + lane) * 16;
   // activations: thread -> (first row, 8-element segment); further rows kRowsPerPass apart
   constexpr int kSegs = SK / 8;
   static_assert(kSegs <= kThreads && kThreads % kSegs == 0, "one segment column per thread");
@@ -286,14 +317,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   int c_ahead = L_begin / p.nstages, st_ahead = L_begin % p.nstages;
   const uint4* w_ahead = w_lane + c_ahead * w_column_stride + st_ahead * kStageWords;
   const T* s_ahead = s_src + c_ahead * s_column_stride;  // the column's first group
-  bool w_column_ok = c_ahead * kTiles + tile < p.n_tiles, s_column_ok = c_ahead * kTiles + s_tile < p.n_tiles;
+  // this warp's n-tiles that exist in the walk's column (the last column may be short)
+  int w_tiles_ok = p.n_tiles - (c_ahead * kTiles + tile0);
+  bool s_column_ok = c_ahead * kTiles + s_tile < p.n_tiles;
   auto advance = [&]() {
     if (++st_ahead == p.nstages) {
       st_ahead = 0;
       ++c_ahead;
       w_ahead = w_lane + c_ahead * w_column_stride;
       s_ahead += s_column_stride;
-      w_column_ok = c_ahead * kTiles + tile < p.n_tiles;
+      w_tiles_ok = p.n_tiles - (c_ahead * kTiles + tile0);
       s_column_ok = c_ahead * kTiles + s_tile < p.n_tiles;
     } else {
       w_ahead += kStageWords;
@@ -306,14 +339,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   auto fetch_weights = [&](int slot) {
     const uint32_t base = smem_addr + slot * stage_bytes;
     const int kt0 = (st_ahead * KW + kw) * kGemvSteps;  // this warp's first segment
-    if (w_column_ok) {  // this lane's own weight bytes (each warp reads back only its own)
-      if (kt0 + kGemvSteps <= ktiles) {
 #pragma unroll
-        for (int s = 0; s < kGemvSteps; ++s) copy16_async(base + w_dst + s * 512, w_ahead + s * 32, true);
-      } else {  // K's last stage
+    for (int t = 0; t < NT; ++t) {
+      if (t < w_tiles_ok) {  // this lane's own weight bytes (each warp reads back only its own)
+        const uint32_t dst = base + w_dst + t * kGemvSteps * 512;
+        const uint4* src = w_ahead + t * w_tile_stride;
+        if (kt0 + kGemvSteps <= ktiles) {
 #pragma unroll
-        for (int s = 0; s < kGemvSteps; ++s)
-          if (kt0 + s < ktiles) copy16_async(base + w_dst + s * 512, w_ahead + s * 32, true);
+          for (int s = 0; s < kGemvSteps; ++s) copy16_async(dst + s * 512, src + s * 32, true);
+        } else {  // K's last stage
+#pragma unroll
+          for (int s = 0; s < kGemvSteps; ++s)
+            if (kt0 + s < ktiles) copy16_async(dst + s * 512, src + s * 32, true);
+        }
       }
     }
     if constexpr (kGroups > 0) {  // the 16 scales (and zeros) of each group of each tile
@@ -344,13 +382,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   for (int h = 0; h < MB; ++h) x_lane[h] = min(8 * h + (lane & 7), p.M - 1) * XS + 8 * (lane >> 3) + kw * Shape::kWarpK;
 
   const float bz = zero_point_bias(BITS);
-  ZeroConsts<T, BITS> zc(bz, bz);  // symmetric: fixed; otherwise set per group / column
-  float acc[MB][4], part[MB][4];
+  ZeroConsts<T, BITS> zc[NT];  // symmetric: fixed; otherwise set per group / column
+#pragma unroll
+  for (int t = 0; t < NT; ++t) zc[t] = ZeroConsts<T, BITS>(bz, bz);
+  float acc[NT][MB][4], part[NT][MB][4];
   auto reset = [&]() {
 #pragma unroll
-    for (int h = 0; h < MB; ++h)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[h][i] = part[h][i] = 0.f;
+      for (int h = 0; h < MB; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][h][i] = part[t][h][i] = 0.f;
   };
   reset();
 
@@ -359,16 +401,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   auto compute = [&](int st, int slot, auto full_tag) {
     constexpr bool kFull = decltype(full_tag)::value;
     const char* base = stage_base(slot);
-    const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp * kGemvSteps * 32 + lane;
+    const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp * NT * kGemvSteps * 32 + lane;
     const T* xsm = reinterpret_cast<const T*>(base + Stage::kW);
-    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + x_bytes) + tile * kGroups * 8 + gid;
+    const uint32_t* ssm = reinterpret_cast<const uint32_t*>(base + Stage::kW + x_bytes) + tile0 * kGroups * 8 + gid;
     [[maybe_unused]] const uint32_t* zsm = ssm + Stage::kS / 4;
     const int steps = kFull ? kGemvSteps : ktiles - (st * KW + kw) * kGemvSteps;
-    [[maybe_unused]] float s_lo = 0.f, s_hi = 0.f;
+    [[maybe_unused]] float s_lo[NT], s_hi[NT];
 #pragma unroll
     for (int s = 0; s < kGemvSteps; ++s) {
       if (!kFull && s >= steps) break;
-      const uint4 wv = wsm[s * 32];
+      uint4 wv[NT];
+#pragma unroll
+      for (int t = 0; t < NT; ++t) wv[t] = wsm[(t * kGemvSteps + s) * 32];
       uint32_t bx[MB][4];
 #pragma unroll
       for (int j = 0; j < Shape::kK16; ++j) {
@@ -381,34 +425,42 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
           if (i % kGroupK16 == 0 || i == 0) {  // a group starts (or the share starts inside one)
             // the group's index among the stage's groups (one per stage when groups are longer)
             const int g = GROUP <= SK ? (kw * Shape::kWarpK + i * 16) / GROUP : 0;
-            const float2 sc = pair_to_float2<T>(ssm[g * 8]);
-            s_lo = sc.x;
-            s_hi = sc.y;
-            if constexpr (ZEROS) {
-              zc = zero_consts<T, BITS>(zsm[g * 8]);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              const float2 sc = pair_to_float2<T>(ssm[(t * kGroups + g) * 8]);
+              s_lo[t] = sc.x;
+              s_hi[t] = sc.y;
+              if constexpr (ZEROS) {
+                zc[t] = zero_consts<T, BITS>(zsm[(t * kGroups + g) * 8]);
+              }
             }
           }
         }
-        uint32_t a[4];
-        convert_segment_k16<T, BITS>(wv, j, zc, a);
 #pragma unroll
-        for (int h = 0; h < MB; ++h) {
-          const uint32_t b[2] = {bx[h][(j % 2) * 2], bx[h][(j % 2) * 2 + 1]};
-          mma_16816<T>(part[h], a, b);
+        for (int t = 0; t < NT; ++t) {
+          uint32_t a[4];
+          convert_segment_k16<T, BITS>(wv[t], j, zc[t], a);
+#pragma unroll
+          for (int h = 0; h < MB; ++h) {
+            const uint32_t b[2] = {bx[h][(j % 2) * 2], bx[h][(j % 2) * 2 + 1]};
+            mma_16816<T>(part[t][h], a, b);
+          }
         }
         if constexpr (GROUP != 0) {
           // A share never ends mid-segment inside a group: K_pad is a multiple of the group
           // size, so a partial share (K's last) ends at a group end.
           if ((i + 1) % kGroupK16 == 0 || i == Shape::kWarpK16 - 1) {
 #pragma unroll
-            for (int h = 0; h < MB; ++h) {
-              acc[h][0] += s_lo * part[h][0];
-              acc[h][1] += s_lo * part[h][1];
-              acc[h][2] += s_hi * part[h][2];
-              acc[h][3] += s_hi * part[h][3];
+            for (int t = 0; t < NT; ++t)
 #pragma unroll
-              for (int q = 0; q < 4; ++q) part[h][q] = 0.f;
-            }
+              for (int h = 0; h < MB; ++h) {
+                acc[t][h][0] += s_lo[t] * part[t][h][0];
+                acc[t][h][1] += s_lo[t] * part[t][h][1];
+                acc[t][h][2] += s_hi[t] * part[t][h][2];
+                acc[t][h][3] += s_hi[t] * part[t][h][3];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) part[t][h][q] = 0.f;
+              }
           }
         }
       }
@@ -419,62 +471,80 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   // block computed the whole column, else as a partial that the column's last
   // contributor reduces. Called by every thread of the block.
   auto finish_column = [&](int c, bool whole, bool first_segment) {
-    const int nt = c * kTiles + tile;
     if constexpr (GROUP == 0) {  // per-channel: one scale per output row, applied once
-      if (nt < p.n_tiles) {
-        const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * 16)[gid]);
 #pragma unroll
-        for (int h = 0; h < MB; ++h) {
-          acc[h][0] = sc.x * part[h][0];
-          acc[h][1] = sc.x * part[h][1];
-          acc[h][2] = sc.y * part[h][2];
-          acc[h][3] = sc.y * part[h][3];
+      for (int t = 0; t < NT; ++t) {
+        const int nt = c * kTiles + tile0 + t;
+        if (nt < p.n_tiles) {
+          const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * 16)[gid]);
+#pragma unroll
+          for (int h = 0; h < MB; ++h) {
+            acc[t][h][0] = sc.x * part[t][h][0];
+            acc[t][h][1] = sc.x * part[t][h][1];
+            acc[t][h][2] = sc.y * part[t][h][2];
+            acc[t][h][3] = sc.y * part[t][h][3];
+          }
         }
       }
     }
     if constexpr (KW > 1) {  // k-warps 1..KW-1 hand their sums to k-warp 0, lane for lane
       float* red = reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.stages * stage_bytes);
-      auto slot = [&](int k, int h, int i) { return red + (((k - 1) * kTiles + tile) * MB * 4 + h * 4 + i) * 32 + lane; };
+      auto slot = [&](int k, int t, int h, int i) {
+        return red + (((k - 1) * kTiles + tile0 + t) * MB * 4 + h * 4 + i) * 32 + lane;
+      };
       if (kw > 0) {
 #pragma unroll
-        for (int h = 0; h < MB; ++h)
+        for (int t = 0; t < NT; ++t)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) *slot(kw, h, i) = acc[h][i];
+          for (int h = 0; h < MB; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) *slot(kw, t, h, i) = acc[t][h][i];
       }
       __syncthreads();  // (the next column's writes come after the main loop's next barrier)
       if (kw == 0) {
         for (int k = 1; k < KW; ++k)
 #pragma unroll
-          for (int h = 0; h < MB; ++h)
+          for (int t = 0; t < NT; ++t)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[h][i] += *slot(k, h, i);
+            for (int h = 0; h < MB; ++h)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[t][h][i] += *slot(k, t, h, i);
       }
     }
-    const bool active = kw == 0 && nt < p.n_tiles;
-    // Accumulator (h, i) holds y[m][n], m = 8h + 2*t4 + (i & 1), n = 16*nt + gid + 8*(i >> 1).
+    // Accumulator (t, h, i) holds y[m][n], m = 8h + 2*t4 + (i & 1), n = 16*nt + gid + 8*(i >> 1)
+    // with nt the warp's t-th n-tile.
     if (whole) {
-      if (!active) return;
+      if (kw != 0) return;
 #pragma unroll
-      for (int h = 0; h < MB; ++h)
+      for (int t = 0; t < NT; ++t) {
+        const int nt = c * kTiles + tile0 + t;
+        if (nt >= p.n_tiles) break;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * nt + gid + 8 * (i >> 1);
-          if (m < p.M && n < p.N) {
-            const float b = bias ? to_float(bias[n]) : 0.f;
-            y[static_cast<size_t>(m) * p.N + n] = from_float<T>(acc[h][i] + b);
+        for (int h = 0; h < MB; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * nt + gid + 8 * (i >> 1);
+            if (m < p.M && n < p.N) {
+              const float b = bias ? to_float(bias[n]) : 0.f;
+              y[static_cast<size_t>(m) * p.N + n] = from_float<T>(acc[t][h][i] + b);
+            }
           }
-        }
+      }
       return;
     }
     float* ws = p.workspace + (static_cast<size_t>(blockIdx.x) * 2 + (first_segment ? 0 : 1)) * p.M * kCols;
-    if (active) {
+    if (kw == 0) {
 #pragma unroll
-      for (int h = 0; h < MB; ++h)
+      for (int t = 0; t < NT; ++t) {
+        if (c * kTiles + tile0 + t >= p.n_tiles) break;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * tile + gid + 8 * (i >> 1);
-          if (m < p.M) ws[m * kCols + n] = acc[h][i];
-        }
+        for (int h = 0; h < MB; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * (tile0 + t) + gid + 8 * (i >> 1);
+            if (m < p.M) ws[m * kCols + n] = acc[t][h][i];
+          }
+      }
     }
     const int cu0 = c * units_per_column;
     const int b_first = part_of.owner(cu0);
@@ -483,15 +553,28 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
     if (tid == 0) is_last_contributor = atomic_add_acq_rel(&p.counters[c], 1) == b_last - b_first;
     __syncthreads();
     if (!is_last_contributor) return;
-    for (int i = tid; i < p.M * kCols; i += kThreads) {
-      const int m = i / kCols, n = c * kCols + i % kCols;
-      if (n >= p.N) continue;
-      float sum = bias ? to_float(bias[n]) : 0.f;
+    // Four adjacent channels per thread and pass (16-byte loads: a column's 32 rows of 256
+    // channels are 8 passes instead of 32 of dependent scalar loads, and this block's own
+    // next column waits for them).
+    static_assert(kCols % 4 == 0, "whole float4 of a row");
+    for (int i4 = tid; i4 < p.M * (kCols / 4); i4 += kThreads) {
+      const int m = i4 / (kCols / 4), n0 = c * kCols + (i4 % (kCols / 4)) * 4;
+      if (n0 >= p.N) continue;
+      float sum[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum[e] = bias && n0 + e < p.N ? to_float(bias[n0 + e]) : 0.f;
       for (int b = b_first; b <= b_last; ++b) {  // fixed order: deterministic
         const bool b_starts_here = part_of.begin(b) >= cu0;
-        sum += __ldcg(p.workspace + (static_cast<size_t>(b) * 2 + (b_starts_here ? 0 : 1)) * p.M * kCols + i);
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(
+                                    p.workspace + (static_cast<size_t>(b) * 2 + (b_starts_here ? 0 : 1)) * p.M * kCols) + i4);
+        sum[0] += v.x;
+        sum[1] += v.y;
+        sum[2] += v.z;
+        sum[3] += v.w;
       }
-      y[static_cast<size_t>(m) * p.N + n] = from_float<T>(sum);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (n0 + e < p.N) y[static_cast<size_t>(m) * p.N + n0 + e] = from_float<T>(sum[e]);
     }
     if (tid == 0) p.counters[c] = 0;  // re-arm for the next launch / graph replay
   };
@@ -499,10 +582,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   // Per-channel zero points: once per column.
   auto load_channel_zeros = [&](int c) {
     if constexpr (ZEROS && GROUP == 0) {
-      const int nt = c * kTiles + tile;
-      if (nt < p.n_tiles) {
-        const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * 16)[gid]);
-        zc = ZeroConsts<T, BITS>(z.x, z.y);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int nt = c * kTiles + tile0 + t;
+        if (nt < p.n_tiles) {
+          const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(nt) * 16)[gid]);
+          zc[t] = ZeroConsts<T, BITS>(z.x, z.y);
+        }
       }
     }
   };
@@ -544,7 +630,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
       advance();
     }
     cp_async_commit();
-    if (c * kTiles + tile < p.n_tiles) {
+    if (c * kTiles + tile0 < p.n_tiles) {  // (n-tiles past N compute on stale shared memory, never written)
       const int share_end = ((st * KW + kw) + 1) * kGemvSteps;  // this warp's last segment + 1
       if (share_end <= ktiles) {
         compute(st, slot, std::true_type{});

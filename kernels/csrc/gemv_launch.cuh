@@ -25,9 +25,11 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   static PlanCache plans[kGemvMaxM + 1];
   const LaunchPlan plan = plans[a.M].get([&] {
     const SharedMemoryBudget budget = shared_memory_budget();
-    const int stages = ring_stages(budget, Stage::bytes(a.M), Stage::kReduce, kGemvMaxStages, 1);
+    const int static_bytes = static_smem_bytes(kernel);
+    const int stages = ring_stages(budget, Stage::bytes(a.M), Stage::kReduce + static_bytes, kGemvMaxStages, 1);
     if (stages == 0) return LaunchPlan{0, 0};
-    const int opt_in = std::min(budget.per_block, gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB, kGemvMaxStages));
+    const int opt_in = std::min(budget.per_block - static_bytes,
+                                gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB, kGemvMaxStages));
     const int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(a.M, stages);
     return LaunchPlan{stages, resident_blocks(kernel, kGemvWarps * 32, smem, opt_in)};
   });
@@ -37,14 +39,14 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   set_operands(p, a);
   p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
   p.unit_stages = GROUP > Shape::kStageK ? GROUP / Shape::kStageK : 1;  // groups never straddle blocks
-  const int columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;
+  const int columns = (p.n_tiles + Stage::kTiles - 1) / Stage::kTiles;
   const long long units = static_cast<long long>(columns) * (p.nstages / p.unit_stages);
   if (units > (1LL << 30)) return cudaErrorInvalidValue;  // the kernel's partition is 32-bit
   p.units = static_cast<int>(units);
   p.stages = plan.stages;
   // One resident wave, unless asked for fewer blocks; never more than the workspace holds.
   long long blocks = a.max_blocks > 0 ? a.max_blocks : static_cast<long long>(plan.resident) * gemv_sm_count();
-  const long long ws_blocks = a.workspace_floats / (2LL * a.M * gemv_column_channels(KW));
+  const long long ws_blocks = a.workspace_floats / (2LL * a.M * 16 * Stage::kTiles);
   blocks = std::min(std::min(blocks, units), std::max(1LL, ws_blocks));
   return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, smem, stream, p);
 }

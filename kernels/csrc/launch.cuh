@@ -75,14 +75,31 @@ void set_operands(KernelOperands& p, const Args& a) {
   p.groups_pad = w.groups_pad;
 }
 
+// The kernel's static shared memory (its __shared__ variables, a few bytes here). A block's
+// dynamic opt-in plus this must stay within the GPU's per-block maximum: an opt-in of
+// exactly the maximum is refused (on an A100, a GEMV whose deepest ring exceeds 163 KB
+// opted in to all 163 KB and was refused although a shallower ring fitted).
+template <typename Kernel>
+int static_smem_bytes(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<int>(attr.sharedSizeBytes);
+}
+
 // Resident blocks per SM of `kernel` at `threads` threads and `smem` bytes of dynamic
 // shared memory, after opting in to up to `smem_max` (>= smem) bytes where that exceeds
 // 48 KB; 0 on failure (e.g. a ring larger than this GPU's shared memory: an A100 has
 // 164 KB, a T4 64 KB). A failure is also cleared from the runtime's last-error state:
 // left there, launch_kernel's cudaGetLastError would report it for the next, valid launch.
+// The per-block maximum is checked here too, with the static bytes, so that under
+// set_shared_memory_limit a large GPU refuses what the emulated one would.
 template <typename Kernel>
 int resident_blocks(Kernel kernel, int threads, int smem, int smem_max = 0) {
   smem_max = smem_max > smem ? smem_max : smem;
+  if (smem_max + static_smem_bytes(kernel) > shared_memory_budget().per_block) return 0;
   int resident = 0;
   if ((smem_max > 48 * 1024 &&
        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max) != cudaSuccess) ||

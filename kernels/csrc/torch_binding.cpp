@@ -97,6 +97,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.dtype = dtype_of(x);
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * x.size(0) * 128,
         "workspace must be a CUDA float32 tensor of at least 256 * M elements");
+  check(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0,
+        "workspace must be 16-byte aligned (the GEMV reads partial sums as float4)");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt &&
             counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
         "counters must be a CUDA int32 tensor with one element per 32 output features");
