@@ -2,9 +2,10 @@
 // x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows (1 to 4) share each converted weight
 // fragment. Larger M: the mixed GEMM (gemm.cuh), which reuses this file's layout and helpers.
 // M <= 16 always runs here (decode); 17..32 runs here where the tuner measured it faster
-// than the mixed GEMM for the shape (kernels/tuning.py). Measured on the H100, M = 32:
-// 21504 x 14336 int8 140.5 us against the GEMM's 156.3, int4 114.7 against 118.8; but
-// 28672 x 8192 int4 93.2 against 78.2 -- hence a measurement per shape, not a rule.
+// than the mixed GEMM for the shape (kernels/tuning.py). Measured on the H100, M = 32
+// (docs/bench/kernels_msweep.md): 21504 x 14336 int8 136.0 us against the GEMM's 156.0,
+// int4 94.3 against 124.4; but 28672 x 8192 int4 77.0 against 78.1, and 4096 x 14336 int4
+// 28.0 against 27.0 -- hence a measurement per shape, not a rule.
 //
 // Why tensor cores for a "GEMV": at M = 16, an int4 weight streamed at 3 TB/s feeds
 // ~6e12 weights/s, i.e. ~1e14 multiply-adds/s -- more than the fp32 CUDA cores do
@@ -231,8 +232,9 @@ struct UnitPartition {
 // 62.2 vs 61.6 us; benchmarks/gemv_variants.py "" -DWOQ_GEMV_MIN_BLOCKS=3).
 // MB = 3, 4 (M > 16): one block per SM. Their x rows fill most of the shared memory, so
 // one block is what an SM holds at most shapes anyway, and held to 128 registers the
-// int4 g128 kernel with zero points spilled (92 bytes at MB = 4). Measured against 2
-// (H100, gemv_variants.py "" -DWOQ_GEMV_WIDE_MIN_BLOCKS=2, best grid, us): 21504 x 14336
+// int4 g128 kernel with zero points spilled (92 bytes at MB = 4; up to ~230 registers
+// with two n-tiles per warp). Measured against 2, at one n-tile per warp (H100,
+// gemv_variants.py "" -DWOQ_GEMV_WIDE_MIN_BLOCKS=2, best grid, us): 21504 x 14336
 // int4 M = 17 90.9 vs 78.4 (two 17-row rings still fit), M = 32 114.8 vs 121.3; 28672 x
 // 8192 int4 M = 24 78.9 vs 80.4; int8 and 4096 x 4096 within 1 us either way.
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
