@@ -75,10 +75,13 @@ void set_operands(KernelOperands& p, const Args& a) {
   p.groups_pad = w.groups_pad;
 }
 
-// The kernel's static shared memory (its __shared__ variables, a few bytes here). A block's
-// dynamic opt-in plus this must stay within the GPU's per-block maximum: an opt-in of
-// exactly the maximum is refused (on an A100, a GEMV whose deepest ring exceeds 163 KB
-// opted in to all 163 KB and was refused although a shallower ring fitted).
+// The kernel's static shared memory (its __shared__ variables, a few bytes here). The CUDA
+// runtime refuses a dynamic opt-in that, with these, exceeds the per-block maximum, so an
+// opt-in of exactly the maximum fails: the wide 2-k-warp GEMV, whose deepest ring exceeds
+// an A100's 163 KB, asked for all 163 KB and would have been refused there although a
+// shallower ring fits (the runtime's documented rule; not observed on a real A100.
+// resident_blocks below applies the same rule under an emulated limit, so the A100-sized
+// case of tests/test_gpu_kernels.py would refuse such an opt-in too).
 template <typename Kernel>
 int static_smem_bytes(Kernel kernel) {
   cudaFuncAttributes attr{};
