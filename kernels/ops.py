@@ -139,7 +139,7 @@ class _Scratch:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.sms = sms
         # Partial sums. GEMV: 2 x 32 rows x 128 channels per block, for up to 4 resident
-        # blocks per SM. Mixed GEMM: 2 * SMs of its largest tiles (128 x 128; more of the
+        # blocks per SM (its 256-channel columns, above 16 rows at one k-warp, run 1 per SM). Mixed GEMM: 2 * SMs of its largest tiles (128 x 128; more of the
         # smaller ones). The launchers cap their split so as never to exceed it.
         floats = max(4 * sms * 2 * GEMV_WIDE_MAX_M * GEMV_WARPS * 16, 2 * sms * GEMM_TILE_FLOATS)
         self.workspace = torch.empty(floats, dtype=torch.float32, device=device)

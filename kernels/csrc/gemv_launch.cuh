@@ -28,8 +28,7 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
     const int static_bytes = static_smem_bytes(kernel);
     const int stages = ring_stages(budget, Stage::bytes(a.M), Stage::kReduce + static_bytes, kGemvMaxStages, 1);
     if (stages == 0) return LaunchPlan{0, 0};
-    const int opt_in = std::min(budget.per_block - static_bytes,
-                                gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB, kGemvMaxStages));
+    const int opt_in = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(8 * MB, kGemvMaxStages);  // (capped there)
     const int smem = gemv_smem_bytes<T, BITS, MB, KW, GROUP, ZEROS>(a.M, stages);
     return LaunchPlan{stages, resident_blocks(kernel, kGemvWarps * 32, smem, opt_in)};
   });

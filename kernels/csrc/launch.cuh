@@ -79,9 +79,7 @@ void set_operands(KernelOperands& p, const Args& a) {
 // runtime refuses a dynamic opt-in that, with these, exceeds the per-block maximum, so an
 // opt-in of exactly the maximum fails: the wide 2-k-warp GEMV, whose deepest ring exceeds
 // an A100's 163 KB, asked for all 163 KB and would have been refused there although a
-// shallower ring fits (the runtime's documented rule; not observed on a real A100.
-// resident_blocks below applies the same rule under an emulated limit, so the A100-sized
-// case of tests/test_gpu_kernels.py would refuse such an opt-in too).
+// shallower ring fits (the runtime's documented rule; not observed on a real A100).
 template <typename Kernel>
 int static_smem_bytes(Kernel kernel) {
   cudaFuncAttributes attr{};
@@ -97,12 +95,14 @@ int static_smem_bytes(Kernel kernel) {
 // 48 KB; 0 on failure (e.g. a ring larger than this GPU's shared memory: an A100 has
 // 164 KB, a T4 64 KB). A failure is also cleared from the runtime's last-error state:
 // left there, launch_kernel's cudaGetLastError would report it for the next, valid launch.
-// The per-block maximum is checked here too, with the static bytes, so that under
-// set_shared_memory_limit a large GPU refuses what the emulated one would.
+// The opt-in is capped at the per-block maximum less the static bytes (the runtime's
+// rule), against the budget, so that under set_shared_memory_limit a large GPU refuses
+// what the emulated one would.
 template <typename Kernel>
 int resident_blocks(Kernel kernel, int threads, int smem, int smem_max = 0) {
-  smem_max = smem_max > smem ? smem_max : smem;
-  if (smem_max + static_smem_bytes(kernel) > shared_memory_budget().per_block) return 0;
+  const int limit = shared_memory_budget().per_block - static_smem_bytes(kernel);  // what the runtime allows
+  if (smem > limit) return 0;
+  smem_max = std::min(std::max(smem_max, smem), limit);
   int resident = 0;
   if ((smem_max > 48 * 1024 &&
        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max) != cudaSuccess) ||

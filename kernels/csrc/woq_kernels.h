@@ -33,7 +33,7 @@ struct GemvArgs {
   int M;                   // 1..32 (17..32: per-channel, g64 and g128 weights only)
   int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
   int k_warps;             // warps splitting each n-tile's K: 1, 2, 4 (M > 16: 1, 2); 0 = by shape
-  float* workspace;        // partial column sums: 2 * M * 128 floats per block
+  float* workspace;        // partial column sums: 2 * M * (column channels: 128, or 256 at M > 16 and 1 k-warp) floats per block
   long long workspace_floats;
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
