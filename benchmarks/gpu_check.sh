@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize model e2e enginetests engine profile overhead pdlab serving bench msweep
-#           grid gemmcfg variants probe ncu stalls sass gdb tune aot gptq l2ab
+#           grid gemmcfg variants probe ncu stalls sass gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -44,7 +44,6 @@ for stage in "$@"; do
     profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
     pdlab) run pdlab $PY benchmarks/engine.py --pdl-ab --out "$OUT" ;;
-    l2ab) run l2ab $PY benchmarks/l2_prefetch_ab.py --out "$OUT" ${L2AB_ARGS:-} ;;
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
       run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); print(\"AOT library loaded, no JIT build\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
     gptq) run gptq $PY benchmarks/gptq_gpu_check.py ;;

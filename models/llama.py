@@ -27,10 +27,6 @@ from .config import ArchConfig
 from .kv_cache import KVCache
 
 _fused_enabled = True
-# Bytes of the next linear layer's weight prefetched into L2 in the gap after each GEMV of
-# a CUDA decode step (kernels/l2_prefetch.py); 0: off.
-_l2_budget = 0
-_l2_kind = "bulk"
 
 # Prefill attention (set for the whole forward in ``CausalLM.hidden_states``) never takes
 # cuDNN's SDPA, the default on an H100: cuDNN builds an execution plan for every new
@@ -45,23 +41,6 @@ def set_fused_ops(enabled: bool) -> None:
     """Use the fused Triton kernels on CUDA (default) or the torch ops (for comparisons)."""
     global _fused_enabled
     _fused_enabled = enabled
-
-
-def set_l2_prefetch(budget_bytes: int, kind: str = "bulk") -> None:
-    """Prefetch up to ``budget_bytes`` of each next linear layer's weight into L2 during a
-    CUDA decode step (0: off); ``kind``: kernels/l2_prefetch.py's instruction."""
-    global _l2_budget, _l2_kind
-    _l2_budget, _l2_kind = int(budget_bytes), kind
-
-
-def _warm(l2, linear: nn.Module) -> None:
-    """Queue the L2 prefetch of ``linear``'s GPU weight (after what is queued so far)."""
-    gw = getattr(linear, "gpu", None)
-    if l2 is None or gw is None:
-        return
-    tensors = [t for t in (gw.qweight, gw.scales, gw.zeros) if t is not None]
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    l2.prefetch(tensors, _l2_budget / total)
 
 
 @functools.cache
@@ -180,11 +159,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def forward(self, x: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache | None, l2=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)
-        _warm(l2, self.o)
         fused = fused_ops(qkv)
         if cache is not None and batch.is_prefill:
             return self.o(self._prefill(qkv.view(T, -1), rope, batch, cache, fused)[None])
@@ -253,9 +231,8 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up, self.down = gate_up, down
 
-    def forward(self, x: torch.Tensor, l2=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        _warm(l2, self.down)
         fused = fused_ops(gate_up)
         if fused is not None:
             return self.down(fused.silu_mul(gate_up))
@@ -270,15 +247,12 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary, batch: Batch,
-                cache: KVCache | None, l2=None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp_out, residual)``: the layer's output is their sum, which the next layer's
-        ``add_forward`` (or the final norm) forms; ``residual`` None means ``x`` is the stream.
-        ``l2``: the decode step's L2 prefetcher (or None)."""
+        ``add_forward`` (or the final norm) forms; ``residual`` None means ``x`` is the stream."""
         h, residual = self.input_norm.add_forward(x, residual)
-        attn_out = self.attn(h, rope, batch, cache, l2)
-        _warm(l2, self.mlp.gate_up)
-        h, residual = self.post_norm.add_forward(attn_out, residual)
-        return self.mlp(h, l2), residual
+        h, residual = self.post_norm.add_forward(self.attn(h, rope, batch, cache), residual)
+        return self.mlp(h), residual
 
     def output(self, x: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         """The layer's output hidden states for input hidden states ``x``."""
@@ -314,25 +288,11 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        l2 = self._l2_prefetcher(x, batch)
         # the SDPA backends of a prefill, chosen once for all layers (the switch costs host time)
         with sdpa_kernel(_PREFILL_ATTENTION) if batch.is_prefill else contextlib.nullcontext():
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, self.rope, batch, cache, l2)
-                if i + 1 < len(self.layers):
-                    _warm(l2, self.layers[i + 1].attn.qkv)
-        if l2 is not None:
-            l2.join()
+            for layer in self.layers:
+                x, residual = layer(x, residual, self.rope, batch, cache)
         return self.norm.add_forward(x, residual)[0]
-
-    @staticmethod
-    def _l2_prefetcher(x: torch.Tensor, batch: Batch):
-        """The L2 prefetcher of a CUDA decode step (kernels/l2_prefetch.py), when enabled."""
-        if not (_l2_budget and batch.lengths is not None and fused_ops(x) is not None):
-            return None
-        from ..kernels.l2_prefetch import prefetcher
-
-        return prefetcher(x.device, _l2_kind)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: Batch | None = None, cache: KVCache | None = None,
