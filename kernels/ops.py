@@ -34,6 +34,7 @@ GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and p
 # Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh)
 GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128)}
 GEMM_TILE_FLOATS = max(bm * bn for bm, bn in GEMM_TILES.values())
+GEMM_COUNTED_M = 1024  # the largest M the tuner times the mixed GEMM at (tuning.GEMM_MS)
 
 
 def gemv_columns(n: int, k_warps: int, m: int = 1) -> int:
@@ -139,17 +140,21 @@ class _Scratch:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.sms = sms
         # Partial sums. GEMV: 2 x 32 rows x 128 channels per block, for up to 4 resident
-        # blocks per SM (its 256-channel columns, above 16 rows at one k-warp, run 1 per SM). Mixed GEMM: 2 * SMs of its largest tiles (128 x 128; more of the
-        # smaller ones). The launchers cap their split so as never to exceed it.
+        # blocks per SM (its 256-channel columns, above 16 rows at one k-warp, run 1 per
+        # SM). Mixed GEMM: two tiles per block, one resident wave of its largest tiles
+        # (128 x 128, one block per SM; twice as many of the 64 x 128 ones, two per SM).
+        # The launchers cap their grids so as never to exceed it.
         floats = max(4 * sms * 2 * GEMV_WIDE_MAX_M * GEMV_WARPS * 16, 2 * sms * GEMM_TILE_FLOATS)
         self.workspace = torch.empty(floats, dtype=torch.float32, device=device)
         self.counters = torch.zeros(2 * sms, dtype=torch.int32, device=device)
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
-        # GEMV: one counter per column (the narrowest columns: the most); the mixed GEMM
-        # splits only while its tiles fit the 2 * SMs it was given at construction
-        cols = max(gemv_columns(gw.N, max(K_WARPS)), 2 * self.sms)
+        # GEMV: one counter per column (the narrowest columns: the most); the mixed GEMM:
+        # one per output tile, for its smallest tile up to GEMM_COUNTED_M rows (beyond, it
+        # runs one block per tile, which needs none)
+        cols = max(gemv_columns(gw.N, max(K_WARPS)), 2 * self.sms,
+                   max(gemm_tiles(GEMM_COUNTED_M, gw.N, c) for c in GEMM_TILES))
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
         dense = self.dense.get(gw.dtype)
@@ -256,7 +261,8 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_b
 
 def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:
     """(tile config, split-K) for M rows: the measured plan's smallest bound >= M (its
-    largest beyond them), or the kernel's own choice (-1, 0) without one."""
+    largest beyond them), or the kernel's own choice (-1, 0) without one. Split-K 0: one
+    resident wave of blocks sharing the tiles' stages evenly (stream-K, csrc/gemm.cuh)."""
     if not gw.gemm_plan:
         return -1, 0
     bounds = sorted(gw.gemm_plan)
@@ -267,7 +273,8 @@ def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:
 def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, config: int | None = None,
          splits: int | None = None) -> torch.Tensor:
     """The mixed GEMM (any M; per-channel, g64, g128 weights). ``config`` (0..2) and
-    ``splits`` override the measured launch (-1 / 0: the kernel's own choice)."""
+    ``splits`` override the measured launch (config -1: by M; splits 0: stream-K over
+    one resident wave, else blocks per output tile)."""
     if not supports_mixed_gemm(gw):
         raise ValueError(f"the mixed GEMM takes per-channel or g{GEMM_GROUPS} weights on sm_80+, "
                          f"not g{gw.group_size}")

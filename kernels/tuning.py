@@ -106,7 +106,8 @@ def _time_us(fn, copies: list[GpuWeight]) -> float:
 
 def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
     """(config, splits) worth timing at M = m: configurations whose block rows are not
-    mostly padding, split-K only while the tiles leave SMs idle."""
+    mostly padding, each as stream-K over one resident wave (splits 0) and with split-K
+    while the tiles leave SMs idle."""
     from . import ops
 
     configs = [c for c, (bm, _) in ops.GEMM_TILES.items() if bm <= max(32, 2 * m) and (m <= 64 or bm >= 64)]
@@ -115,7 +116,7 @@ def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
         tiles = ops.gemm_tiles(m, n, c)
         # (up to ~3 waves: on 21504 x 14336, M = 32, the 32 x 128 tile's 168 tiles ran
         # fastest cut in two, 336 blocks)
-        out += [(c, s) for s in (1, 2, 3, 4, 6, 8) if s == 1 or tiles * s <= 3 * sms]
+        out += [(c, s) for s in (0, 1, 2, 3, 4, 6, 8) if s <= 1 or tiles * s <= 3 * sms]
     return out
 
 

@@ -272,7 +272,7 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
     saved = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())
     entry = saved[tuning.shape_key(layer.gpu)]
     assert set(entry["grids"]) == {str(m) for m in ops.GEMV_TUNED_MS} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
-    assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 1 for c, s in entry["gemm"].values())
+    assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 0 for c, s in entry["gemm"].values())  # 0: stream-K
     assert entry["gemv_max_m"] in (16, 24, 32) and layer.gpu.gemv_max_m == entry["gemv_max_m"]
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     assert dispatch.choose_path(x, layer) == dispatch.GEMV

@@ -143,7 +143,7 @@ class BenchDispatch(ModelSettings):
                   "(or run with --tune-model on one)")
             return
         for name, table in tables.items():
-            print(f"\n{name}\n(GEMV: k-warps x grid size; mixed GEMM: tile config x split-K, per M range)")
+            print(f"\n{name}\n(GEMV: k-warps x grid size; mixed GEMM: tile config x split-K, 0: stream-K over one wave; per M range)")
             gemv_ms = sorted({int(m) for e in table.values() for m in e["grids"]})
             ms = sorted({int(m) for e in table.values() for m in e.get("gemm", {})})
             print("| weight (NxK, format, dtype) | " + " | ".join(f"GEMV M<={m}" for m in gemv_ms) + " | "

@@ -27,10 +27,10 @@
 //     4      1 x 8     32 x 16   (MBW 4, NTW 1)       32 x 128           2
 //
 // Every warp keeps MBW * NTW * 4 fp32 accumulators (64 for configs 1 and 2). Measured on
-// the H100 (benchmarks/gemm_configs.py): 4 wins at M <= 32 on most shapes (more, smaller
-// blocks: fewer SMs idle in the last wave), 0 on some int8 ones, 1 or 3 at M <= 64, 2
-// beyond. A 128 x 64 tile with two blocks per SM never won by more than 4 % and was
-// dropped (build time).
+// the H100 (kernels/tuned/, the tuner's picks since the stream-K grid): 0 or 4 at M <= 32
+// (0 on the large shapes, which its 256-channel tiles fill; 4 on the small), 1 or 4 at
+// M <= 64, 2 beyond (3 on some). A 128 x 64 tile with two blocks per SM never won by more
+// than 4 % and was dropped (build time).
 //
 // Where the time goes (ncu, 28672 x 8192, M = 128, config 2): the tensor pipe is active
 // 43 % of the cycles, ~240 TFLOP/s; the top stall is "wait" (fixed-latency dependencies
@@ -46,13 +46,22 @@
 // accumulators, and needs no second set of them. Per-channel scales stay on the fp32
 // accumulators (applied once, at the end).
 //
-// Work decomposition: a stage is 128 k (two int4 / four int8 segments per n-tile); each
-// block runs a contiguous, balanced range of one tile's stages ("split-K": `splits`
-// blocks per tile when tiles alone do not fill the GPU). Blocks are numbered tile-major
-// with the M tiles of one column adjacent, so the blocks that read the same weights run
-// together and all but the first find them in L2. Split partials go to a workspace in
-// fragment order (coalesced); the tile's last block adds them in split order
-// (deterministic) and re-arms the tile's counter (CUDA-graph safe).
+// Work decomposition, "stream-K" as in the GEMV: the (output tile, stage) units of the
+// whole product -- tile after tile, each tile's stages of 128 k in order -- are cut into
+// gridDim.x balanced contiguous runs, one per block. Tiles are numbered column-major with
+// the M tiles of one column adjacent, so the blocks that read the same weights run
+// together and all but the first find them in L2. The grid is either one resident wave
+// (`splits` 0: every SM gets the same number of stages, whatever the tile count -- at 21504
+// x 14336, M = 128, the 64 x 128 tile's 336 tiles made 1.27 waves of 264 resident
+// blocks, i.e. two with the second three-quarters idle) or `splits` blocks per tile (the
+// classic split-K, kept for the shapes where the tuner measures it faster). Measured on
+// the H100 (docs/bench/kernels_msweep.md, dispatched int4 g128, before -> after): 21504 x
+// 14336 M = 64 205.9 -> 164.2 us, M = 128 359.4 -> 300.4; 28672 x 8192 M = 128 239.3 ->
+// 235.0 (its 224 tiles of 128 x 128 already made 1.7 waves of 132). A tile cut
+// between blocks leaves fp32 partial sums in a workspace (two slots per block: its first
+// and its last tile can be partial, the ones between are whole); the tile's last finishing
+// contributor adds them in block order (deterministic) and re-arms the tile's counter
+// (CUDA-graph safe). Partials are in fragment order (thread-contiguous: coalesced).
 #pragma once
 
 #include <cstdint>
@@ -93,10 +102,10 @@ struct GemmShape {
 };
 
 
-struct GemmParams : KernelOperands {  // workspace: [tiles, splits, BM * BN] (splits > 1); counters: [tiles]
+struct GemmParams : KernelOperands {  // workspace: [gridDim.x, 2, BM * BN]; counters: [tiles]
   int nstages;  // ceil(K_pad / kGemmStageK)
   int m_tiles;  // ceil(M / BM)
-  int splits;   // blocks per output tile
+  int units;    // tiles * nstages: (tile, stage) work units; gridDim.x <= units
   int stages;   // depth of the shared-memory ring, 2..kGemmMaxStages
 };
 
@@ -146,14 +155,20 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = warp / Shape::kWN, warp_n = warp % Shape::kWN;
   const int gid = lane >> 2, t4 = lane & 3;
-  const int split = blockIdx.x % p.splits, tile_id = blockIdx.x / p.splits;
-  const int m_tile = tile_id % p.m_tiles, column = tile_id / p.m_tiles;
-  const int m0 = m_tile * BM, tile0 = column * kTiles;
-  const int st_begin = split * p.nstages / p.splits, st_end = (split + 1) * p.nstages / p.splits;
   const int ktiles = p.K_pad / KT;
+  // This block's run of units L = tile * nstages + stage (32-bit: see the GEMV).
+  const UnitPartition part_of(p.units, gridDim.x);
+  const int L_begin = part_of.begin(blockIdx.x), L_end = part_of.begin(blockIdx.x + 1);
+  if (L_begin >= L_end) {  // (the launcher sizes the grid so that this never happens)
+    wait_for_prior_grid();
+    return;
+  }
+  // The output tile of unit L: its first row and its first n-tile.
+  auto tile_m0 = [&](int tile) { return tile % p.m_tiles * BM; };
+  auto tile_n0 = [&](int tile) { return tile / p.m_tiles * kTiles; };
 
   extern __shared__ uint4 smem[];
-  __shared__ int is_last_split;
+  __shared__ int is_last_contributor;
   const T* x = static_cast<const T*>(p.x);
   const T* scales = static_cast<const T*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
@@ -166,7 +181,8 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   // previous kernel may still be writing (launch.cuh). Every part is a run of 16-byte
   // chunks, chunk c to thread c % kThreads; out-of-range chunks are zero-filled (zero
   // codes convert to finite values, and they meet zero-filled x).
-  auto fetch_weights = [&](int st, int slot) {
+  auto fetch_weights = [&](int L, int slot) {
+    const int st = L % p.nstages, tile0 = tile_n0(L / p.nstages);
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     // weights: each n-tile's kSegs segments of this stage lie contiguous in global memory
     constexpr int kWChunks = kTiles * kSegs * 32;
@@ -194,7 +210,8 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
       }
     }
   };
-  auto fetch_x = [&](int st, int slot) {
+  auto fetch_x = [&](int L, int slot) {
+    const int st = L % p.nstages, m0 = tile_m0(L / p.nstages);
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     // activations: BM rows x 16 chunks of 8 elements; rows past M and k past K zero-filled
     constexpr int kXChunks = BM * (kGemmStageK / 8);
@@ -210,32 +227,34 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   };
 
-  // A warp whose rows all lie past M skips the math (warp-uniform). Within a warp every
-  // row block is computed: a branch per mma split the unrolled loop into basic blocks
-  // and halved the tensor throughput.
-  const int warp_row0 = m0 + warp_m * MBW * 8;
-  const bool warp_live = warp_row0 < p.M;
-
+  // Per-tile state, set as the walk enters a tile. A warp whose rows all lie past M skips
+  // the math (warp-uniform). Within a warp every row block is computed: a branch per mma
+  // split the unrolled loop into basic blocks and halved the tensor throughput.
+  int tile0 = 0, warp_row0 = 0;
+  bool warp_live = false;
   const float bz = zero_point_bias(BITS);
   ZeroConsts<T, BITS> zc[NTW];
-#pragma unroll
-  for (int nt = 0; nt < NTW; ++nt) {
-    zc[nt] = ZeroConsts<T, BITS>(bz, bz);
-    if constexpr (ZEROS && GROUP == 0) {  // per-channel zero points: fixed for the block
-      const int n_tile = tile0 + warp_n * NTW + nt;
-      if (n_tile < p.n_tiles) {
-        const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(n_tile) * 16)[gid]);
-        zc[nt] = ZeroConsts<T, BITS>(z.x, z.y);
-      }
-    }
-  }
   float acc[NTW][MBW][4];
+  auto enter_tile = [&](int tile) {
+    tile0 = tile_n0(tile);
+    warp_row0 = tile_m0(tile) + warp_m * MBW * 8;
+    warp_live = warp_row0 < p.M;
 #pragma unroll
-  for (int nt = 0; nt < NTW; ++nt)
+    for (int nt = 0; nt < NTW; ++nt) {
+      zc[nt] = ZeroConsts<T, BITS>(bz, bz);
+      if constexpr (ZEROS && GROUP == 0) {  // per-channel zero points: fixed for the tile
+        const int n_tile = tile0 + warp_n * NTW + nt;
+        if (n_tile < p.n_tiles) {
+          const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(n_tile) * 16)[gid]);
+          zc[nt] = ZeroConsts<T, BITS>(z.x, z.y);
+        }
+      }
 #pragma unroll
-    for (int h = 0; h < MBW; ++h)
+      for (int h = 0; h < MBW; ++h)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[nt][h][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[nt][h][i] = 0.f;
+    }
+  };
 
   auto compute = [&](int slot) {
     const char* base = reinterpret_cast<const char*>(smem) + slot * Stage::kBytes;
@@ -291,100 +310,122 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   };
 
-  // Pipeline: p.stages - 1 stages in flight ahead of the one computed. The prologue
-  // fetches their weights before waiting for the previous kernel (a programmatic launch,
-  // launch.cuh), x after; one commit group per stage (the first also holds the other
-  // stages' weights), so the main loop's wait counts are unchanged.
+  // The tile's output: per-channel scales on the fp32 sums; a block that computed only
+  // some of the tile's stages leaves its partial in its workspace slot (0: the tile where
+  // its run starts, 1: where it ends), and the tile's last contributor adds all of them.
+  auto finish_tile = [&](int tile, bool whole, bool first_of_run) {
+    if constexpr (GROUP == 0) {
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) {
+        const int n_tile = tile0 + warp_n * NTW + nt;
+        if (n_tile < p.n_tiles) {
+          const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(n_tile) * 16)[gid]);
+#pragma unroll
+          for (int h = 0; h < MBW; ++h) {
+            acc[nt][h][0] *= sc.x;
+            acc[nt][h][1] *= sc.x;
+            acc[nt][h][2] *= sc.y;
+            acc[nt][h][3] *= sc.y;
+          }
+        }
+      }
+    }
+    if (!whole) {
+      constexpr int kTileFloats = BM * Shape::kBN;
+      auto idx = [&](int nt, int h, int i) { return (((warp * NTW + nt) * MBW + h) * 4 + i) * 32 + lane; };
+      auto partials_of = [&](int b, int which) {
+        return p.workspace + (static_cast<size_t>(b) * 2 + which) * kTileFloats;
+      };
+      float* ws = partials_of(blockIdx.x, first_of_run ? 0 : 1);
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int h = 0; h < MBW; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ws[idx(nt, h, i)] = acc[nt][h][i];
+      const int tu0 = tile * p.nstages;
+      const int b_first = part_of.owner(tu0), b_last = part_of.owner(tu0 + p.nstages - 1);
+      __syncthreads();  // every partial written before thread 0 releases them
+      if (tid == 0) is_last_contributor = atomic_add_acq_rel(&p.counters[tile], 1) == b_last - b_first;
+      __syncthreads();
+      if (!is_last_contributor) return;
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int h = 0; h < MBW; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[nt][h][i] = 0.f;
+      for (int b = b_first; b <= b_last; ++b) {  // block order: deterministic
+        const float* part = partials_of(b, part_of.begin(b) >= tu0 ? 0 : 1);
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+          for (int h = 0; h < MBW; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nt][h][i] += __ldcg(part + idx(nt, h, i));
+      }
+      if (tid == 0) p.counters[tile] = 0;  // re-arm for the next launch / graph replay
+    }
+    // Accumulator (nt, h, i) holds y[m][n]: m = warp_row0 + 8h + 2*t4 + (i & 1),
+    // n = 16 * (n-tile) + gid + 8 * (i >> 1).
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int n_lo = 16 * (tile0 + warp_n * NTW + nt) + gid;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n_lo + 8 * (i >> 1);
+        if (n >= p.N) continue;
+        const float b = bias ? to_float(bias[n]) : 0.f;
+#pragma unroll
+        for (int h = 0; h < MBW; ++h) {
+          const int m = warp_row0 + 8 * h + 2 * t4 + (i & 1);
+          if (m < p.M) y[static_cast<size_t>(m) * p.N + n] = from_float<T>(acc[nt][h][i] + b);
+        }
+      }
+    }
+  };
+
+  // Pipeline over this block's units: p.stages - 1 in flight ahead of the one computed.
+  // The prologue fetches their weights before waiting for the previous kernel (a
+  // programmatic launch, launch.cuh), x after; one commit group per stage (the first also
+  // holds the other stages' weights), so the main loop's wait counts are unchanged.
   allow_dependent_launch();
 #pragma unroll
   for (int q = 0; q < kGemmMaxStages - 1; ++q)
-    if (q < p.stages - 1 && st_begin + q < st_end) fetch_weights(st_begin + q, q);
+    if (q < p.stages - 1 && L_begin + q < L_end) fetch_weights(L_begin + q, q);
   wait_for_prior_grid();
 #pragma unroll
   for (int q = 0; q < kGemmMaxStages - 1; ++q) {
     if (q < p.stages - 1) {
-      if (st_begin + q < st_end) fetch_x(st_begin + q, q);
+      if (L_begin + q < L_end) fetch_x(L_begin + q, q);
       cp_async_commit();
     }
   }
+  int tile = L_begin / p.nstages, st = L_begin % p.nstages;
+  int segment_start = L_begin;  // the first unit of this block in the current tile
+  enter_tile(tile);
   int slot = 0;
-  for (int st = st_begin; st < st_end; ++st) {
+  for (int L = L_begin; L < L_end; ++L) {
     cp_async_wait_dynamic<kGemmMaxStages - 2>(p.stages - 2);
-    __syncthreads();  // stage st visible to all; the slot of stage st - 1 free to overwrite
-    if (st + p.stages - 1 < st_end) {
+    __syncthreads();  // unit L visible to all; the slot of unit L - 1 free to overwrite
+    if (L + p.stages - 1 < L_end) {
       const int ahead_slot = slot == 0 ? p.stages - 1 : slot - 1;
-      fetch_weights(st + p.stages - 1, ahead_slot);
-      fetch_x(st + p.stages - 1, ahead_slot);
+      fetch_weights(L + p.stages - 1, ahead_slot);
+      fetch_x(L + p.stages - 1, ahead_slot);
     }
     cp_async_commit();
     if (warp_live) compute(slot);
     slot = slot == p.stages - 1 ? 0 : slot + 1;
+    if (st == p.nstages - 1 || L == L_end - 1) {
+      finish_tile(tile, segment_start == tile * p.nstages && st == p.nstages - 1, segment_start == L_begin);
+      segment_start = L + 1;
+      st = 0;
+      if (L + 1 < L_end) enter_tile(++tile);
+    } else {
+      ++st;
+    }
   }
   cp_async_wait<0>();
-
-  // Per-channel scales, on the fp32 sums.
-  if constexpr (GROUP == 0) {
-#pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
-      const int n_tile = tile0 + warp_n * NTW + nt;
-      if (n_tile < p.n_tiles) {
-        const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(n_tile) * 16)[gid]);
-#pragma unroll
-        for (int h = 0; h < MBW; ++h) {
-          acc[nt][h][0] *= sc.x;
-          acc[nt][h][1] *= sc.x;
-          acc[nt][h][2] *= sc.y;
-          acc[nt][h][3] *= sc.y;
-        }
-      }
-    }
-  }
-
-  if (p.splits > 1) {
-    // Partials in fragment order: thread-contiguous, so writes and reads coalesce.
-    constexpr int kTileFloats = BM * Shape::kBN;
-    float* ws = p.workspace + static_cast<size_t>(tile_id) * p.splits * kTileFloats;
-    auto idx = [&](int nt, int h, int i) { return (((warp * NTW + nt) * MBW + h) * 4 + i) * 32 + lane; };
-#pragma unroll
-    for (int nt = 0; nt < NTW; ++nt)
-#pragma unroll
-      for (int h = 0; h < MBW; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ws[split * kTileFloats + idx(nt, h, i)] = acc[nt][h][i];
-    __syncthreads();  // every partial written before thread 0 releases them
-    if (tid == 0) is_last_split = atomic_add_acq_rel(&p.counters[tile_id], 1) == p.splits - 1;
-    __syncthreads();
-    if (!is_last_split) return;
-#pragma unroll
-    for (int nt = 0; nt < NTW; ++nt)
-#pragma unroll
-      for (int h = 0; h < MBW; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float sum = 0.f;
-          for (int s = 0; s < p.splits; ++s) sum += __ldcg(ws + s * kTileFloats + idx(nt, h, i));  // split order
-          acc[nt][h][i] = sum;
-        }
-    if (tid == 0) p.counters[tile_id] = 0;  // re-arm for the next launch / graph replay
-  }
-
-  // Accumulator (nt, h, i) holds y[m][n]: m = warp_row0 + 8h + 2*t4 + (i & 1),
-  // n = 16 * (n-tile) + gid + 8 * (i >> 1).
-#pragma unroll
-  for (int nt = 0; nt < NTW; ++nt) {
-    const int n_lo = 16 * (tile0 + warp_n * NTW + nt) + gid;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = n_lo + 8 * (i >> 1);
-      if (n >= p.N) continue;
-      const float b = bias ? to_float(bias[n]) : 0.f;
-#pragma unroll
-      for (int h = 0; h < MBW; ++h) {
-        const int m = warp_row0 + 8 * h + 2 * t4 + (i & 1);
-        if (m < p.M) y[static_cast<size_t>(m) * p.N + n] = from_float<T>(acc[nt][h][i] + b);
-      }
-    }
-  }
 #endif
 }
 

@@ -39,18 +39,20 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   p.m_tiles = (a.M + Shape::kBM - 1) / Shape::kBM;
   const long long columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;
   const long long tiles = columns * p.m_tiles;
-  // Split K only as far as it helps fill one resident wave, and as the workspace and
-  // counters hold; `splits` = 0 leaves it to that rule.
+  const long long units = tiles * p.nstages;
+  // Blocks: one resident wave (`splits` 0, stream-K) or `splits` per tile, each block at
+  // least 2 stages; as many as the workspace (two partial tiles per block) holds. One
+  // block per tile needs no workspace, and is what remains when the counters (one per
+  // tile) are too few.
   const long long slots = static_cast<long long>(resident) * gemv_sm_count();
-  long long splits = a.splits > 0 ? a.splits : std::max(1LL, slots / tiles);
-  splits = std::min<long long>(splits, std::max(1, p.nstages / 2));
   const long long tile_floats = static_cast<long long>(Shape::kBM) * Shape::kBN;
-  if (tiles > a.counters_len) splits = 1;
-  splits = std::max(1LL, std::min(splits, a.workspace_floats / (tiles * tile_floats)));
-  p.splits = static_cast<int>(splits);
+  long long blocks = a.splits > 0 ? tiles * a.splits : slots;
+  blocks = std::min(blocks, std::max(tiles, units / 2));
+  blocks = std::min(blocks, a.workspace_floats / (2 * tile_floats));
+  if (blocks < 1 || tiles > a.counters_len) blocks = tiles;
+  if (units > (1LL << 30)) return cudaErrorInvalidValue;
+  p.units = static_cast<int>(units);
   p.stages = plan.stages;
-  const long long blocks = tiles * splits;
-  if (blocks > (1LL << 30)) return cudaErrorInvalidValue;
   return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream, p);
 }
 

@@ -3,9 +3,9 @@
 // fragment. Larger M: the mixed GEMM (gemm.cuh), which reuses this file's layout and helpers.
 // M <= 16 always runs here (decode); 17..32 runs here where the tuner measured it faster
 // than the mixed GEMM for the shape (kernels/tuning.py). Measured on the H100, M = 32
-// (docs/bench/kernels_msweep.md): 21504 x 14336 int8 136.0 us against the GEMM's 156.0,
-// int4 94.3 against 124.4; but 28672 x 8192 int4 77.0 against 78.1, and 4096 x 14336 int4
-// 28.0 against 27.0 -- hence a measurement per shape, not a rule.
+// (docs/bench/kernels_msweep.md): 21504 x 14336 int4 91.8 us against the GEMM's 107.4,
+// 28672 x 8192 int4 74.8 against 83.9; but 21504 x 14336 int8 135.5 against 129.6, and
+// 4096 x 14336 int4 27.8 against 27.2 -- hence a measurement per shape, not a rule.
 //
 // Why tensor cores for a "GEMV": at M = 16, an int4 weight streamed at 3 TB/s feeds
 // ~6e12 weights/s, i.e. ~1e14 multiply-adds/s -- more than the fp32 CUDA cores do
@@ -174,10 +174,15 @@ __host__ __device__ constexpr int groups_per_stage() {
 // 28672 x 8192 int4 M = 17 63.3 / 75.8, M = 32 77.9 / 95.4; 21504 x 14336 int4 M = 17
 // 81.7 / 95.3, M = 32 107.0 / 117.3; int8 28672 x 8192 M = 32 99.0 / 115.3; the small
 // shapes run 2 k-warps, which keep one n-tile (two doubled their stage and halved their
-// columns: 4096 x 14336 int4 M = 32 55.9 against 30.3). The price: a 1-k-warp stage of 32
-// rows is ~51 KB, so GPUs with 99 KB of shared memory (RTX 30/40, L4) run the GEMV up to
-// ~24 rows and the mixed GEMM above. Kept at 1 where a stage's group scales would need
-// more than one copy per thread (the scale fetch does one).
+// columns: 4096 x 14336 int4 M = 32 55.9 against 30.3). Four n-tiles per warp measured
+// slower again (-DWOQ_GEMV_WIDE_NT=4, best grid, us, NT 2 / 4): 28672 x 8192 int4 M = 32
+// 76.9 / 84.8, 21504 x 14336 int4 M = 32 91.9 / 103.4, int8 98.8 / 110.8 and 133.8 /
+// 142.4: half as many columns, and stages of ~83 KB (int4) / ~73 KB (int8) leave room for
+// a ring of 2 / 3 instead of 4 -- halving x's reads again does not pay for that. The
+// price of two: a 1-k-warp stage of 32 rows is ~51 KB, so GPUs with 99 KB of shared
+// memory (RTX 30/40, L4) run the GEMV up to ~24 rows and the mixed GEMM above. Kept at 1
+// where a stage's group scales would need more than one copy per thread (the scale fetch
+// does one).
 template <int BITS, int MB, int KW, int GROUP, bool ZEROS>
 __host__ __device__ constexpr int gemv_tiles_per_warp() {
   constexpr int wanted = MB <= 2 ? WOQ_GEMV_NARROW_NT : KW == 1 ? WOQ_GEMV_WIDE_NT : WOQ_GEMV_WIDE_KW2_NT;

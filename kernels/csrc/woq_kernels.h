@@ -47,10 +47,10 @@ struct GemmArgs {
   void* y;           // [M, N]
   int M;
   int config;        // tile configuration 0..4 (gemm.cuh); -1 = by M
-  int splits;        // blocks per output tile (split-K); 0 = enough to fill the GPU
-  float* workspace;  // split partials: tiles * splits * BM * BN floats (splits are capped to fit)
+  int splits;        // blocks per output tile (split-K); 0 = one resident wave (stream-K)
+  float* workspace;  // partial tiles: 2 * BM * BN floats per block (the grid is capped to fit)
   long long workspace_floats;
-  int* counters;     // one per output tile when splitting, zero-initialised
+  int* counters;     // one per output tile, zero-initialised (fewer: one block per tile)
   long long counters_len;
   DType dtype;
 };
