@@ -12,6 +12,15 @@ their launch and lets the next GEMV start early.
 
 One switch for all of them: ``WOQ_PDL=0`` in the environment, or ``set_enabled(False)``
 (the benchmarks time both).
+
+Tried and dropped: prefetching the next GEMV's weights into L2 on a side stream after each
+GEMV of a decode step, to use the gaps this overlap leaves (commit cad9da2,
+``benchmarks/l2_prefetch_ab.py`` there). H100, Llama-3-8B-shaped int4, batch-1 graph step:
+2702 µs without, 2959 µs with 4 MB per gap (``prefetch.global.L2``), 3202 µs with
+``cp.async.bulk.prefetch.L2``, and 2873 µs for the side-stream fork/join alone (no
+prefetch issued). A weight already in L2 made a lone GEMV only ~20 % faster (4096 x 4096
+int4: 11.0 -> 8.7 µs, one launch), and here the next GEMV streams its first stages early
+anyway.
 """
 from __future__ import annotations
 
