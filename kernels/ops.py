@@ -34,7 +34,6 @@ GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and p
 # Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh)
 GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128)}
 GEMM_TILE_FLOATS = max(bm * bn for bm, bn in GEMM_TILES.values())
-GEMM_COUNTED_M = 1024  # the largest M the tuner times the mixed GEMM at (tuning.GEMM_MS)
 
 
 def gemv_columns(n: int, k_warps: int, m: int = 1) -> int:
@@ -150,11 +149,13 @@ class _Scratch:
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
+        from .tuning import GEMM_MS
+
         # GEMV: one counter per column (the narrowest columns: the most); the mixed GEMM:
-        # one per output tile, for its smallest tile up to GEMM_COUNTED_M rows (beyond, it
-        # runs one block per tile, which needs none)
+        # one per output tile, for its smallest tile up to the largest M the tuner lets it
+        # serve (beyond, it runs one block per tile, which needs none)
         cols = max(gemv_columns(gw.N, max(K_WARPS)), 2 * self.sms,
-                   max(gemm_tiles(GEMM_COUNTED_M, gw.N, c) for c in GEMM_TILES))
+                   max(gemm_tiles(max(GEMM_MS), gw.N, c) for c in GEMM_TILES))
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
         dense = self.dense.get(gw.dtype)
