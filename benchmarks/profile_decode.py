@@ -40,7 +40,7 @@ GROUPS = [
     ("linear: woq GEMV", r"gemv_kernel"),
     ("linear: woq mixed GEMM", r"woq::gemm_kernel"),
     ("lm_head / dense: cuBLAS", r"gemm|gemv2|sm90|sm80|cutlass|cublas|Kernel2|splitK"),
-    ("attention (Triton)", r"_decode_attention_split|_merge_splits"),
+    ("attention, with RoPE + KV write (Triton)", r"_decode_attention"),
     ("add + RMSNorm (fused)", r"_add_rms_norm"),
     ("RoPE + KV write (fused)", r"_rope_and_cache"),
     ("SiLU * up (fused)", r"_silu_mul"),
@@ -124,6 +124,49 @@ def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
     return statistics.median(times)
 
 
+def replay_us(fn, replays: int = 200) -> float:
+    """Median µs of ``fn``'s kernels replayed as one CUDA graph (CUDA events)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def linears_alone_us(model) -> dict[str, float]:
+    """The batch-1 step's linear layers without the rest of the decoder: every layer's
+    qkv, o, gate_up and down, in that order, then the LM head, on fixed random inputs,
+    replayed as one graph (each kind alone too). Against the whole graph step, what the
+    norms, attention, SiLU and their dependencies add; against the weight bytes, what the
+    GEMVs lose to the roofline."""
+    kinds = {"qkv": [], "o": [], "gate_up": [], "down": []}
+    for layer in model.layers:
+        for kind, linear in zip(kinds, (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)):
+            kinds[kind].append(linear)
+    inputs = {}
+    for linear in [*(linear for linears in kinds.values() for linear in linears), model.lm_head]:
+        inputs.setdefault(linear.in_features, torch.randn(1, linear.in_features, device=model.device, dtype=model.dtype))
+    in_order = [linear for four in zip(*kinds.values()) for linear in four] + [model.lm_head]
+
+    def chain(linears):
+        return lambda: [linear(inputs[linear.in_features]) for linear in linears]
+
+    out = {"all": replay_us(chain(in_order)), "lm_head": replay_us(chain([model.lm_head]))}
+    out.update({kind: replay_us(chain(linears)) for kind, linears in kinds.items()})
+    return out
+
+
 def prefill_ms_of(model, cache, prompts: int = 1, repeats: int = 5) -> tuple[float, dict]:
     """Median ms of one eager prefill of ``prompts`` PROMPT-token prompts packed into one
     forward (slots 0, 1, ...), as the engine runs it, and its kernels by group."""
@@ -152,6 +195,8 @@ def profile_model(name: str, bw: float) -> list[dict]:
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
                         progress=False)
     cfg = model.cfg
+    linears_us = linears_alone_us(model)
+    print("linears alone, graph µs:", {k: round(v, 1) for k, v in linears_us.items()}, flush=True)
     rows = []
     for fused in (True, False):
         llama.set_fused_ops(fused)
@@ -182,7 +227,7 @@ def profile_model(name: str, bw: float) -> list[dict]:
         wbytes = weight_bytes(model)
         rows.append({"model": name, "fused": fused, "groups": groups, "kernels": sum(g["count"] for g in groups.values()),
                      "kernel_us": kernel_us, "graph_step_us": graph_us, "graph_step_plain_us": graph_plain_us,
-                     "graph_step_b16_us": graph16_us, "prefill_ms": prefill_ms, "prefill16_ms": prefill16_ms,
+                     "graph_step_b16_us": graph16_us, "linears_alone_us": linears_us, "prefill_ms": prefill_ms, "prefill16_ms": prefill16_ms,
                      "prefill_kernel_ms": sum(g["us"] for g in prefill_groups.values()) / 1e3, "prefill_groups": prefill_groups,
                      "engine_step_us": 1e6 / tps, "decode_tps_b1": tps,
                      "weight_bytes": wbytes, "weights_roofline_us": 1e6 * wbytes / bw})
@@ -198,14 +243,16 @@ def summary(result: dict) -> str:
              f"int4 g128 random weights, batch 1, decode at position {PROMPT} ({NEW}-token runs for the engine rate). "
              "Kernel µs: summed GPU time of one eager step's kernels (torch.profiler); graph step: the same step replayed "
              "as a CUDA graph (median of 200, CUDA events), with programmatic launches (kernels/pdl.py, the default) and "
-             "without; engine step: 1 / the engine's batch-1 decode rate; graph step b16: the graph of 16 sequences "
+             "without; its linears alone: the step's linear layers and LM head in the same order on fixed inputs, one "
+             "graph, nothing else (linears_alone_us in the JSON has each kind); engine step: 1 / the engine's batch-1 decode rate; graph step b16: the graph of 16 sequences "
              f"at that position; prefill: one eager {PROMPT}-token prompt with its first token, and 16 of them packed into "
              "one forward as the engine prefills simultaneous arrivals (median of 5).\n"]
     head = ["model", "decoder ops", "kernels / step", "kernel µs", "graph step µs", "graph step µs, plain launches",
-            "engine step µs", "tok/s b1", "weights-only roofline µs", "graph step µs b16", f"prefill ms ({PROMPT} tokens)", "its kernels ms",
+            "its linears alone µs", "engine step µs", "tok/s b1", "weights-only roofline µs", "graph step µs b16", f"prefill ms ({PROMPT} tokens)", "its kernels ms",
             f"prefill ms (16 × {PROMPT} packed)"]
     lines.append(markdown_table(head, [[r["model"], "fused" if r["fused"] else "torch", r["kernels"], r["kernel_us"],
-                                        r["graph_step_us"], r.get("graph_step_plain_us", "-"), r["engine_step_us"], r["decode_tps_b1"], r["weights_roofline_us"],
+                                        r["graph_step_us"], r.get("graph_step_plain_us", "-"),
+                                        r.get("linears_alone_us", {}).get("all", "-"), r["engine_step_us"], r["decode_tps_b1"], r["weights_roofline_us"],
                                         r.get("graph_step_b16_us", "-"), r.get("prefill_ms", "-"),
                                         r.get("prefill_kernel_ms", "-"), r.get("prefill16_ms", "-")]
                                        for r in result["rows"]]))

@@ -3,11 +3,21 @@
 One query token per sequence (a decode step). The KV cache is ``[slots, kv_heads, T, D]``
 per layer; sequence b lives in slot ``slots[b]`` and has ``lengths[b]`` valid positions.
 The grid is (sequences, kv heads, splits): each program takes one KV head, all of its
-query heads (grouped-query attention: the KV bytes are read once per group) and one
-contiguous share of the sequence, keeping a running max and sum (online softmax); the
-shares are then merged with their log-sum-exp weights (flash-decoding), so a long sequence
-at batch 1 still spreads over many SMs. Shapes are static and the lengths are read on the
-device, so a step can be captured in a CUDA graph once and replayed at any lengths.
+query heads (grouped-query attention: the KV bytes are read once per group) and one of
+``splits`` equal contiguous shares of the sequence's live length, keeping a running max
+and sum (online softmax); the shares are then merged with their log-sum-exp weights
+(flash-decoding), so a sequence at batch 1 spreads over many SMs, short or long. The grid
+is fixed by the batch and the GPU, and the lengths are read on the device, so a step can
+be captured in a CUDA graph once and replayed at any lengths.
+
+One kernel per layer does all of a decode step's attention work (at batch 1 each kernel
+of a CUDA graph costs ~2 µs of latency however small, and a layer's attention was three):
+
+* with ``rope_cache_attention`` it rotates q and the new k (RoPE) straight from the qkv
+  projection's output, and the program whose share holds the new position writes k and v
+  into the cache before reading its share;
+* the last program of a (sequence, KV head) to finish -- a counter per pair, re-armed by
+  that program -- merges the shares, instead of a second kernel.
 """
 from __future__ import annotations
 
@@ -19,34 +29,55 @@ import triton.language as tl
 
 from . import pdl
 from .device import sm_count
-from .fused import programmatic_prologue
+from .fused import programmatic_prologue, rope_rotate
 
 
 @triton.jit
-def _decode_attention_split(
-    Q, K, V, Out, Lse, slots, lengths,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-    scale, split_len,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+def _decode_attention_kernel(
+    Q, K, V, Part, Lse, Out, Counters, slots, lengths, positions, COS, SIN,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+    stride_ob, stride_oh, stride_rope, scale,
+    HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
     programmatic_prologue(PDL)
+    GROUP: tl.constexpr = HEADS // HKV
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(slots + b)
     length = tl.load(lengths + b)
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
+    # This sequence's shares: SPLITS equal ones of the live length (multiples of 16 tokens),
+    # so a short sequence spreads over the programs as a long one does.
+    share = tl.cdiv(tl.cdiv(length, SPLITS), 16) * 16
+    start = split * share
+    end = tl.minimum(start + share, length)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     gmask = g < GROUP
-    q = tl.load(Q + b * stride_qb + (hkv * GROUP + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    heads = hkv * GROUP + g
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
+    k_base = K + slot * stride_ks + hkv * stride_kh
+    v_base = V + slot * stride_ks + hkv * stride_kh
+    if ROPE:  # Q is the qkv projection's row: q heads, then k heads, then v heads
+        pos = tl.load(positions + b)
+        cos_row = COS + pos * stride_rope
+        sin_row = SIN + pos * stride_rope
+        partner = (d + D // 2) % D
+        q = rope_rotate(q, tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0), d[None, :],
+                        cos_row, sin_row, D)
+        if (pos >= start) & (pos < end):  # the new token falls in this share: cache it first
+            k_row = Q + b * stride_qb + (HEADS + hkv) * stride_qh
+            k_new = rope_rotate(tl.load(k_row + d), tl.load(k_row + partner), d, cos_row, sin_row, D)
+            tl.store(k_base + pos * stride_kt + d, k_new)
+            tl.store(v_base + pos * stride_kt + d, tl.load(Q + b * stride_qb + (HEADS + HKV + hkv) * stride_qh + d))
+            tl.debug_barrier()  # (a block barrier orders global memory too: the loop below reads them)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    k_base = K + slot * stride_ks + hkv * stride_kh
-    v_base = V + slot * stride_ks + hkv * stride_kh
     for t0 in range(start, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         tmask = t < end
@@ -60,62 +91,103 @@ def _decode_attention_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    heads = hkv * GROUP + g
-    o = acc / l_i[:, None]
-    tl.store(Out + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :], o,
-             mask=gmask[:, None] & (l_i[:, None] > 0))
-    tl.store(Lse + b * stride_lb + split * stride_ls + heads, m_i + tl.log(l_i), mask=gmask)
+    # A share that saw tokens leaves its output and log-sum-exp (an empty one, past the
+    # length, leaves nothing: the merge reads only the shares that saw a token).
+    if start < end:
+        tl.store(Part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + d[None, :],
+                 acc / l_i[:, None], mask=gmask[:, None])
+        tl.store(Lse + b * stride_lb + split * stride_ls + heads, m_i + tl.log(l_i), mask=gmask)
+
+    # Merge: the pair's last program to arrive. Every thread's stores above precede the
+    # barrier, the barrier precedes the releasing increment (as CUTLASS's semaphores do);
+    # the last program's acquiring increment precedes its reads, which bypass L1 (.cg).
+    tl.debug_barrier()
+    counter = Counters + b * HKV + hkv
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        tl.store(counter, 0)  # re-armed for the next launch (stream-ordered after this one)
+        used = tl.cdiv(length, share)  # the shares that saw a token
+        s = tl.arange(0, SPLITS)
+        lse = tl.load(Lse + b * stride_lb + s[:, None] * stride_ls + heads[None, :],
+                      mask=(s[:, None] < used) & gmask[None, :], other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.max(lse, 0)
+        total = tl.zeros([GROUP_PAD, D], tl.float32)
+        weight = tl.zeros([GROUP_PAD], tl.float32)
+        for i in tl.static_range(SPLITS):  # (unrolled, predicated: the shares' loads fly together)
+            live = gmask & (i < used)
+            w = tl.exp(tl.load(Lse + b * stride_lb + i * stride_ls + heads, mask=live, other=float("-inf"),
+                               cache_modifier=".cg") - lse_max)  # 0 for a share past the length
+            part = tl.load(Part + b * stride_pb + i * stride_ps + heads[:, None] * stride_ph + d[None, :],
+                           mask=live[:, None], other=0.0, cache_modifier=".cg")
+            total += part * w[:, None]
+            weight += w
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 (total / weight[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
 
 
-@triton.jit
-def _merge_splits(Out, Lse, Final, lengths, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_fb,
-                  stride_fh, split_len, SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    programmatic_prologue(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    length = tl.load(lengths + b)
-    used = (length + split_len - 1) // split_len  # splits that saw at least one token
-    s = tl.arange(0, SPLITS)
-    smask = s < used
-    lse = tl.load(Lse + b * stride_lb + s * stride_ls + h, mask=smask, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = tl.where(smask, w, 0.0)
-    d = tl.arange(0, D)
-    o = tl.load(Out + b * stride_ob + s[:, None] * stride_os + h * stride_oh + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Final + b * stride_fb + h * stride_fh + d, out.to(Final.dtype.element_ty))
+# One int32 per (sequence, KV head), zero between launches (each launch's merging programs
+# re-arm theirs); per device, grown only outside a CUDA-graph capture, so that every graph
+# captures a buffer that stays.
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, max_len: int, splits: int | None = None) -> torch.Tensor:
-    """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
-    positions of slot ``slots[b]`` in ``k_cache``/``v_cache`` ``[S, Hkv, T, D]``; ``[B, H, D]``.
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    have = _counters.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode attention needs {n} merge counters during a CUDA-graph capture; "
+                               "run the step once eagerly before capturing it")
+        have = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
 
-    ``max_len`` bounds the lengths (the cache's T) and fixes the split size, so the launch
-    does not depend on the lengths (CUDA-graph safe).
-    """
-    B, H, D = q.shape
+
+def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+            lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None,
+            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
-        splits = max(1, min(16, triton.next_power_of_2(math.ceil(2 * sm_count(q.device) / (B * Hkv)))))
-    split_len = max(64, math.ceil(max_len / splits / 64) * 64)
-    splits = math.ceil(max_len / split_len)
-    splits_pad = triton.next_power_of_2(splits)
-    out = torch.empty(B, splits_pad, H, D, device=q.device, dtype=torch.float32)
-    # No fill needed (one kernel fewer per layer): the merge reads only the splits that saw
-    # a token, and each of those wrote its lse.
-    lse = torch.empty(B, splits_pad, H, device=q.device, dtype=torch.float32)
-    q = q.contiguous()
-    launch = pdl.triton_kwargs(q.device)
-    _decode_attention_split[(B, Hkv, splits)](
-        q, k_cache, v_cache, out, lse, slots, lengths,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        1.0 / math.sqrt(D), split_len,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64, **launch,
+        splits = min(16, triton.next_power_of_2(math.ceil(2 * sm_count(q_src.device) / (B * Hkv))))
+    splits = triton.next_power_of_2(splits)
+    # (no fill: the merge reads only the shares that saw a token, and each of those wrote)
+    part = torch.empty(B, splits, H, D, device=q_src.device, dtype=torch.float32)
+    lse = torch.empty(B, splits, H, device=q_src.device, dtype=torch.float32)
+    out = torch.empty(B, H, D, device=q_src.device, dtype=q_src.dtype)
+    counters = _merge_counters(q_src.device, B * Hkv)
+    positions, cos, sin = rope if rope is not None else (lengths, q_src, q_src)  # (unread without RoPE)
+    _decode_attention_kernel[(B, Hkv, splits)](
+        q_src, k_cache, v_cache, part, lse, out, counters, slots, lengths, positions, cos, sin,
+        q_src.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        cos.stride(0), 1.0 / math.sqrt(D),
+        HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64, SPLITS=splits,
+        ROPE=rope is not None,
+        **pdl.triton_kwargs(q_src.device),
     )
-    final = torch.empty_like(q)
-    _merge_splits[(B, H)](out, lse, final, lengths, out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-                          lse.stride(1), final.stride(0), final.stride(1), split_len, SPLITS=splits_pad, D=D, **launch)
-    return final
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
+    positions of slot ``slots[b]`` in ``k_cache``/``v_cache`` ``[S, Hkv, T, D]``; ``[B, H, D]``.
+
+    ``splits`` (rounded up to a power of two; default: from the batch and the GPU's SMs)
+    shares per sequence and KV head; the launch does not depend on the lengths (CUDA-graph
+    safe).
+    """
+    B, H, D = q.shape
+    q = q.contiguous()
+    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, None)
+
+
+def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         heads: int, head_dim: int, splits: int | None = None) -> torch.Tensor:
+    """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
+    q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
+    ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
+    ``slots[b]``, then ``decode_attention`` of q over ``lengths[b]`` (> ``positions[b]``)
+    positions; ``[B, H, D]``."""
+    assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
+    return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits,
+                   (positions, cos, sin))

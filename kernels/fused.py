@@ -7,7 +7,9 @@ each RoPE 9, the KV-cache write 4. On an H100 every kernel of a CUDA graph costs
 however small, which made SmolLM2's decode step ~3.4 ms for ~0.1 ms of weights. Here:
 
 * ``add_rms_norm``: residual add + RMSNorm in one pass (vLLM-style residual stream);
-* ``rope_and_cache``: RoPE on q and k, k and v stored in the KV cache, q written out;
+* ``rope_and_cache``: RoPE on q and k, k and v stored in the KV cache, q written out (a
+  prefill's tokens; a decode step does this inside its attention kernel,
+  ``decode_attention.rope_cache_attention``, with ``rope_rotate`` below);
 * ``silu_mul``: SwiGLU's ``silu(gate) * up``.
 
 Numerics follow the torch code they replace (``models/llama.py``, the CPU path): fp32
@@ -83,6 +85,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
+def rope_rotate(x, partner, d, COS_ROW, SIN_ROW, D: tl.constexpr):
+    """RoPE of head vectors ``x`` (``[..., D]``, last axis ``d``) given ``partner``, each
+    element's rotate_half partner (``x`` at ``(d + D/2) % D``), and one position's cos/sin
+    rows. Rounded as the torch reference (``Rotary``) is: cos/sin to the activation type,
+    then each product and the sum."""
+    rotated = tl.where(d < D // 2, -partner, partner)  # rotate_half: the first half negated
+    c = tl.load(COS_ROW + d).to(x.dtype).to(tl.float32)
+    s = tl.load(SIN_ROW + d).to(x.dtype).to(tl.float32)
+    a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+    b = (rotated.to(tl.float32) * s).to(x.dtype).to(tl.float32)
+    return (a + b).to(x.dtype)
+
+
+@triton.jit
 def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
                            stride_qkv, stride_q, stride_qh, stride_cs, stride_ch, stride_ct, stride_rope,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
@@ -95,16 +111,7 @@ def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
     src = QKV + tok * stride_qkv + head * D
     x = tl.load(src + d)
     if head < H + HKV:
-        # rotate_half: element d pairs with d + D/2, the first half negated
-        half: tl.constexpr = D // 2
-        partner = tl.load(src + (d + half) % D)
-        rotated = tl.where(d < half, -partner, partner)
-        # the reference rounds cos/sin to the activation type, then each product and the sum
-        c = tl.load(COS + pos * stride_rope + d).to(x.dtype).to(tl.float32)
-        s = tl.load(SIN + pos * stride_rope + d).to(x.dtype).to(tl.float32)
-        a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
-        b = (rotated.to(tl.float32) * s).to(x.dtype).to(tl.float32)
-        y = (a + b).to(x.dtype)
+        y = rope_rotate(x, tl.load(src + (d + D // 2) % D), d, COS + pos * stride_rope, SIN + pos * stride_rope, D)
         if head < H:
             tl.store(Q + tok * stride_q + head * stride_qh + d, y)
         else:

@@ -167,13 +167,11 @@ class Attention(nn.Module):
         if cache is not None and batch.is_prefill:
             return self.o(self._prefill(qkv.view(T, -1), rope, batch, cache, fused)[None])
         if fused is not None and cache is not None and batch.lengths is not None and T == 1:
-            # CUDA decode step: RoPE and the cache write in one kernel, then live-token attention
-            from ..kernels.decode_attention import decode_attention
+            # CUDA decode step: RoPE, the cache write and live-token attention in one kernel
+            from ..kernels.decode_attention import rope_cache_attention
 
-            q = fused.rope_and_cache(qkv.view(B, -1), batch.positions.view(B), batch.slots, rope.cos, rope.sin,
-                                     cache.k[self.layer_idx], cache.v[self.layer_idx], H, Hkv, D)
-            out = decode_attention(q, cache.k[self.layer_idx], cache.v[self.layer_idx], batch.slots, batch.lengths,
-                                   cache.max_seq_len)
+            out = rope_cache_attention(qkv.view(B, -1), batch.positions.view(B), batch.slots, batch.lengths, rope.cos,
+                                       rope.sin, cache.k[self.layer_idx], cache.v[self.layer_idx], H, D)
             return self.o(out.view(B, T, H * D))
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = rope(q.view(B, T, H, D).transpose(1, 2), batch.positions)
@@ -188,7 +186,7 @@ class Attention(nn.Module):
                 from ..kernels.decode_attention import decode_attention
 
                 out = decode_attention(q[:, :, 0], cache.k[self.layer_idx], cache.v[self.layer_idx], batch.slots,
-                                       batch.lengths, cache.max_seq_len).unsqueeze(2)
+                                       batch.lengths).unsqueeze(2)
             else:
                 k, v = cache.read(self.layer_idx, batch.slots, batch.length)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attention_mask(), enable_gqa=H != Hkv)

@@ -32,7 +32,7 @@ def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype,
         k[s, :, n:] = float("nan")
         v[s, :, n:] = float("nan")
     q = torch.randn(4, heads, dim, device="cuda", dtype=dtype, generator=g)
-    out = decode_attention(q, k, v, slots, lengths, T, splits=splits)
+    out = decode_attention(q, k, v, slots, lengths, splits=splits)
     for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
         kk = k[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
         vv = v[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
@@ -40,6 +40,46 @@ def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype,
         ref = (p @ vv)[:, 0]
         err = ((out[b].double() - ref).norm() / ref.norm()).item()
         assert err < (3e-3 if dtype == torch.float16 else 2e-2), (b, err)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads, dim, dtype, splits):
+    """The one-kernel decode attention (RoPE, cache write, attention, merge) writes the
+    cache exactly as ``rope_and_cache`` does, touches nothing else, and attends like the
+    fp64 reference over that cache -- launch after launch (its merge counters re-arm)."""
+    from woq.kernels.decode_attention import rope_cache_attention
+    from woq.kernels.fused import rope_and_cache
+    from woq.models.llama import Rotary
+
+    g = torch.Generator(device="cuda").manual_seed(heads + dim)
+    S, T = 7, 700
+    rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
+    slots = torch.tensor([5, 0, 3, 6], device="cuda")
+    for step, lengths in enumerate(([1, 64, 333, 700], [2, 129, 334, 64])):
+        k = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
+        lengths = torch.tensor(lengths, device="cuda")
+        positions = lengths - 1
+        for s, n in zip(slots.tolist(), lengths.tolist()):  # poison: the new position and past it
+            k[s, :, n - 1:] = float("nan")
+            v[s, :, n - 1:] = float("nan")
+        qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
+        ref_k, ref_v = k.clone(), v.clone()
+        q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ref_k, ref_v, heads, kv_heads, dim)
+        out = torch.full((4, heads, dim), float("nan"), device="cuda", dtype=dtype)
+        out.copy_(rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim,
+                                       splits=splits))
+        for ours, ref in ((k, ref_k), (v, ref_v)):
+            assert ((ours == ref) | (ours.isnan() & ref.isnan())).all(), step
+        for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+            kk = ref_k[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
+            vv = ref_v[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
+            p = torch.softmax(q[b].double()[:, None] @ kk.transpose(1, 2) / math.sqrt(dim), -1)
+            ref = (p @ vv)[:, 0]
+            err = ((out[b].double() - ref).norm() / ref.norm()).item()
+            assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, b, err)
 
 
 @pytest.fixture(scope="module")
