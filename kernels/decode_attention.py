@@ -18,6 +18,14 @@ of a CUDA graph costs ~2 µs of latency however small, and a layer's attention w
   into the cache before reading its share;
 * the last program of a (sequence, KV head) to finish -- a counter per pair, re-armed by
   that program -- merges the shares, instead of a second kernel.
+
+Measured against the three kernels it replaced (RoPE + cache write, split attention with
+shares sized from the cache's length, merge), H100, int4 g128 random weights at position
+128, graph step µs, median of 3 alternating runs in one process
+(``profile_decode.graph_step_us``): Llama-3-8B batch 1 2663 vs 2653, batch 16 3913 vs
+4106; SmolLM2-135M batch 1 687 vs 682, batch 16 761 vs 900. At batch 1 the small
+kernels' launches were already hidden behind the GEMVs' programmatic launches
+(``pdl.py``); at 16 the equal shares spread each sequence over more programs.
 """
 from __future__ import annotations
 
