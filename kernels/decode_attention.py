@@ -10,8 +10,8 @@ and sum (online softmax); the shares are then merged with their log-sum-exp weig
 is fixed by the batch and the GPU, and the lengths are read on the device, so a step can
 be captured in a CUDA graph once and replayed at any lengths.
 
-One kernel per layer does all of a decode step's attention work (at batch 1 each kernel
-of a CUDA graph costs ~2 µs of latency however small, and a layer's attention was three):
+One kernel per layer does all of a decode step's attention work (it was three: RoPE and
+the cache write, the shares, their merge):
 
 * with ``rope_cache_attention`` it rotates q and the new k (RoPE) straight from the qkv
   projection's output, and the program whose share holds the new position writes k and v
@@ -57,7 +57,7 @@ def _decode_attention_kernel(
     length = tl.load(lengths + b)
     # This sequence's shares: SPLITS equal ones of the live length (multiples of 16 tokens),
     # so a short sequence spreads over the programs as a long one does.
-    share = tl.cdiv(tl.cdiv(length, SPLITS), 16) * 16
+    share = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), 16) * 16, 16)  # (>= 16: no division by 0 below)
     start = split * share
     end = tl.minimum(start + share, length)
 
