@@ -30,6 +30,7 @@ from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
 from woq.kernels import pdl  # noqa: E402
+from woq.kernels.timing import graph_time_us  # noqa: E402
 from woq.models import llama  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
@@ -124,25 +125,6 @@ def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
     return statistics.median(times)
 
 
-def replay_us(fn, replays: int = 200) -> float:
-    """Median µs of ``fn``'s kernels replayed as one CUDA graph (CUDA events)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def linears_alone_us(model) -> dict[str, float]:
     """The batch-1 step's linear layers without the rest of the decoder: every layer's
@@ -159,11 +141,11 @@ def linears_alone_us(model) -> dict[str, float]:
         inputs.setdefault(linear.in_features, torch.randn(1, linear.in_features, device=model.device, dtype=model.dtype))
     in_order = [linear for four in zip(*kinds.values()) for linear in four] + [model.lm_head]
 
-    def chain(linears):
-        return lambda: [linear(inputs[linear.in_features]) for linear in linears]
+    def replay_us(linears) -> float:  # one graph of the chain, replayed
+        return graph_time_us([lambda: [linear(inputs[linear.in_features]) for linear in linears]], calls=1, reps=200)
 
-    out = {"all": replay_us(chain(in_order)), "lm_head": replay_us(chain([model.lm_head]))}
-    out.update({kind: replay_us(chain(linears)) for kind, linears in kinds.items()})
+    out = {"all": replay_us(in_order), "lm_head": replay_us([model.lm_head])}
+    out.update({kind: replay_us(linears) for kind, linears in kinds.items()})
     return out
 
 

@@ -34,12 +34,17 @@ def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype,
     q = torch.randn(4, heads, dim, device="cuda", dtype=dtype, generator=g)
     out = decode_attention(q, k, v, slots, lengths, splits=splits)
     for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        kk = k[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
-        vv = v[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
-        p = torch.softmax(q[b].double()[:, None] @ kk.transpose(1, 2) / math.sqrt(dim), -1)
-        ref = (p @ vv)[:, 0]
+        ref = _attention_fp64(q[b], k[s, :, :n], v[s, :, :n])
         err = ((out[b].double() - ref).norm() / ref.norm()).item()
         assert err < (3e-3 if dtype == torch.float16 else 2e-2), (b, err)
+
+
+def _attention_fp64(q, k, v):
+    """One token's attention in fp64: q ``[H, D]`` over k, v ``[Hkv, n, D]`` (GQA)."""
+    group = q.shape[0] // k.shape[0]
+    kk, vv = (t.double().repeat_interleave(group, 0) for t in (k, v))
+    p = torch.softmax(q.double()[:, None] @ kk.transpose(1, 2) / math.sqrt(q.shape[1]), -1)
+    return (p @ vv)[:, 0]
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
@@ -74,10 +79,7 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
         for ours, ref in ((k, ref_k), (v, ref_v)):
             assert ((ours == ref) | (ours.isnan() & ref.isnan())).all(), step
         for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-            kk = ref_k[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
-            vv = ref_v[s, :, :n].double().repeat_interleave(heads // kv_heads, 0)
-            p = torch.softmax(q[b].double()[:, None] @ kk.transpose(1, 2) / math.sqrt(dim), -1)
-            ref = (p @ vv)[:, 0]
+            ref = _attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n])
             err = ((out[b].double() - ref).norm() / ref.norm()).item()
             assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, b, err)
 
