@@ -154,8 +154,8 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
-        splits = min(16, triton.next_power_of_2(math.ceil(2 * sm_count(q_src.device) / (B * Hkv))))
-    splits = triton.next_power_of_2(splits)
+        splits = min(16, math.ceil(2 * sm_count(q_src.device) / (B * Hkv)))
+    splits = triton.next_power_of_2(splits)  # (the merge loads the shares' [SPLITS] as one block)
     # (no fill: the merge reads only the shares that saw a token, and each of those wrote)
     part = torch.empty(B, splits, H, D, device=q_src.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q_src.device, dtype=torch.float32)
