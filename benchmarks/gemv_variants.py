@@ -13,8 +13,8 @@ import sys
 
 CASES = [(28672, 8192, 1, 4), (21504, 14336, 1, 4), (28672, 4096, 1, 4), (4096, 14336, 1, 4), (6144, 4096, 1, 4),
          (4096, 4096, 1, 4), (28672, 8192, 16, 4), (28672, 8192, 1, 8), (4096, 4096, 1, 8)]
-if os.environ.get("VARIANT_CASES"):  # "N,K,M,BITS;...": other cases (e.g. M = 17..32)
-    CASES = [tuple(int(v) for v in c.split(",")) for c in os.environ["VARIANT_CASES"].split(";")]
+if os.environ.get("VARIANT_CASES"):  # "N,K,M,BITS[,bf16];...": other cases (e.g. M = 17..32, bf16)
+    CASES = [tuple(int(v) if v.isdigit() else v for v in c.split(",")) for c in os.environ["VARIANT_CASES"].split(";")]
 
 CHILD = r"""
 import json, sys, torch
@@ -28,11 +28,12 @@ assert ops.available()
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 bw = copy_bandwidth()
 out = []
-for N, K, M, bits in json.loads(sys.argv[1]):
+for N, K, M, bits, *dtype in json.loads(sys.argv[1]):
+    dtype = torch.bfloat16 if dtype == ["bf16"] else torch.float16
     spec = QuantSpec(4, 128, False) if bits == 4 else QuantSpec(8, None, True)
     qw = quantize(torch.randn(N, K, device="cuda") * 0.02, spec)
-    gws = [ops.prepare(pack_for_gpu(qw, torch.float16)) for _ in range(copies_to_defeat_l2(N * K * bits // 8))]
-    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    gws = [ops.prepare(pack_for_gpu(qw, dtype)) for _ in range(copies_to_defeat_l2(N * K * bits // 8))]
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
     best = (float("inf"), None)
     for kw in ops.gemv_k_warps(M):
         for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw, M)}):
@@ -42,7 +43,7 @@ for N, K, M, bits in json.loads(sys.argv[1]):
                 continue
             best = min(best, (t, (kw, b)))
     roof = gws[0].nbytes() / bw * 1e6
-    out.append({"case": f"{N}x{K} M={M} int{bits}", "us": round(best[0], 1), "launch": best[1],
+    out.append({"case": f"{N}x{K} M={M} int{bits} {str(dtype)[6:]}", "us": round(best[0], 1), "launch": best[1],
                 "roofline_pct": round(100 * roof / best[0], 1)})
     del gws
 print("RESULT", json.dumps(out))

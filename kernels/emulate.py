@@ -23,6 +23,11 @@ def lop3_and_or(a, b, c):
     return (U32(a) & U32(b)) | U32(c)
 
 
+def lop3_andnot_or(a, b, c):
+    """lop3.b32 with LUT (~a & b) | c."""
+    return (~U32(a) & U32(b)) | U32(c)
+
+
 def prmt(a, b, selector: int):
     """prmt.b32 d, a, b, selector (default mode): byte i of d = byte sel_i of {b, a}."""
     a, b = np.asarray(a, dtype=U32), np.asarray(b, dtype=U32)
@@ -118,12 +123,16 @@ def convert_k16(words: list[np.ndarray], z_lo, z_hi, bits: int, dtype: torch.dty
             out += [hsub2(prmt(w, 0x64646464, 0x5250), sub_lo), hsub2(prmt(w, 0x64646464, 0x5351), sub_hi)]
         return out
     if dtype == torch.bfloat16 and bits == 8:
+        # A = 0x4300 | (code & 0x7f) = 128 + m; B = 0xc300 | (~code & 0x80) = -128 or -256
+        one = bf162_const(1.0)
+        add_lo = _round_bf16(128 - z_lo) * U32(0x10001)
+        add_hi = _round_bf16(128 - z_hi) * U32(0x10001)
         out = []
         for w in words:
-            f = [prmt(w, 0x4B000000, sel).view(np.float32).astype(np.float64) for sel in (0x7440, 0x7442, 0x7441, 0x7443)]
-            r = [np.asarray(f[0] - (8388608 + z_lo), np.float32), np.asarray(f[1] - (8388608 + z_lo), np.float32),
-                 np.asarray(f[2] - (8388608 + z_hi), np.float32), np.asarray(f[3] - (8388608 + z_hi), np.float32)]
-            out += [prmt(r[0].view(U32), r[1].view(U32), 0x7632), prmt(r[2].view(U32), r[3].view(U32), 0x7632)]
+            for x, add in ((w, add_lo), (w >> U32(8), add_hi)):  # bytes 0, 2: row g; bytes 1, 3: row g + 8
+                a = lop3_and_or(x, 0x007F007F, 0x43004300)
+                b = lop3_andnot_or(x, 0x00800080, 0xC300C300)
+                out.append(fma_bf16x2(fma_bf16x2(a, one, b), one, add))
         return out
     raise ValueError((bits, dtype))
 

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kDequantWarps * 32) dequant_kernel(const Dequa
       const float2 s = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + off)[gid]);
       const float2 z = ZEROS ? pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + off)[gid]) : make_float2(bz, bz);
       uint32_t a[4];
-      convert_segment_k16<T, BITS>(wv, j, ZeroConsts<T, BITS>(z.x, z.y), a);
+      convert_segment_k16<T, BITS, ZEROS>(wv, j, ZeroConsts<T, BITS>(z.x, z.y), a);
       // a[r]: row gid (+8 if r odd), columns 2*t4, 2*t4 + 1 (+8 if r >= 2) of the k16 block
 #pragma unroll
       for (int r = 0; r < 4; ++r) {

@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt) {
           uint32_t a[4];
-          convert_segment_k16<T, BITS>(wv[nt], j, zc[nt], a);
+          convert_segment_k16<T, BITS, ZEROS>(wv[nt], j, zc[nt], a);
           if constexpr (GROUP != 0) {  // rows gid (a[0], a[2]) and gid + 8 (a[1], a[3])
             a[0] = mul_pair<T>(a[0], s_lo[nt]);
             a[1] = mul_pair<T>(a[1], s_hi[nt]);

@@ -74,6 +74,13 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 16 * kTile
 // shared memory leaves one block per SM instead of two). WOQ_GEMV_STAGES is the deepest
 // ring; a launch gets it where the GPU's shared memory holds it (an H100: at every M and
 // k-warp count built), a shallower one elsewhere (gemv_launch.cuh).
+// Tried again with programmatic launches: the deepest ring up to 6 that still lets two
+// blocks share an SM (5-6 stages at M <= 8 on an H100, so that a small shape's whole
+// share of K is in flight at once). Same H100, gemv_variants.py, best grid, two
+// alternations, us, ring of 4 / deeper: int8 gained a little (4096 x 4096 M = 1 9.3 /
+// 9.0, 14336 x 4096 M = 1 22.9 / 22.2) but int4 g128 lost everywhere (4096 x 14336 M = 1
+// 14.6 / 16.3, 14336 x 4096 13.3 / 14.7, 4096 x 4096 6.7 / 7.0, 28672 x 8192 46.6 / 47.8,
+// 6144 x 4096 7.6 / 8.1), so the ring stays at 4.
 #ifndef WOQ_GEMV_STAGES
 #define WOQ_GEMV_STAGES 4
 #endif
@@ -138,12 +145,16 @@ __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t u) {
 
 __host__ __device__ constexpr float zero_point_bias(int bits) { return bits == 8 ? 128.f : 8.f; }
 
-template <typename T, int BITS>
+// ZEROS = false: the codes are symmetric (zero point = the bias), which lets the bf16
+// int8 converter skip its zero-point fma; the other converters fold z in for free.
+template <typename T, int BITS, bool ZEROS = true>
 __device__ __forceinline__ void convert_segment_k16(const uint4& w, int j, const ZeroConsts<T, BITS>& z,
                                                     uint32_t a[4]) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   if constexpr (BITS == 4) {
     convert_k16(words[j], z, a);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    convert_k16<ZEROS>(words[2 * j], words[2 * j + 1], z, a);
   } else {
     convert_k16(words[2 * j], words[2 * j + 1], z, a);
   }
@@ -446,7 +457,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           uint32_t a[4];
-          convert_segment_k16<T, BITS>(wv[t], j, zc[t], a);
+          convert_segment_k16<T, BITS, ZEROS>(wv[t], j, zc[t], a);
 #pragma unroll
           for (int h = 0; h < MB; ++h) {
             const uint32_t b[2] = {bx[h][(j % 2) * 2], bx[h][(j % 2) * 2 + 1]};
