@@ -13,6 +13,7 @@ measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -357,6 +358,23 @@ def msweep_summary(result: dict) -> str:
             + peer_margins(margins))
 
 
+def merge_msweeps(paths: list[Path], out_dir: Path) -> dict:
+    """One M-sweep table from runs over disjoint shape groups (a device call is too short
+    for all five shapes), each run's JSON complete and from the same GPU."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    for r, p in zip(runs, paths):
+        assert r.get("complete") and r["gpu"] == runs[0]["gpu"], f"{p}: incomplete or another GPU"
+    groups = [",".join(sorted({f"{x['N']}x{x['K']}" for x in r["rows"]})) for r in runs]
+    note = (f"Measured in {len(runs)} back-to-back runs on the same {runs[0]['gpu']} (one device call per shape "
+            f"group: {'; '.join(groups)}; `MSWEEP_ARGS=\"--shapes ...\" bash benchmarks/gpu_check.sh build msweep`), "
+            "merged with `python benchmarks/kernels.py --merge-msweeps A.json B.json`.")
+    result = dict(runs[0], rows=[x for r in runs for x in r["rows"]], complete=True, note=note)
+    write_json(out_dir / "kernels_msweep.json", result)
+    (out_dir / "kernels_msweep.md").write_text(msweep_summary(result))
+    plot_msweep(result, out_dir / "kernels_msweep.png")
+    return result
+
+
 def plot_msweep(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -397,7 +415,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--grid-sweep", action="store_true")
     ap.add_argument("--m-sweep", action="store_true", help="every path over M up to 4096 (crossovers)")
+    ap.add_argument("--merge-msweeps", nargs="+", type=Path, metavar="JSON",
+                    help="write one M-sweep table (--out) from runs over disjoint shape groups")
     a = ap.parse_args()
+    if a.merge_msweeps:  # (no GPU needed)
+        print(msweep_summary(merge_msweeps(a.merge_msweeps, a.out)))
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(m) for m in a.ms.split(",")]
     assert ops.available(), "woq CUDA kernels unavailable"
