@@ -365,7 +365,7 @@ def merge_msweeps(paths: list[Path], out_dir: Path) -> dict:
     for r, p in zip(runs, paths):
         assert r.get("complete") and r["gpu"] == runs[0]["gpu"], f"{p}: incomplete or another GPU"
     groups = [",".join(sorted({f"{x['N']}x{x['K']}" for x in r["rows"]})) for r in runs]
-    note = (f"Measured in {len(runs)} back-to-back runs on the same {runs[0]['gpu']} (one device call per shape "
+    note = (f"Measured in {len(runs)} back-to-back runs on {runs[0]['gpu']} (one device call per shape "
             f"group: {'; '.join(groups)}; `MSWEEP_ARGS=\"--shapes ...\" bash benchmarks/gpu_check.sh build msweep`), "
             "merged with `python benchmarks/kernels.py --merge-msweeps A.json B.json`.")
     result = dict(runs[0], rows=[x for r in runs for x in r["rows"]], complete=True, note=note)

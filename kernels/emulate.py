@@ -123,7 +123,8 @@ def convert_k16(words: list[np.ndarray], z_lo, z_hi, bits: int, dtype: torch.dty
             out += [hsub2(prmt(w, 0x64646464, 0x5250), sub_lo), hsub2(prmt(w, 0x64646464, 0x5351), sub_hi)]
         return out
     if dtype == torch.bfloat16 and bits == 8:
-        # A = 0x4300 | (code & 0x7f) = 128 + m; B = 0xc300 | (~code & 0x80) = -128 or -256
+        # A = 0x4300 | (code & 0x7f) = 128 + m; B = 0xc300 | (~code & 0x80) = -128 or -256.
+        # (Symmetric kernels skip the last fma: it adds bf16(128 - 128) = 0, exactly.)
         one = bf162_const(1.0)
         add_lo = _round_bf16(128 - z_lo) * U32(0x10001)
         add_hi = _round_bf16(128 - z_hi) * U32(0x10001)

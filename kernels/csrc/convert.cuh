@@ -21,7 +21,8 @@
 //          two LOP3s and an fma per pair, plus an fma of (128 - z) for zero points
 //          (exact: |Y - z| < 256 needs 8 significant bits, which bf16 has). This
 //          replaced a route through fp32 (PRMT into 0x4B000000, an fp32 subtraction,
-//          PRMT of the high halves: 10 instructions per word against 7 here).
+//          PRMT of the high halves: 10 instructions per word against 7 here, 9 with
+//          zero points).
 //
 // Codes are stored *unsigned* (the logical format's symmetric codes are biased by 128 or
 // 8), so no sign extension is ever needed; the bias/zero point is folded into the

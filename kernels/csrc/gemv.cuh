@@ -77,10 +77,11 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 16 * kTile
 // Tried again with programmatic launches: the deepest ring up to 6 that still lets two
 // blocks share an SM (5-6 stages at M <= 8 on an H100, so that a small shape's whole
 // share of K is in flight at once). Same H100, gemv_variants.py, best grid, two
-// alternations, us, ring of 4 / deeper: int8 gained a little (4096 x 4096 M = 1 9.3 /
-// 9.0, 14336 x 4096 M = 1 22.9 / 22.2) but int4 g128 lost everywhere (4096 x 14336 M = 1
-// 14.6 / 16.3, 14336 x 4096 13.3 / 14.7, 4096 x 4096 6.7 / 7.0, 28672 x 8192 46.6 / 47.8,
-// 6144 x 4096 7.6 / 8.1), so the ring stays at 4.
+// alternations, us, ring of 4 / deeper: int8 M = 1 mixed (4096 x 4096 9.3 / 9.0, 14336 x
+// 4096 22.9 / 22.2, 4096 x 14336 22.3 / 22.9), int4 g128 M = 1 slower in all six cases
+// (4096 x 14336 14.6 / 16.3, 14336 x 4096 13.3 / 14.7, 4096 x 4096 6.7 / 7.0, 28672 x
+// 8192 46.6 / 47.8, 6144 x 4096 7.6 / 8.1; M = 4 on 4096 x 14336 15.7 / 16.7), so the
+// ring stays at 4.
 #ifndef WOQ_GEMV_STAGES
 #define WOQ_GEMV_STAGES 4
 #endif
