@@ -136,10 +136,8 @@ def linears_alone_us(model) -> dict[str, float]:
     for layer in model.layers:
         for kind, linear in zip(kinds, (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)):
             kinds[kind].append(linear)
-    inputs = {}
-    for linear in [*(linear for linears in kinds.values() for linear in linears), model.lm_head]:
-        inputs.setdefault(linear.in_features, torch.randn(1, linear.in_features, device=model.device, dtype=model.dtype))
     in_order = [linear for four in zip(*kinds.values()) for linear in four] + [model.lm_head]
+    inputs = {k: torch.randn(1, k, device=model.device, dtype=model.dtype) for k in {linear.in_features for linear in in_order}}
 
     def replay_us(linears) -> float:  # one graph of the chain, replayed
         return graph_time_us([lambda: [linear(inputs[linear.in_features]) for linear in linears]], calls=1, reps=200)
