@@ -27,7 +27,7 @@ COPY models models
 COPY kernels kernels
 # Same install script as `make install` (and CI); torch for CUDA 12.8, kernels built ahead of time.
 ENV TORCH_SPEC=torch==2.11.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128 WOQ_EXTRAS="" \
-    WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;8.9;9.0" MAX_JOBS=4
+    WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;8.9;9.0a" MAX_JOBS=4
 RUN python -m pip install --quiet setuptools==75.8.0 wheel==0.45.1 ninja==1.11.1.3 \
  && sh docker/install.sh \
  && python -c "import pathlib, woq.kernels as k; assert list(pathlib.Path(k.__file__).parent.glob('_C*.so'))"

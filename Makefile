@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
-CUDA_ARCHS ?= 75 80 86 89 90
+CUDA_ARCHS ?= 75 80 86 89 90 90a
 NVCC   ?= nvcc
 
 .PHONY: install serve test test-fast compile-cuda lint-docker clean
@@ -32,7 +32,8 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Compile-only check of every CUDA source for T4 (sm_75), A100 (sm_80), A10/3090 (sm_86),
-# L4/4090 (sm_89) and H100 (sm_90): the kernels are framework-free, so nvcc alone builds them.
+# L4/4090 (sm_89) and H100 (sm_90, and sm_90a: the mixed GEMM's wgmma configurations): the
+# kernels are framework-free, so nvcc alone builds them.
 CUDA_SOURCES := $(wildcard kernels/csrc/*.cu)
 CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a))
 

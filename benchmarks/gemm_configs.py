@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="comma-separated tile configurations (default: all)")
     ap.add_argument("--formats", default="", help="comma-separated formats of benchmarks/kernels.py (default: all)")
     args = ap.parse_args()
-    configs = args.configs.split(",") if args.configs else list(map(str, ops.GEMM_TILES))
+    configs = args.configs.split(",") if args.configs else list(map(str, ops.gemm_configs()))
     formats = args.formats.split(",") if args.formats else list(FORMATS)
     if not set(configs) <= set(map(str, ops.GEMM_TILES)) or not set(formats) <= set(FORMATS):
         ap.error(f"formats are {', '.join(FORMATS)}; configs are {', '.join(map(str, ops.GEMM_TILES))}")

@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize model e2e enginetests engine profile overhead pdlab serving bench msweep
-#           grid gemmcfg variants probe ncu stalls sass gdb tune aot gptq
+#           grid gemmcfg gemmtest variants probe ncu stalls sass gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -45,7 +45,7 @@ for stage in "$@"; do
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
     pdlab) run pdlab $PY benchmarks/engine.py --pdl-ab --out "$OUT" ;;
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
-      run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); print(\"AOT library loaded, no JIT build\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
+      run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); assert ops.wgmma_configs_available(), \"no sm_90a code in the AOT library\"; print(\"AOT library loaded, no JIT build, wgmma configurations available\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
     gptq) run gptq $PY benchmarks/gptq_gpu_check.py ;;
     tune) run tune bash -c "$PY benchmarks/tune_shapes.py && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
@@ -56,6 +56,7 @@ for stage in "$@"; do
     msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
     grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;
     gemmcfg) run gemmcfg $PY benchmarks/gemm_configs.py ${GEMMCFG_ARGS:-} ;;
+    gemmtest) run gemmtest $PY -m pytest -q -x tests/test_gpu_kernels.py -k "mixed_gemm or smaller_gpus" ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
     variants) run variants $PY benchmarks/gemv_variants.py ;;  # the default build; variants: call the script with flag sets

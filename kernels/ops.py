@@ -31,8 +31,11 @@ SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp
 GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
 K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV; M > 16: gemv_k_warps)
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
-# Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh)
-GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128)}
+# Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh); 5..8 use
+# Hopper's wgmma and exist only where wgmma_configs_available() (an sm_90a build on sm_90)
+GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128),
+              5: (32, 256), 6: (64, 256), 7: (128, 128), 8: (128, 256)}
+GEMM_WGMMA_CONFIGS = (5, 6, 7, 8)
 GEMM_TILE_FLOATS = max(bm * bn for bm, bn in GEMM_TILES.values())
 
 
@@ -50,6 +53,17 @@ def gemm_tiles(m: int, n: int, config: int) -> int:
     return math.ceil(m / bm) * math.ceil(n / bn)
 
 
+def wgmma_configs_available() -> bool:
+    """Whether the GEMM's wgmma configurations run on the current device."""
+    return available() and torch.ops.woq.wgmma_available()
+
+
+def gemm_configs() -> list[int]:
+    """The mixed GEMM's tile configurations that run on the current device."""
+    wgmma = wgmma_configs_available()
+    return [c for c in GEMM_TILES if wgmma or c not in GEMM_WGMMA_CONFIGS]
+
+
 def _source_hash() -> str:
     h = hashlib.sha256()
     for f in sorted(CSRC.iterdir()):
@@ -62,15 +76,18 @@ def _build_jit() -> None:
     from torch.utils.cpp_extension import load
 
     major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
+    # H100/H200: the sm_90a target, whose wgmma the mixed GEMM's configurations 5..8 use
+    # (WOQ_BUILT_SM90A tells the host code that the library holds them)
+    hopper = (major, minor) == (9, 0)
+    arch = f"{major}{minor}" + ("a" if hopper else "")
     # WOQ_NVCC_FLAGS: extra nvcc flags for experiments (benchmarks/gemv_variants.py)
-    extra = os.environ.get("WOQ_NVCC_FLAGS", "").split()
+    extra = os.environ.get("WOQ_NVCC_FLAGS", "").split() + (["-DWOQ_BUILT_SM90A"] if hopper else [])
     tag = f"{_source_hash()}-torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-sm{arch}"
-    if extra:
+    if os.environ.get("WOQ_NVCC_FLAGS"):
         tag += "-x" + hashlib.sha256(" ".join(extra).encode()).hexdigest()[:8]
     build_dir = cache_dir() / "torch_extensions" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if hopper else ""))
     log.info("building woq CUDA kernels for sm_%s (once, cached in %s)", arch, build_dir)
     load(
         name=f"woq_kernels_{tag.replace('-', '_').replace('.', '_')}",
@@ -273,7 +290,7 @@ def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:
 
 def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, config: int | None = None,
          splits: int | None = None) -> torch.Tensor:
-    """The mixed GEMM (any M; per-channel, g64, g128 weights). ``config`` (0..2) and
+    """The mixed GEMM (any M; per-channel, g64, g128 weights). ``config`` (GEMM_TILES) and
     ``splits`` override the measured launch (config -1: by M; splits 0: stream-K over
     one resident wave, else blocks per output tile)."""
     if not supports_mixed_gemm(gw):

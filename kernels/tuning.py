@@ -126,7 +126,7 @@ def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
     while the tiles leave SMs idle."""
     from . import ops
 
-    configs = [c for c, (bm, _) in ops.GEMM_TILES.items() if bm <= max(32, 2 * m) and (m <= 64 or bm >= 64)]
+    configs = [c for c in ops.gemm_configs() if (bm := ops.GEMM_TILES[c][0]) <= max(32, 2 * m) and (m <= 64 or bm >= 64)]
     out = []
     for c in configs:
         tiles = ops.gemm_tiles(m, n, c)

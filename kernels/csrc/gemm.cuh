@@ -38,6 +38,29 @@
 // reaches about half of its wgmma peak at best, so this kernel wins against dequantize +
 // cuBLAS, and against fp16 cuBLAS only while the weight bytes dominate (M <= ~64-128).
 //
+// wgmma configurations (5..8; sm_90a builds on an H100/H200, wgmma.cuh). Each warpgroup
+// (warps 0-3, 4-7) owns NTW 64-channel slices of the block's channels and all BM rows:
+// per k16 step its warps convert their A fragments exactly as above (the weight layout
+// already matches wgmma's register fragments: the A fragment of warp w is rows 16w..16w+15)
+// and it issues one wgmma.m64nBMk16 per slice, B = the stage's x tile, which the tensor
+// cores read from shared memory in the 128-byte swizzle layout (fetch_x writes it so).
+//
+//   config   warpgroup tile (channels x rows)   block tile BM x BN   accumulators/thread
+//     5      128 x 32   (NTW 2, m64n32k16)         32 x 256           32
+//     6      128 x 64   (NTW 2, m64n64k16)         64 x 256           64
+//     7       64 x 128  (NTW 1, m64n128k16)       128 x 128           64
+//     8      128 x 128  (NTW 2, m64n128k16)       128 x 256          128
+//
+// Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, 28672 x 8192, stream-K, us,
+// best mma config -> best wgmma config): M = 32 82.6 -> 68.0; M = 64 126.9 -> 90.9; M = 128
+// 231.6 -> 164.4; M = 256 457.2 -> 310.8; M = 512 961.6 -> 593.3. Still far from the tensor
+// peak (M = 128: ~370 TFLOP/s of ~990): one block of 8 warps per SM issues the copies, the
+// conversions and the wgmma in one instruction stream each, with 2 warps per scheduler to
+// hide their latencies. Tried without effect: 1 vs 4 wgmma groups in flight, and keeping
+// the tensor cores busy through the stage barrier (both kept: they cost nothing). Next
+// steps: warp specialization (a producer warp with TMA, two consumer warpgroups) and
+// bigger tiles per SM.
+//
 // Group scales are applied to the converted weights, not to the accumulators:
 // (code - z) is an exact small integer and the scale a T, so their product is exact in
 // fp32 and one rounding to T gives exactly the weight dequant + cuBLAS would use
@@ -67,6 +90,7 @@
 #include <cstdint>
 
 #include "gemv.cuh"  // converters, fragment helpers, the acq_rel counter
+#include "wgmma.cuh"
 
 namespace woq {
 
@@ -74,22 +98,37 @@ constexpr int kGemmWarps = 8;
 constexpr int kGemmStageK = 128;  // k per pipeline stage
 constexpr int kGemmMaxStages = 4;  // shared-memory ring depth, at most (gemm_launch.cuh)
 constexpr int kGemmXStride = kGemmStageK + 8;  // +16 B per x row: conflict-free ldmatrix
-constexpr int kGemmConfigs = 5;
+constexpr int kGemmConfigs = 9;
+// wgmma groups (one per k16 step) a warpgroup keeps in flight while it converts the next
+// step's weights: each holds its A registers until it completes. (Measured on the H100,
+// 28672 x 8192 int4: 1 and 4 ran alike, e.g. M = 32 73.7 vs 73.2 us; 4 leaves the
+// scheduler the most freedom.)
+constexpr int kWgmmaInFlight = 4;
+static_assert(kGemmStageK / 16 >= kWgmmaInFlight, "a stage's own groups are the ones left in flight");
 
 // kMinBlocks: resident blocks per SM the configuration is built for (2: registers capped
 // at 128 per thread, so 16 warps per SM hide latency; 1: 64 accumulators per thread).
+// kWgmma: Hopper warpgroup MMA (configs 5..8, sm_90a only; see "wgmma configurations").
 template <int CFG>
 struct GemmTile;
 template <>
-struct GemmTile<0> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1; };
+struct GemmTile<0> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<1> { static constexpr int kWM = 2, kMBW = 4, kNTW = 4, kMinBlocks = 1; };
+struct GemmTile<1> { static constexpr int kWM = 2, kMBW = 4, kNTW = 4, kMinBlocks = 1; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<2> { static constexpr int kWM = 2, kMBW = 8, kNTW = 2, kMinBlocks = 1; };
+struct GemmTile<2> { static constexpr int kWM = 2, kMBW = 8, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<3> { static constexpr int kWM = 2, kMBW = 4, kNTW = 2, kMinBlocks = 2; };
+struct GemmTile<3> { static constexpr int kWM = 2, kMBW = 4, kNTW = 2, kMinBlocks = 2; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<4> { static constexpr int kWM = 1, kMBW = 4, kNTW = 1, kMinBlocks = 2; };
+struct GemmTile<4> { static constexpr int kWM = 1, kMBW = 4, kNTW = 1, kMinBlocks = 2; static constexpr bool kWgmma = false; };
+template <>
+struct GemmTile<5> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+template <>
+struct GemmTile<6> { static constexpr int kWM = 1, kMBW = 8, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+template <>
+struct GemmTile<7> { static constexpr int kWM = 1, kMBW = 16, kNTW = 1, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+template <>
+struct GemmTile<8> { static constexpr int kWM = 1, kMBW = 16, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = true; };
 
 template <int CFG>
 struct GemmShape {
@@ -99,6 +138,16 @@ struct GemmShape {
   static constexpr int kBN = kWN * kNTW * 16;
   static constexpr int kTiles = kBN / 16;  // n-tiles per block
   static constexpr int kMinBlocks = GemmTile<CFG>::kMinBlocks;
+  static constexpr bool kWgmma = GemmTile<CFG>::kWgmma;
+  static_assert(!kWgmma || kWM == 1, "wgmma: both warpgroups share the rows, each its own channels");
+  // The block-tile n-tile (16 channels) of a warp's nt-th n-tile, and its first row. mma:
+  // warp (warp_m, warp_n) of the WM x WN grid owns NTW adjacent n-tiles. wgmma: warpgroup
+  // g owns NTW 64-channel slices (4 n-tiles each), warp w of it the w-th n-tile of each --
+  // the rows wgmma's A fragments give it.
+  __device__ static int n_tile(int warp, int nt) {
+    return kWgmma ? (warp / 4) * kNTW * 4 + nt * 4 + warp % 4 : (warp % kWN) * kNTW + nt;
+  }
+  __device__ static int row0(int warp) { return kWgmma ? 0 : (warp / kWN) * kMBW * 8; }
 };
 
 
@@ -116,10 +165,15 @@ struct GemmStage {
   static constexpr int kSegs = kGemmStageK / TileShape<BITS>::kK;  // 512-byte segments per n-tile
   static constexpr int kGroups = GROUP == 0 ? 0 : kGemmStageK / GROUP;
   static constexpr int kW = Shape::kTiles * kSegs * 512;
-  static constexpr int kX = Shape::kBM * kGemmXStride * static_cast<int>(sizeof(T));
+  // x: mma, rows padded by 16 bytes; wgmma, the 128-byte swizzle (wgmma.cuh) in two
+  // 64-k halves of BM rows, each 1024-byte aligned (kW is a multiple of 1024 and the
+  // stage size rounded up to one: the kernel aligns the ring's base).
+  static constexpr int kX = Shape::kBM * (Shape::kWgmma ? kGemmStageK : kGemmXStride) * static_cast<int>(sizeof(T));
   static constexpr int kS = Shape::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
-  static constexpr int kBytes = kW + kX + kS + kZ;
+  static constexpr int kAlign = Shape::kWgmma ? 1024 : 16;
+  static constexpr int kBytes = (kW + kX + kS + kZ + kAlign - 1) / kAlign * kAlign;
+  static_assert(!Shape::kWgmma || kW % 1024 == 0, "the swizzled x tile must start 1024-byte aligned");
 };
 
 // Both halves of a packed pair set to its low (or high) half: one row's scale for the
@@ -140,8 +194,7 @@ __device__ __forceinline__ uint32_t mul_pair<__nv_bfloat16>(uint32_t a, uint32_t
 
 // GROUP: group size in k (64 or 128; a divisor of the stage), or 0 for per-channel.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
-__global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) gemm_kernel(const GemmParams p) {
-#if WOQ_SM80  // sm_80+ only: a T4's 64 KB hold 2 stages of few tiles; it runs dequant + cuBLAS
+__device__ __forceinline__ void gemm_units(const GemmParams& p) {
   using Shape = GemmShape<CFG>;
   using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
   constexpr int kThreads = kGemmWarps * 32;
@@ -153,7 +206,6 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   static_assert(kGemmStageK % kGroupK == 0 && kGroupK % KT == 0, "a group is whole segments of a stage");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warp_m = warp / Shape::kWN, warp_n = warp % Shape::kWN;
   const int gid = lane >> 2, t4 = lane & 3;
   const int ktiles = p.K_pad / KT;
   // This block's run of units L = tile * nstages + stage (32-bit: see the GEMV).
@@ -167,63 +219,91 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   auto tile_m0 = [&](int tile) { return tile % p.m_tiles * BM; };
   auto tile_n0 = [&](int tile) { return tile / p.m_tiles * kTiles; };
 
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 smem_raw[];
   __shared__ int is_last_contributor;
   const T* x = static_cast<const T*>(p.x);
   const T* scales = static_cast<const T*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  // The ring's base: 1024-byte aligned for wgmma's swizzled tiles (the launcher adds the
+  // slack), as given otherwise.
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t smem_addr = (raw_addr + Stage::kAlign - 1) & ~static_cast<uint32_t>(Stage::kAlign - 1);
+  const char* smem = reinterpret_cast<const char*>(smem_raw) + (smem_addr - raw_addr);
 
-  // The cp.async copies of stage `st` into ring slot `slot`, in two parts: what is
-  // constant while serving (weights, scales, zero points) and the activations, which the
-  // previous kernel may still be writing (launch.cuh). Every part is a run of 16-byte
-  // chunks, chunk c to thread c % kThreads; out-of-range chunks are zero-filled (zero
-  // codes convert to finite values, and they meet zero-filled x).
-  auto fetch_weights = [&](int L, int slot) {
-    const int st = L % p.nstages, tile0 = tile_n0(L / p.nstages);
+  // Where a unit lies: its output tile's m-tile and column (of kTiles n-tiles) and its
+  // stage. The fetches walk units one at a time, so these advance without the divisions
+  // by m_tiles and nstages (run-time values) that indexing by unit number costs: with them
+  // the copy code was ~30 instructions per 16-byte cp.async, as many per stage as the
+  // conversions and wgmma of a 128 x 256 tile (SASS of config 8).
+  struct UnitPos {
+    int mt, col, st;
+  };
+  auto advance = [&](UnitPos& u) {
+    if (++u.st == p.nstages) {
+      u.st = 0;
+      if (++u.mt == p.m_tiles) {
+        u.mt = 0;
+        ++u.col;
+      }
+    }
+  };
+
+  // The cp.async copies of a unit into ring slot `slot`, in two parts: what is constant
+  // while serving (weights, scales, zero points) and the activations, which the previous
+  // kernel may still be writing (launch.cuh). Every part is a run of 16-byte chunks, chunk
+  // c to thread c % kThreads; out-of-range chunks are zero-filled (zero codes convert to
+  // finite values, and they meet zero-filled x). Addresses: one 64-bit base per unit plus
+  // 32-bit offsets per chunk.
+  auto fetch_weights = [&](const UnitPos& u, int slot) {
+    const int tile0 = u.col * kTiles, st = u.st;
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     // weights: each n-tile's kSegs segments of this stage lie contiguous in global memory
     constexpr int kWChunks = kTiles * kSegs * 32;
     static_assert(kWChunks % kThreads == 0, "whole weight copies per thread");
+    const uint4* w_unit = p.w + (static_cast<size_t>(tile0) * ktiles + st * kSegs) * 32;
 #pragma unroll
     for (int j = 0; j < kWChunks / kThreads; ++j) {
       const int c = tid + j * kThreads;
       const int t = c / (kSegs * 32), r = c % (kSegs * 32);
       const bool valid = tile0 + t < p.n_tiles && st * kSegs + r / 32 < ktiles;
-      const uint4* src = p.w + (static_cast<size_t>(tile0 + t) * ktiles + st * kSegs) * 32 + r;
-      copy16_async(base + c * 16, valid ? src : p.w, valid);
+      copy16_async(base + c * 16, valid ? w_unit + t * ktiles * 32 + r : p.w, valid);
     }
     // group scales (and zeros): 16 values = 2 chunks per (n-tile, group)
     if constexpr (kGroups > 0) {
       constexpr int kPerTile = kGroups > 0 ? kGroups * 2 : 1;  // (never 0: only to keep "%" quiet)
       constexpr int kSChunks = kTiles * kPerTile;
+      const size_t s_unit = (static_cast<size_t>(tile0) * p.groups_pad + st * kGroups) * 16;
       for (int c = tid; c < kSChunks * (ZEROS ? 2 : 1); c += kThreads) {
         const bool is_zero = c >= kSChunks;
         const int cs = is_zero ? c - kSChunks : c;
         const int t = cs / kPerTile, r = cs % kPerTile;
-        const int g = st * kGroups + r / 2;
-        const bool valid = tile0 + t < p.n_tiles && g < p.groups_pad;
-        const T* src = (is_zero ? zeros : scales) + (static_cast<size_t>(tile0 + t) * p.groups_pad + g) * 16 + (r % 2) * 8;
+        const bool valid = tile0 + t < p.n_tiles && st * kGroups + r / 2 < p.groups_pad;
+        const T* src = (is_zero ? zeros : scales) + s_unit + (t * p.groups_pad + r / 2) * 16 + (r % 2) * 8;
         copy16_async(base + Stage::kW + Stage::kX + (is_zero ? Stage::kS : 0) + cs * 16, valid ? src : scales, valid);
       }
     }
   };
-  auto fetch_x = [&](int L, int slot) {
-    const int st = L % p.nstages, m0 = tile_m0(L / p.nstages);
+  auto fetch_x = [&](const UnitPos& u, int slot) {
+    const int m0 = u.mt * BM, k0 = u.st * kGemmStageK;
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     // activations: BM rows x 16 chunks of 8 elements; rows past M and k past K zero-filled
     constexpr int kXChunks = BM * (kGemmStageK / 8);
     static_assert(kXChunks % kThreads == 0, "whole x copies per thread");
+    const T* x_unit = x + static_cast<size_t>(m0) * p.K + k0;
 #pragma unroll
     for (int j = 0; j < kXChunks / kThreads; ++j) {
       const int c = tid + j * kThreads;
-      const int row = c / (kGemmStageK / 8), k = st * kGemmStageK + (c % (kGemmStageK / 8)) * 8;
-      const bool valid = m0 + row < p.M && k < p.K;
-      const T* src = x + static_cast<size_t>(m0 + row) * p.K + k;
-      copy16_async(base + Stage::kW + (row * XS + (c % (kGemmStageK / 8)) * 8) * static_cast<uint32_t>(sizeof(T)),
-                   valid ? src : x, valid);
+      const int row = c / (kGemmStageK / 8), chunk = c % (kGemmStageK / 8);
+      const bool valid = m0 + row < p.M && k0 + chunk * 8 < p.K;
+      uint32_t dst;
+      if constexpr (Shape::kWgmma) {  // 64-k half, row of 128 bytes, chunk XOR row % 8
+        dst = (chunk / 8) * BM * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+      } else {
+        dst = (row * XS + chunk * 8) * static_cast<uint32_t>(sizeof(T));
+      }
+      copy16_async(base + Stage::kW + dst, valid ? x_unit + row * p.K + chunk * 8 : x, valid);
     }
   };
 
@@ -237,13 +317,13 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   float acc[NTW][MBW][4];
   auto enter_tile = [&](int tile) {
     tile0 = tile_n0(tile);
-    warp_row0 = tile_m0(tile) + warp_m * MBW * 8;
+    warp_row0 = tile_m0(tile) + Shape::row0(warp);
     warp_live = warp_row0 < p.M;
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
       zc[nt] = ZeroConsts<T, BITS>(bz, bz);
       if constexpr (ZEROS && GROUP == 0) {  // per-channel zero points: fixed for the tile
-        const int n_tile = tile0 + warp_n * NTW + nt;
+        const int n_tile = tile0 + Shape::n_tile(warp, nt);
         if (n_tile < p.n_tiles) {
           const float2 z = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(n_tile) * 16)[gid]);
           zc[nt] = ZeroConsts<T, BITS>(z.x, z.y);
@@ -257,11 +337,11 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
   };
 
   auto compute = [&](int slot) {
-    const char* base = reinterpret_cast<const char*>(smem) + slot * Stage::kBytes;
-    const uint4* wsm = reinterpret_cast<const uint4*>(base) + warp_n * NTW * kSegs * 32 + lane;
-    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (warp_m * MBW * 8 + (lane & 7)) * XS + 8 * (lane >> 3);
+    const char* base = smem + slot * Stage::kBytes;
+    const uint4* wsm = reinterpret_cast<const uint4*>(base) + Shape::n_tile(warp, 0) * kSegs * 32 + lane;
+    const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (Shape::row0(warp) + (lane & 7)) * XS + 8 * (lane >> 3);
     [[maybe_unused]] const uint32_t* ssm =
-        reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + warp_n * NTW * kGroups * 8 + gid;
+        reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + Shape::n_tile(warp, 0) * kGroups * 8 + gid;
     [[maybe_unused]] uint32_t s_lo[NTW], s_hi[NTW];
 #pragma unroll
     for (int s = 0; s < kSegs; ++s) {
@@ -310,14 +390,75 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   };
 
+  // wgmma: per k16 step each warp converts its n-tiles' A fragments as above, and its
+  // warpgroup issues one m64 x BM x k16 wgmma per 64-channel slice with B, the stage's x
+  // tile, read by the tensor cores straight from shared memory (no ldmatrix, no x
+  // registers). Converting step i + 1 overlaps step i's wgmma: one group in flight while
+  // the next is prepared (wait_group 1), none when the slot is handed back.
+  auto compute_wgmma = [&](int slot) {
+    if constexpr (Shape::kWgmma) {  // (never instantiated for the mma configurations)
+      const char* base = smem + slot * Stage::kBytes;
+      const uint4* wsm = reinterpret_cast<const uint4*>(base) + Shape::n_tile(warp, 0) * kSegs * 32 + lane;
+      [[maybe_unused]] const uint32_t* ssm =
+          reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + Shape::n_tile(warp, 0) * kGroups * 8 + gid;
+      const uint32_t x_addr = smem_addr + slot * Stage::kBytes + Stage::kW;
+      [[maybe_unused]] uint32_t s_lo[NTW], s_hi[NTW];
+#pragma unroll
+      for (int s = 0; s < kSegs; ++s) {
+        uint4 wv[NTW];  // the warp's nt-th n-tile is 4 nt n-tiles past its first (Shape::n_tile)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) wv[nt] = wsm[(nt * 4 * kSegs + s) * 32];
+#pragma unroll
+        for (int j = 0; j < KT16; ++j) {
+          const int i = s * KT16 + j;  // k16 block within the stage (compile-time)
+          if constexpr (GROUP != 0) {
+            if (i % (GROUP / 16) == 0) {
+              const int g = i * 16 / GROUP;
+#pragma unroll
+              for (int nt = 0; nt < NTW; ++nt) {
+                const uint32_t sc = ssm[(nt * 4 * kGroups + g) * 8];
+                s_lo[nt] = dup_lo(sc);
+                s_hi[nt] = dup_hi(sc);
+                if constexpr (ZEROS) {
+                  zc[nt] = zero_consts<T, BITS>(ssm[Stage::kS / 4 + (nt * 4 * kGroups + g) * 8]);
+                }
+              }
+            }
+          }
+          uint32_t a[NTW][4];
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt) {
+            convert_segment_k16<T, BITS, ZEROS>(wv[nt], j, zc[nt], a[nt]);
+            if constexpr (GROUP != 0) {
+              a[nt][0] = mul_pair<T>(a[nt][0], s_lo[nt]);
+              a[nt][1] = mul_pair<T>(a[nt][1], s_hi[nt]);
+              a[nt][2] = mul_pair<T>(a[nt][2], s_lo[nt]);
+              a[nt][3] = mul_pair<T>(a[nt][3], s_hi[nt]);
+            }
+          }
+          // k16 block i: 64-k half i / 4 of the swizzled tile, 32 bytes per k16 into its rows
+          const uint64_t desc = smem_desc_sw128(x_addr + (i / 4) * BM * 128 + (i % 4) * 32);
+          wgmma_fence();
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt) wgmma_rs<T, MBW * 8>(&acc[nt][0][0], a[nt], desc);
+          wgmma_commit();
+          wgmma_wait<kWgmmaInFlight - 1>();
+        }
+      }
+      // (the stage's last groups stay in flight into the next stage: the ring refills the
+      // slot computed two units back, see the main loop; finish_tile waits for them)
+    }
+  };
+
   // The tile's output: per-channel scales on the fp32 sums; a block that computed only
   // some of the tile's stages leaves its partial in its workspace slot (0: the tile where
   // its run starts, 1: where it ends), and the tile's last contributor adds all of them.
   auto finish_tile = [&](int tile, bool whole, bool first_of_run) {
+    if constexpr (Shape::kWgmma) wgmma_wait<0>();
     if constexpr (GROUP == 0) {
 #pragma unroll
       for (int nt = 0; nt < NTW; ++nt) {
-        const int n_tile = tile0 + warp_n * NTW + nt;
+        const int n_tile = tile0 + Shape::n_tile(warp, nt);
         if (n_tile < p.n_tiles) {
           const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(n_tile) * 16)[gid]);
 #pragma unroll
@@ -370,7 +511,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     // n = 16 * (n-tile) + gid + 8 * (i >> 1).
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
-      const int n_lo = 16 * (tile0 + warp_n * NTW + nt) + gid;
+      const int n_lo = 16 * (tile0 + Shape::n_tile(warp, nt)) + gid;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int n = n_lo + 8 * (i >> 1);
@@ -385,36 +526,54 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   };
 
-  // Pipeline over this block's units: p.stages - 1 in flight ahead of the one computed.
-  // The prologue fetches their weights before waiting for the previous kernel (a
+  // Pipeline over this block's units: `ahead` in flight ahead of the one computed. The
+  // prologue fetches their weights before waiting for the previous kernel (a
   // programmatic launch, launch.cuh), x after; one commit group per stage (the first also
   // holds the other stages' weights), so the main loop's wait counts are unchanged.
+  // mma: p.stages - 1 ahead; the slot refilled is the one just computed. wgmma: one less,
+  // so that the slot refilled is the one computed two units back, whose wgmma groups are
+  // complete (compute_wgmma leaves at most kWgmmaInFlight - 1 in flight, all its own):
+  // the tensor cores keep working through the barrier instead of draining at every stage.
+  const int ahead = p.stages - 1 - (Shape::kWgmma ? 1 : 0);
+  int tile = L_begin / p.nstages, st = L_begin % p.nstages;
+  UnitPos fetch_pos{tile % p.m_tiles, tile / p.m_tiles, st};  // the next unit to fetch
   allow_dependent_launch();
+  {
+    UnitPos u = fetch_pos;
 #pragma unroll
-  for (int q = 0; q < kGemmMaxStages - 1; ++q)
-    if (q < p.stages - 1 && L_begin + q < L_end) fetch_weights(L_begin + q, q);
+    for (int q = 0; q < kGemmMaxStages - 1; ++q) {
+      if (q < ahead && L_begin + q < L_end) fetch_weights(u, q);
+      advance(u);
+    }
+  }
   wait_for_prior_grid();
 #pragma unroll
   for (int q = 0; q < kGemmMaxStages - 1; ++q) {
-    if (q < p.stages - 1) {
-      if (L_begin + q < L_end) fetch_x(L_begin + q, q);
+    if (q < ahead) {
+      if (L_begin + q < L_end) fetch_x(fetch_pos, q);
+      advance(fetch_pos);
       cp_async_commit();
     }
   }
-  int tile = L_begin / p.nstages, st = L_begin % p.nstages;
   int segment_start = L_begin;  // the first unit of this block in the current tile
   enter_tile(tile);
   int slot = 0;
   for (int L = L_begin; L < L_end; ++L) {
-    cp_async_wait_dynamic<kGemmMaxStages - 2>(p.stages - 2);
-    __syncthreads();  // unit L visible to all; the slot of unit L - 1 free to overwrite
-    if (L + p.stages - 1 < L_end) {
-      const int ahead_slot = slot == 0 ? p.stages - 1 : slot - 1;
-      fetch_weights(L + p.stages - 1, ahead_slot);
-      fetch_x(L + p.stages - 1, ahead_slot);
+    cp_async_wait_dynamic<kGemmMaxStages - 2>(ahead - 1);
+    if constexpr (Shape::kWgmma) fence_proxy_async_shared();  // this stage's cp.async data, read by wgmma
+    __syncthreads();  // unit L visible to all; the slot to refill free (see above)
+    if (L + ahead < L_end) {
+      const int ahead_slot = slot + ahead < p.stages ? slot + ahead : slot + ahead - p.stages;
+      fetch_weights(fetch_pos, ahead_slot);
+      fetch_x(fetch_pos, ahead_slot);
+      advance(fetch_pos);
     }
     cp_async_commit();
-    if (warp_live) compute(slot);
+    if constexpr (Shape::kWgmma) {
+      compute_wgmma(slot);  // (every warp: a warpgroup's rows are the block's, never all past M)
+    } else if (warp_live) {
+      compute(slot);
+    }
     slot = slot == p.stages - 1 ? 0 : slot + 1;
     if (st == p.nstages - 1 || L == L_end - 1) {
       finish_tile(tile, segment_start == tile * p.nstages && st == p.nstages - 1, segment_start == L_begin);
@@ -426,6 +585,13 @@ __global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) ge
     }
   }
   cp_async_wait<0>();
+}
+
+template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
+__global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) gemm_kernel(const GemmParams p) {
+#if WOQ_SM80  // sm_80+ only: a T4's 64 KB hold 2 stages of few tiles; it runs dequant + cuBLAS
+  // wgmma configurations: sm_90a code only (the host launches them nowhere else)
+  if constexpr (!GemmTile<CFG>::kWgmma || WOQ_SM90A) gemm_units<T, BITS, CFG, GROUP, ZEROS>(p);
 #endif
 }
 

@@ -1,5 +1,5 @@
 // Host-side launcher of one mixed-GEMM instantiation. Defined here, instantiated in
-// gemm_{fp16,bf16}_c{0..4}.cu (one translation unit per activation type and tile
+// gemm_{fp16,bf16}_c{0..8}.cu (one translation unit per activation type and tile
 // configuration: they build in parallel).
 #pragma once
 
@@ -17,6 +17,9 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   const PackedWeight& w = a.weight;
   using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
   auto kernel = gemm_kernel<T, BITS, CFG, GROUP, ZEROS>;
+  if (Shape::kWgmma && !wgmma_available()) return cudaErrorNotSupported;
+  // (wgmma: the kernel aligns the ring to 1024 bytes; the slack counts as fixed usage)
+  constexpr int kSlack = Stage::kAlign > 16 ? Stage::kAlign : 0;
   // The deepest ring (<= 4 stages) with which the blocks per SM the configuration is built
   // for fit (an H100: 4 stages, or 3 for two blocks of config 3's int8 tile; an A100: 3 for
   // config 2's one block); else the deepest one block takes (an RTX 30/40's 99 KB: config
@@ -24,14 +27,15 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   static PlanCache plan_cache;
   const LaunchPlan plan = plan_cache.get([&] {
     const SharedMemoryBudget budget = shared_memory_budget();
-    const int static_bytes = static_smem_bytes(kernel);
+    const int static_bytes = static_smem_bytes(kernel) + kSlack;
     int stages = ring_stages(budget, Stage::kBytes, static_bytes, kGemmMaxStages, Shape::kMinBlocks);
     if (stages == 0) stages = ring_stages(budget, Stage::kBytes, static_bytes, kGemmMaxStages, 1);
-    if (stages == 0) return LaunchPlan{0, 0};
-    return LaunchPlan{stages, resident_blocks(kernel, kGemmWarps * 32, stages * Stage::kBytes)};
+    // (wgmma keeps one stage fewer in flight than the ring holds: gemm.cuh, so 3 at least)
+    if (stages == 0 || (Shape::kWgmma && stages < 3)) return LaunchPlan{0, 0};
+    return LaunchPlan{stages, resident_blocks(kernel, kGemmWarps * 32, stages * Stage::kBytes + kSlack)};
   });
   if (plan.resident < 1) return cudaErrorInvalidConfiguration;
-  const int smem = plan.stages * Stage::kBytes;
+  const int smem = plan.stages * Stage::kBytes + kSlack;
   const int resident = plan.resident;  // blocks per SM
   GemmParams p;
   set_operands(p, a);

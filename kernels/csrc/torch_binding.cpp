@@ -119,7 +119,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 int64_t group_size, int64_t n, int64_t k, int64_t config, int64_t splits, at::Tensor& workspace,
                 at::Tensor& counters) {
   check_activations(x, scales, bias, n, k, 1 << 24, "the mixed GEMM takes 1 to 2^24 rows");
-  check(config >= -1 && config <= 4, "config must be -1 (by M) or 0..4, got " + str(config));
+  check(config >= -1 && config <= 8, "config must be -1 (by M) or 0..8, got " + str(config));
   check(splits >= 0 && splits <= 64, "splits must be 0 (by shape) .. 64, got " + str(splits));
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat, "workspace must be a CUDA float32 tensor");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters must be a CUDA int32 tensor");
@@ -141,6 +141,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   const cudaError_t err = woq::launch_gemm(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorInvalidConfiguration, "mixed GEMM launch failed: not even a 2-stage ring of tile config " +
                                                   str(config) + " fits this GPU's shared memory (a smaller tile would)");
+  check(err != cudaErrorNotSupported, "mixed GEMM launch failed: tile config " + str(config) +
+                                          " uses wgmma, which needs an sm_90a build on an H100/H200 (woq.kernels.ops.gemm_configs)");
   check(err == cudaSuccess, std::string("mixed GEMM launch failed: ") + cudaGetErrorString(err));
   return y;
 }
@@ -157,6 +159,9 @@ void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::
   const cudaError_t err = woq::launch_dequant(a, at::cuda::getCurrentCUDAStream());
   check(err == cudaSuccess, std::string("dequantize launch failed: ") + cudaGetErrorString(err));
 }
+
+// Whether the mixed GEMM's wgmma configurations run on the current device (woq_kernels.h).
+bool wgmma_available() { return woq::wgmma_available(); }
 
 // Process-wide: whether the GEMV and GEMM launch programmatically on sm_90+ (launch.cuh).
 void set_programmatic_launch(bool enabled) { woq::set_programmatic_launch(enabled); }
@@ -181,6 +186,7 @@ TORCH_LIBRARY(woq, m) {
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
+  m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
 }
 

@@ -11,7 +11,7 @@ namespace woq {
 // gemv_{fp16,bf16}_m32_k{1,2}.cu (M = 17..32).
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
-// Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..4}.cu.
+// Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..8}.cu.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream);
 
@@ -115,6 +115,10 @@ cudaError_t gemm_with_config(const GemmArgs& a, int config, cudaStream_t stream)
     case 2: return gemm_by_group<T, BITS, 2>(a, stream);
     case 3: return gemm_by_group<T, BITS, 3>(a, stream);
     case 4: return gemm_by_group<T, BITS, 4>(a, stream);
+    case 5: return gemm_by_group<T, BITS, 5>(a, stream);
+    case 6: return gemm_by_group<T, BITS, 6>(a, stream);
+    case 7: return gemm_by_group<T, BITS, 7>(a, stream);
+    case 8: return gemm_by_group<T, BITS, 8>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -174,6 +178,18 @@ int device_cc_major() {
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   return major;
+}
+
+bool wgmma_available() {
+#if defined(WOQ_BUILT_SM90A)
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
 }
 
 namespace {
