@@ -76,18 +76,19 @@ def _build_jit() -> None:
     from torch.utils.cpp_extension import load
 
     major, minor = torch.cuda.get_device_capability()
-    # H100/H200: the sm_90a target, whose wgmma the mixed GEMM's configurations 5..8 use
-    # (WOQ_BUILT_SM90A tells the host code that the library holds them)
-    hopper = (major, minor) == (9, 0)
-    arch = f"{major}{minor}" + ("a" if hopper else "")
+    # H100/H200: the sm_90a target, whose wgmma the mixed GEMM's configurations 5..8 use.
+    # WOQ_BUILT_SM90A tells the host code that the library holds them: only when the arch
+    # list really has 9.0a (a TORCH_CUDA_ARCH_LIST of plain 9.0 builds their bodies empty).
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else ""))
+    sm90a = "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
+    arch = f"{major}{minor}" + ("a" if sm90a else "")
     # WOQ_NVCC_FLAGS: extra nvcc flags for experiments (benchmarks/gemv_variants.py)
-    extra = os.environ.get("WOQ_NVCC_FLAGS", "").split() + (["-DWOQ_BUILT_SM90A"] if hopper else [])
+    extra = os.environ.get("WOQ_NVCC_FLAGS", "").split() + (["-DWOQ_BUILT_SM90A"] if sm90a else [])
     tag = f"{_source_hash()}-torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-sm{arch}"
     if os.environ.get("WOQ_NVCC_FLAGS"):
         tag += "-x" + hashlib.sha256(" ".join(extra).encode()).hexdigest()[:8]
     build_dir = cache_dir() / "torch_extensions" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if hopper else ""))
     log.info("building woq CUDA kernels for sm_%s (once, cached in %s)", arch, build_dir)
     load(
         name=f"woq_kernels_{tag.replace('-', '_').replace('.', '_')}",

@@ -26,10 +26,12 @@
 //     3      2 x 4     32 x 32   (MBW 4, NTW 2)       64 x 128           2
 //     4      1 x 8     32 x 16   (MBW 4, NTW 1)       32 x 128           2
 //
-// Every warp keeps MBW * NTW * 4 fp32 accumulators (64 for configs 1 and 2). Measured on
-// the H100 (kernels/tuned/, the tuner's picks since the stream-K grid): 0 or 4 at M <= 32
-// (0 on the large shapes, which its 256-channel tiles fill; 4 on the small), 1 or 4 at
-// M <= 64, 2 beyond (3 on some). A 128 x 64 tile with two blocks per SM never won by more
+// Every warp keeps MBW * NTW * 4 fp32 accumulators (64 for configs 1 and 2). The tuner's
+// picks on the H100 (kernels/tuned/) before the wgmma configurations: 0 or 4 at M <= 32 (0
+// on the large shapes, which its 256-channel tiles fill; 4 on the small), 1 or 4 at
+// M <= 64, 2 beyond (3 on some). With them: wgmma 5 / 6 / 7-8 at M <= 32 / 64 / beyond on
+// about half the shape-format entries (all the large ones), mma 4 (M <= 64) or 3 (M = 128)
+// on the rest. A 128 x 64 tile with two blocks per SM never won by more
 // than 4 % and was dropped (build time).
 //
 // Where the time goes (ncu, 28672 x 8192, M = 128, config 2): the tensor pipe is active
@@ -107,7 +109,8 @@ constexpr int kWgmmaInFlight = 4;
 static_assert(kGemmStageK / 16 >= kWgmmaInFlight, "a stage's own groups are the ones left in flight");
 
 // kMinBlocks: resident blocks per SM the configuration is built for (2: registers capped
-// at 128 per thread, so 16 warps per SM hide latency; 1: 64 accumulators per thread).
+// at 128 per thread, so 16 warps per SM hide latency; 1: 64 accumulators per thread, 128
+// for wgmma config 8).
 // kWgmma: Hopper warpgroup MMA (configs 5..8, sm_90a only; see "wgmma configurations").
 template <int CFG>
 struct GemmTile;
@@ -393,8 +396,8 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // wgmma: per k16 step each warp converts its n-tiles' A fragments as above, and its
   // warpgroup issues one m64 x BM x k16 wgmma per 64-channel slice with B, the stage's x
   // tile, read by the tensor cores straight from shared memory (no ldmatrix, no x
-  // registers). Converting step i + 1 overlaps step i's wgmma: one group in flight while
-  // the next is prepared (wait_group 1), none when the slot is handed back.
+  // registers). Converting step i + 1 overlaps the wgmma of the steps before it (up to
+  // kWgmmaInFlight groups in flight).
   auto compute_wgmma = [&](int slot) {
     if constexpr (Shape::kWgmma) {  // (never instantiated for the mma configurations)
       const char* base = smem + slot * Stage::kBytes;
