@@ -125,6 +125,20 @@ def test_mixed_gemm_matches_fp64_beyond_the_gemv(N, K, bits, group, sym, dtype):
         assert _rel(dense, ref) <= 2 * err_cublas + 1e-6
 
 
+def test_hopper_builds_carry_the_wgmma_configurations():
+    """On an H100/H200 the build targets sm_90a, so the GEMM tests above and below run the
+    wgmma tiles instead of skipping them; elsewhere those tiles are refused, not run empty."""
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert ops.wgmma_configs_available() and set(ops.GEMM_WGMMA_CONFIGS) <= set(ops.gemm_configs())
+    else:
+        assert not ops.wgmma_configs_available()
+        x = torch.randn(64, 512, device="cuda", dtype=torch.float16)
+        gw = ops.prepare(pack_for_gpu(quantize(torch.randn(256, 512, device="cuda"), QuantSpec(4, 128, False)),
+                                      torch.float16))
+        with pytest.raises(ValueError, match="wgmma"):
+            ops.gemm(x, gw, config=ops.GEMM_WGMMA_CONFIGS[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("config", range(9))  # ops.GEMM_TILES
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None), (8, 64)])
