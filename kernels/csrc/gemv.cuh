@@ -615,8 +615,24 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   // Pipeline over this block's stages: p.stages - 1 in flight ahead of the one computed.
   // Prologue: p.stages - 1 stages in flight. Under a programmatic launch (launch.cuh)
   // their weights stream in while the previous kernel finishes; x, the outputs and the
-  // workspace wait for it. One commit group per stage still (the first also holds the
-  // other stages' weights), so the main loop's wait counts are unchanged.
+  // workspace wait for it. Each stage's weights are a commit group of their own, and x,
+  // which may only be read after the wait, is then loaded by plain loads (L2 hits: the
+  // previous kernel just wrote it) rather than as cp.async copies -- a copy issued after
+  // the wait would have to join a group after every weight group, and the first stage
+  // could start only once all of the prologue's weights were in. Measured on the H100
+  // (gemv_variants.py, two alternations, best grid, us, x as copies / plain loads): int4
+  // M = 1 4096 x 4096 6.6 / 6.3, 6.6 / 6.4, 6144 x 4096 7.1 / 6.9, 7.2 / 6.9; the large
+  // shapes and int8 within 0.4 either way. Where that would hold more than 12 16-byte
+  // values per thread (4 k-warps at 9..16 rows: 24, which spilled; 17..32 rows: up to
+  // 12 at 1 k-warp, and 28672 x 8192 int4 M = 32 took 76.0 / 77.2 us with plain loads
+  // against 75.0 / 76.0 with copies), x stays with the copies: rows 17..32 and, at 4
+  // k-warps, 9..16.
+  // Tried: the weights of all p.stages slots before the wait (the main loop's first
+  // refill, into the never-used last slot, is post-wait), as part of the first group.
+  // Slower on the H100 in every case (same script, us, this prologue with x copies / all
+  // slots): int4 M = 1 28672 x 8192 46.8 / 48.7, 4096 x 14336 14.8 / 16.3, 28672 x 4096
+  // 25.5 / 26.2, 4096 x 4096 6.6 / 7.0; int8 4096 x 4096 9.3 / 10.0.
+  constexpr bool kXByLoads = MB <= 2 && (kGemvMaxStages - 1) * kPasses <= 12;
   allow_dependent_launch();
   int st_prologue[kGemvMaxStages - 1];
 #pragma unroll
@@ -626,13 +642,36 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
       fetch_weights(q);
       advance();
     }
+    if (kXByLoads && q < p.stages - 1) cp_async_commit();  // (empty groups keep the count)
   }
   wait_for_prior_grid();
+  if constexpr (kXByLoads) {  // every load issued before the first store: one L2 round trip
+    uint4 xv[kGemvMaxStages - 1][kPasses];
 #pragma unroll
-  for (int q = 0; q < kGemvMaxStages - 1; ++q) {
-    if (q < p.stages - 1) {
-      if (L_begin + q < L_end) fetch_x(st_prologue[q], q);
-      cp_async_commit();
+    for (int q = 0; q < kGemvMaxStages - 1; ++q) {
+      const int st_q = st_prologue[q];
+      const bool x_valid = q < p.stages - 1 && L_begin + q < L_end && st_q * SK + x_seg * 8 < p.K;
+#pragma unroll
+      for (int j = 0; j < kPasses; ++j)
+        xv[q][j] = x_valid && x_row + j * kRowsPerPass < p.M
+                       ? __ldcg(reinterpret_cast<const uint4*>(x_src + st_q * SK + j * x_pass_stride))
+                       : make_uint4(0, 0, 0, 0);  // columns past K: zero, as fetch_x fills them
+    }
+#pragma unroll
+    for (int q = 0; q < kGemvMaxStages - 1; ++q)
+      if (q < p.stages - 1 && L_begin + q < L_end)
+#pragma unroll
+        for (int j = 0; j < kPasses; ++j)
+          if (x_row + j * kRowsPerPass < p.M)
+            store16_shared(smem_addr + q * stage_bytes + x_dst + j * (kRowsPerPass * XS * static_cast<int>(sizeof(T))),
+                           xv[q][j]);
+  } else {  // one commit group per stage (the first also holds the other stages' weights)
+#pragma unroll
+    for (int q = 0; q < kGemvMaxStages - 1; ++q) {
+      if (q < p.stages - 1) {
+        if (L_begin + q < L_end) fetch_x(st_prologue[q], q);
+        cp_async_commit();
+      }
     }
   }
   int segment_start = L_begin;  // first stage of the current column segment

@@ -87,6 +87,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
 #define WOQ_CP_ASYNC_CG "cp.async.cg.shared.global"
 #endif
 
+__device__ __forceinline__ void store16_shared(uint32_t smem_addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // 16-byte global -> shared copy; with `valid` false nothing is read and the 16 bytes are
 // zero-filled. The destination is a 32-bit shared-window address (what cp.async takes:
 // no generic-to-shared conversion per copy).
@@ -94,9 +99,7 @@ __device__ __forceinline__ void copy16_async(uint32_t smem_addr, const void* gme
 #if WOQ_SM80
   asm volatile(WOQ_CP_ASYNC_CG " [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
 #else
-  const uint4 v = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  store16_shared(smem_addr, valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0));
 #endif
 }
 
