@@ -76,3 +76,17 @@ class DecodeGraphs:
         graph, out = self.graphs[b]
         graph.replay()
         return out[:B]
+
+    def run_next(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the step after the last ``run`` / ``run_next`` for the same rows, fed
+        with ``ids`` (``[B]``, on the device: the ids that step sampled): every row one
+        position further. Nothing comes from the host, so it can be queued before those ids
+        are known there (the engine's look-ahead)."""
+        B = ids.shape[0]
+        b = next(s for s in self.buckets if s >= B)
+        self.ids[:B, 0].copy_(ids)
+        self.positions[:B] += 1
+        self.lengths[:B] += 1
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:B]

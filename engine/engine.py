@@ -16,6 +16,18 @@ One background thread owns the model and the KV cache and loops:
    hand each request its new text through its sink, and free the slots of finished or
    cancelled requests.
 
+Look-ahead: on CUDA, while the running batch stays the same (no sequence can end by
+length at this step, no newcomer to prefill, the next step a graph replay), the next
+decode step is queued right behind this one, fed on the device with this step's sampled
+ids (``DecodeGraphs.run_next``), before this step's ids are read back. The host's
+bookkeeping -- detokenising, stop checks, building the next step -- then runs while the
+GPU decodes, instead of between two steps with the GPU idle (as vLLM's async
+scheduling). A sequence that turns out to have ended (end of sequence, stop string,
+cancelled) had one step too many computed for it: that step is dropped, and the next
+step is launched from the host's state. Its KV write went to a position past the
+sequence's end, in a slot that a later prefill overwrites and that decode attention
+never reads past a sequence's length.
+
 Sinks run on this thread, but a step's events are handed out only once the next step's
 kernels are queued (``_deliver`` between the launch and the wait for its tokens): what a
 sink sets off -- the HTTP server's event loop turning each token into a streamed chunk --
@@ -44,7 +56,7 @@ import torch
 from ..models.kv_cache import KVCache
 from ..models.llama import Batch, CausalLM
 from .detokenizer import TextStream
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_some
 
 log = logging.getLogger("woq.engine")
 
@@ -108,6 +120,26 @@ class _Sequence:
         return len(self.prompt_ids) + len(self.generated) - 1
 
 
+@dataclass
+class _Launched:
+    """A decode step queued on the device: its sequences, their sampled ids on the device,
+    and (CUDA) the ids' host copy, valid once ``ready`` has passed."""
+
+    seqs: list[_Sequence]
+    tokens: torch.Tensor  # [B] int64, on the device
+    host: torch.Tensor | None  # [B] pinned; None on CPU
+    ready: torch.cuda.Event | None
+    sampling: tuple[torch.Tensor, ...] | None  # the rows' sampling parameters; None: all greedy
+    graph: bool  # replayed from a captured graph (a look-ahead can follow it)
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids; waits for this step only, not for the steps queued after it."""
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host[: len(self.seqs)].tolist()
+
+
 def kv_slots_for_budget(model: CausalLM, fraction: float, max_seq_len: int, prefill_tokens: int) -> tuple[int, str]:
     """How many ``max_seq_len`` KV slots fit in ``fraction`` of the GPU's memory after what is
     in use now (weights, other processes) and the activation peak of a prefill of
@@ -133,6 +165,11 @@ def kv_slots_for_budget(model: CausalLM, fraction: float, max_seq_len: int, pref
                f"{activations / gib:.2f} GiB -> {max(budget, 0) / gib:.2f} GiB for the KV cache, "
                f"{per_slot / gib:.3f} GiB per {max_seq_len}-token slot")
     return slots, summary
+
+
+def _same(a: list[_Sequence], b: list[_Sequence]) -> bool:
+    """The same sequences in the same order (identity: _Sequence compares by value)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class Engine:
@@ -191,6 +228,15 @@ class Engine:
         self.prefilling: list[_Sequence] = []  # holding a slot, part of the prompt cached
         self.by_id: dict[str, _Sequence] = {}
         self._outbox: list[tuple[Sink, StreamEvent]] = []  # events not yet handed to their sinks
+        # Look-ahead (module docstring): the step queued behind the one being read, and two
+        # pinned host buffers for the sampled ids, one per step in flight.
+        self.look_ahead = on_cuda and self.graphs is not None
+        self._ahead: _Launched | None = None
+        self._pinned = ([torch.empty(max_batch_size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                        if on_cuda else [])
+        self._pinned_next = 0
+        self.look_ahead_steps = 0  # look-ahead steps queued ...
+        self.look_ahead_dropped = 0  # ... and those dropped because the batch changed
         self._cv = threading.Condition()
         self._stop = False
         self._ids = itertools.count()
@@ -295,6 +341,7 @@ class Engine:
                     self._decode_step(prefill_tokens)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
+                self._ahead = None
                 failed = [s for s, _, _ in chunks] + self.running + self.prefilling
                 for seq in {id(s): s for s in failed}.values():
                     self._finish(seq, "error", error=f"generation failed: {type(exc).__name__}")
@@ -355,40 +402,90 @@ class Engine:
 
     def _decode_step(self, prefill_tokens: int) -> None:
         seqs = [s for s in self.running if not s.cancelled]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not _same(ahead.seqs, seqs):
+            self.look_ahead_dropped += 1
+            ahead = None
         if not seqs:
             return
+        step = ahead if ahead is not None else self._launch_step(seqs)
+        self.steps += 1
+        if self.observer:
+            self.observer.on_step(len(seqs), prefill_tokens)
+        if self._may_look_ahead(step):
+            self._ahead = self._launch_next_step(step)
+        self._deliver()  # the previous step's events, while the GPU works
+        self._accept_all(seqs, step.token_ids())
+
+    def _launch_step(self, seqs: list[_Sequence]) -> _Launched:
+        """Queue one decode step for ``seqs`` from the host's state."""
         dev = self.model.device
         ids = torch.tensor([[s.generated[-1]] for s in seqs], device=dev)
         positions = torch.tensor([[s.next_position] for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        self.steps += 1
-        if self.graphs is not None and not (self.profile_every and self.steps % self.profile_every == 0):
+        graph = self.graphs is not None and not (self.profile_every and (self.steps + 1) % self.profile_every == 0)
+        if graph:
             logits = self.graphs.run(ids, positions, slots)
         elif dev.type == "cuda":
             logits = self.model(ids, Batch(positions, slots, lengths=positions[:, 0] + 1), self.cache, last_only=True)
         else:
             batch = Batch(positions, slots, max(s.next_position for s in seqs) + 1)
             logits = self.model(ids, batch, self.cache, last_only=True)
-        if self.observer:
-            self.observer.on_step(len(seqs), prefill_tokens)
-        self._emit_tokens(seqs, logits)
+        sampling = self._sampling_tensors(seqs)
+        return self._queue_tokens(seqs, logits, sampling, graph)
 
-    def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        dev = logits.device
+    def _launch_next_step(self, step: _Launched) -> _Launched:
+        """Queue the step after ``step`` for the same sequences, fed on the device with its ids."""
+        logits = self.graphs.run_next(step.tokens)
+        sampling = step.sampling
+        if sampling is not None:  # the draw's step counter: one token further
+            sampling = (*sampling[:-1], sampling[-1] + 1)
+        self.look_ahead_steps += 1
+        return self._queue_tokens(step.seqs, logits, sampling, graph=True)
+
+    def _may_look_ahead(self, step: _Launched) -> bool:
+        """Whether the next step is known now to decode the same batch by a graph replay."""
+        if not (self.look_ahead and step.graph):
+            return False
+        if self.prefilling or (self.waiting and self.free_slots):  # a newcomer is prefilled first
+            return False
+        if self.profile_every and (self.steps + 1) % self.profile_every == 0:  # an eager step next
+            return False
+        # no sequence ends by length with this step's token (its next step would be past it)
+        return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len
+                   for s in step.seqs)
+
+    def _sampling_tensors(self, seqs: list[_Sequence]) -> tuple[torch.Tensor, ...] | None:
         p = [s.params for s in seqs]
         if all(x.greedy for x in p):  # no per-row parameters to ship to the device
-            tokens = logits.argmax(-1)
-        else:
-            tokens = sample(
-                logits,
-                torch.tensor([x.temperature for x in p], device=dev),
+            return None
+        dev = self.model.device
+        return (torch.tensor([x.temperature for x in p], device=dev),
                 torch.tensor([x.top_k for x in p], device=dev),
                 torch.tensor([x.top_p for x in p], device=dev),
                 torch.tensor([s.seed for s in seqs], device=dev),
-                torch.tensor([len(s.generated) for s in seqs], device=dev),
-            )
+                torch.tensor([len(s.generated) for s in seqs], device=dev))
+
+    def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None,
+                      graph: bool) -> _Launched:
+        """Sample ``logits`` on the device and queue the ids' copy to the host."""
+        tokens = logits.argmax(-1) if sampling is None else sample_some(logits, *sampling)
+        host = ready = None
+        if self._pinned:
+            host = self._pinned[self._pinned_next]
+            self._pinned_next ^= 1
+            host[: len(seqs)].copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Launched(seqs, tokens, host, ready, sampling, graph)
+
+    def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample the prefilled sequences' first tokens and accept them."""
+        step = self._queue_tokens(seqs, logits, self._sampling_tensors(seqs), graph=False)
         self._deliver()  # the previous step's events, while this step's kernels run
-        tokens = tokens.tolist()
+        self._accept_all(seqs, step.token_ids())
+
+    def _accept_all(self, seqs: list[_Sequence], tokens: list[int]) -> None:
         now = time.perf_counter()
         for seq, tok in zip(seqs, tokens):
             self._accept(seq, tok, now)

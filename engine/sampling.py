@@ -78,10 +78,24 @@ def sample(
     steps: torch.Tensor,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits`` ``[B, V]`` and per-row parameters."""
+    if bool(((temperature == 0) | (top_k == 1)).all()):
+        return logits.argmax(-1)
+    return sample_some(logits, temperature, top_k, top_p, seeds, steps)
+
+
+def sample_some(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """``sample`` for a batch known (on the host) to have at least one sampled row: no
+    look at the device values, so nothing waits for the GPU (the engine queues the next
+    decode step before this step's tokens are read)."""
     logits = logits.float()
     greedy = (temperature == 0) | (top_k == 1)
-    if bool(greedy.all()):
-        return logits.argmax(-1)
     B, V = logits.shape
     scaled = logits / temperature.clamp(min=1e-5)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)

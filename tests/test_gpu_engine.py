@@ -131,6 +131,47 @@ def test_graph_replays_give_the_eager_tokens_with_requests_joining_and_leaving(s
 
 
 @pytest.mark.slow
+def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
+    """The graph engine queues each decode step before reading the previous one's ids
+    (look-ahead); sequences that end by an end-of-sequence id (not known in advance) make
+    it drop the step queued behind. Against the eager engine, which reads every step
+    before the next: the same ids and finish reasons, greedy and seeded sampling mixed,
+    with sequences joining as others end."""
+    lm = smollm2_gpu
+    stop_id = lm.tokenizer.convert_tokens_to_ids(".")  # ends most answers mid-stream
+    prompts = [_chat(lm.tokenizer, f"Describe the number {i} in two sentences.") for i in range(10)]
+
+    def run(graphs: bool):
+        eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_batch_size=4, max_seq_len=512, cuda_graphs=graphs)
+        out: list[list] = [[] for _ in prompts]
+        done = threading.Semaphore(0)
+
+        def sink_for(i):
+            def sink(ev):
+                out[i].extend(ev.token_ids)
+                if ev.finish_reason:
+                    out[i].append(ev.finish_reason)
+                    done.release()
+            return sink
+
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=48, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i)
+            eng.submit(p, params, sink_for(i))
+        eng.start()
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+        eng.shutdown()
+        return out, eng
+
+    graph_out, graph_eng = run(True)
+    eager_out, eager_eng = run(False)
+    assert graph_out == eager_out
+    assert sum(o[-1] == "stop" for o in eager_out) >= 3  # ended by the id, not by length
+    assert graph_eng.look_ahead_steps > 0 and graph_eng.look_ahead_dropped > 0
+    assert eager_eng.look_ahead_steps == 0
+
+
+@pytest.mark.slow
 def test_no_kv_slot_leak_after_1000_requests(smollm2_gpu):
     lm = smollm2_gpu
     eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_batch_size=16, max_queue=1024,
