@@ -194,13 +194,22 @@ def scratch(device: torch.device) -> _Scratch:
 # up to it. The kernel's shared memory, hence the blocks an SM holds, grows with M
 # (csrc/gemv.cuh), so a grid measured at M = 8 can crowd some SMs and idle others at M = 2
 # (H100, 14336 x 4096 int8: 31.3 us at M = 2 against 27.3 at M = 8, same grid).
-# 24 and 32: the kernel's 3 and 4 row blocks, measured for the weights that allow them.
-GEMV_TUNED_MS = (1, 2, 4, 8, 16, 24, 32)
+# 17, 24 and 32: the kernel's 3 and 4 row blocks, measured for the weights that allow them
+# (17 as well as 24: where the GEMV loses to the mixed GEMM at 24 rows it can still win at
+# 17, the first M past a decode batch of 16 -- H100, 14336 x 4096 int4 21.3 against 22.6 us,
+# 4096 x 14336 int8 27.4 against 29.6 -- and the reach it is given follows the M measured).
+GEMV_TUNED_MS = (1, 2, 4, 8, 16, 17, 24, 32)
 
 
 def gemv_tuning_m(m: int) -> int:
     """The measured M whose GEMV launch serves M rows."""
     return next(t for t in GEMV_TUNED_MS if m <= t)
+
+
+def gemv_tuned_grid(gw: GpuWeight, m: int) -> tuple[int, int]:
+    """(k-warps, blocks) measured for M rows: at ``gemv_tuning_m(m)``, else (a table from
+    before that M was measured) at the next M measured, else (0, 0): the kernel's own choice."""
+    return next((tuple(gw.grids[t]) for t in GEMV_TUNED_MS if t >= gemv_tuning_m(m) and t in gw.grids), (0, 0))
 
 
 def _gemm_format(gw: GpuWeight) -> bool:
@@ -270,7 +279,7 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_b
         raise ValueError(f"the GEMV takes 1 to {limit} rows for this weight (up to {GEMV_WIDE_MAX_M} for per-channel, "
                          f"g64 and g128 weights), got shape {tuple(x.shape)}")
     _check_x(x, gw, limit)
-    tuned_k_warps, tuned_blocks = gw.grids.get(gemv_tuning_m(x.shape[0]), (0, 0))
+    tuned_k_warps, tuned_blocks = gemv_tuned_grid(gw, x.shape[0])
     blocks = tuned_blocks if max_blocks is None else max_blocks
     k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(x.device)

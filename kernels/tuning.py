@@ -2,17 +2,17 @@
 
 For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
   * the GEMV launch at M = 1, 2, 4, 8, 16 (each call after a small dependent kernel, as
-    in a decode step: ``_decode_neighbour``) and at 24, 32 where the weight's format
+    in a decode step: ``_decode_neighbour``) and at 17, 24, 32 where the weight's format
     allows them (each M standing for the Ms up to it):
     k-warps per n-tile (1, 2 or 4 warps splitting each tile's K, so columns of 128, 64 or
     32 channels) and the grid (one resident wave, one block per SM, one block per column,
     ...) -- which wins depends on how many columns the weight has against the SM count
     and on M (the kernel's shared memory, hence the blocks an SM holds, follows M);
-  * the mixed GEMM over an M grid (24 .. 1024): each tile configuration x split-K, and
+  * the mixed GEMM over an M grid (17 .. 1024): each tile configuration x split-K, and
     dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
     crossover is the largest M of the grid at which the kernel still wins (we stop at
     the first loss: beyond it the dense GEMM's reuse only grows);
-  * the GEMV's reach: the largest of M = 16, 24, 32 up to which its best launch is no
+  * the GEMV's reach: the largest of M = 16, 17, 24, 32 up to which its best launch is no
     slower than the mixed GEMM and dequantize + cuBLAS (again stopping at the first loss).
 Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
 defaults for measured GPUs: ``kernels/tuned/``). ``WOQ_TUNE=0`` disables measuring; the
@@ -37,7 +37,7 @@ from .timing import graph_time_us
 log = logging.getLogger("woq.kernels")
 
 DEFAULT_MAX_KERNEL_M = 128  # without measurements (WOQ_TUNE=0)
-GEMM_MS = (24, 32, 64, 128, 256, 512, 1024)
+GEMM_MS = (17, 24, 32, 64, 128, 256, 512, 1024)  # 17: the GEMV's rival at its measured 17 rows
 _tables: dict[str, dict] = {}
 
 

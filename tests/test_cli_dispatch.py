@@ -1,5 +1,5 @@
-"""`woq bench dispatch` prints the shipped dispatch tables as they are stored (CPU: no GPU
-needed to read them)."""
+"""`woq bench dispatch` prints the shipped dispatch tables as they are stored, and the GEMV
+reads its launch from them (CPU: no GPU needed to read them)."""
 import json
 import subprocess
 import sys
@@ -35,3 +35,20 @@ def test_shipped_tables_are_keyed_by_the_current_kernel_source():
 
     stems = [f.stem for f in TUNED.glob("*.json")]
     assert stems and all(s.rsplit("-", 1)[1] == _source_hash() for s in stems), (stems, _source_hash())
+
+
+def test_gemv_grid_lookup_serves_each_m_from_its_measured_row_count_or_the_next():
+    """Rows 17..32 run the GEMV with the grid measured at 17, 24 or 32; a table measured
+    before M = 17 was (a user's cache) serves 17 rows with the 24-row grid, not with the
+    untuned default."""
+    from types import SimpleNamespace
+
+    from woq.kernels.ops import GEMV_TUNED_MS, gemv_tuned_grid
+
+    table = {m: (m % 3 + 1, 100 + m) for m in GEMV_TUNED_MS}
+    gw = SimpleNamespace(grids=table)
+    assert [gemv_tuned_grid(gw, m) for m in (1, 3, 16, 17, 18, 24, 25, 32)] == \
+        [table[1], table[4], table[16], table[17], table[24], table[24], table[32], table[32]]
+    old = SimpleNamespace(grids={m: g for m, g in table.items() if m != 17})
+    assert gemv_tuned_grid(old, 17) == table[24] and gemv_tuned_grid(old, 16) == table[16]
+    assert gemv_tuned_grid(SimpleNamespace(grids={}), 5) == (0, 0)
