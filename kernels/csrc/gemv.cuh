@@ -622,11 +622,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   // could start only once all of the prologue's weights were in. Measured on the H100
   // (gemv_variants.py, two alternations, best grid, us, x as copies / plain loads): int4
   // M = 1 4096 x 4096 6.6 / 6.3, 6.6 / 6.4, 6144 x 4096 7.1 / 6.9, 7.2 / 6.9; the large
-  // shapes and int8 within 0.4 either way. Where that would hold more than 12 16-byte
-  // values per thread (4 k-warps at 9..16 rows: 24, which spilled; 17..32 rows: up to
-  // 12 at 1 k-warp, and 28672 x 8192 int4 M = 32 took 76.0 / 77.2 us with plain loads
-  // against 75.0 / 76.0 with copies), x stays with the copies: rows 17..32 and, at 4
-  // k-warps, 9..16.
+  // shapes and int8 within 0.4 either way. x stays with the copies at 17..32 rows
+  // (28672 x 8192 int4 M = 32: 76.0 / 77.2 us with plain loads against 75.0 / 76.0 with
+  // copies) and at 9..16 rows with 4 k-warps, where the loads in flight would be 24
+  // 16-byte values per thread (that variant spilled).
   // Tried: the weights of all p.stages slots before the wait (the main loop's first
   // refill, into the never-used last slot, is post-wait), as part of the first group.
   // Slower on the H100 in every case (same script, us, this prologue with x copies / all
