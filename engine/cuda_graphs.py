@@ -66,16 +66,14 @@ class DecodeGraphs:
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` for one decode step (``ids``, ``positions``: ``[B, 1]``; ``slots``: ``[B]``)."""
         B = ids.shape[0]
-        b = next(s for s in self.buckets if s >= B)
+        b = self._bucket(B)
         self.ids[:B].copy_(ids, non_blocking=True)
         self.positions[:B].copy_(positions, non_blocking=True)
         self.slots[:B].copy_(slots, non_blocking=True)
         self.lengths[:B].copy_(positions[:, 0] + 1, non_blocking=True)
         if B < b:
             self._pad(B)
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[:B]
+        return self._replay(b, B)
 
     def run_next(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits of the step after the last ``run`` / ``run_next`` for the same rows, fed
@@ -83,10 +81,16 @@ class DecodeGraphs:
         position further. Nothing comes from the host, so it can be queued before those ids
         are known there (the engine's look-ahead)."""
         B = ids.shape[0]
-        b = next(s for s in self.buckets if s >= B)
         self.ids[:B, 0].copy_(ids)
         self.positions[:B] += 1
         self.lengths[:B] += 1
+        return self._replay(self._bucket(B), B)
+
+    def _replay(self, b: int, B: int) -> torch.Tensor:
+        """Replay bucket ``b``'s graph; its first ``B`` rows of logits."""
         graph, out = self.graphs[b]
         graph.replay()
         return out[:B]
+
+    def _bucket(self, B: int) -> int:
+        return next(s for s in self.buckets if s >= B)

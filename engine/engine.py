@@ -230,7 +230,6 @@ class Engine:
         self._outbox: list[tuple[Sink, StreamEvent]] = []  # events not yet handed to their sinks
         # Look-ahead (module docstring): the step queued behind the one being read, and two
         # pinned host buffers for the sampled ids, one per step in flight.
-        self.look_ahead = on_cuda and self.graphs is not None
         self._ahead: _Launched | None = None
         self._pinned = ([torch.empty(max_batch_size, dtype=torch.long, pin_memory=True) for _ in range(2)]
                         if on_cuda else [])
@@ -445,7 +444,7 @@ class Engine:
 
     def _may_look_ahead(self, step: _Launched) -> bool:
         """Whether the next step is known now to decode the same batch by a graph replay."""
-        if not (self.look_ahead and step.graph):
+        if not step.graph:  # (a graph replay: CUDA, graphs captured)
             return False
         if self.prefilling or (self.waiting and self.free_slots):  # a newcomer is prefilled first
             return False

@@ -209,7 +209,8 @@ def gemv_tuning_m(m: int) -> int:
 def gemv_tuned_grid(gw: GpuWeight, m: int) -> tuple[int, int]:
     """(k-warps, blocks) measured for M rows: at ``gemv_tuning_m(m)``, else (a table from
     before that M was measured) at the next M measured, else (0, 0): the kernel's own choice."""
-    return next((tuple(gw.grids[t]) for t in GEMV_TUNED_MS if t >= gemv_tuning_m(m) and t in gw.grids), (0, 0))
+    first = gemv_tuning_m(m)
+    return next((tuple(gw.grids[t]) for t in GEMV_TUNED_MS if t >= first and t in gw.grids), (0, 0))
 
 
 def _gemm_format(gw: GpuWeight) -> bool:
