@@ -11,10 +11,12 @@ For each model (random weights, real shapes), with the fused decoder kernels
   (scheduling, sampling, copying the token to the host).
 
     python benchmarks/profile_decode.py --out docs/bench
+    python benchmarks/profile_decode.py --ablation --models llama3-8b   # what each part adds
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import sys
@@ -55,13 +57,13 @@ def group_of(name: str) -> str:
     return next(g for g, pattern in GROUPS if re.search(pattern, name))
 
 
-def step_inputs(model, cache):
-    """A batch-1 decode step at position PROMPT of slot 0 (after a PROMPT-token prefill)."""
+def step_inputs(model, cache, position: int = PROMPT):
+    """A batch-1 decode step at ``position`` of slot 0 (after a prefill of that many tokens)."""
     dev = model.device
-    prompt = torch.randint(0, model.cfg.vocab_size, (1, PROMPT), device=dev)
-    model(prompt, Batch.prefill([PROMPT], [0], dev), cache, last_only=True)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, position), device=dev)
+    model(prompt, Batch.prefill([position], [0], dev), cache, last_only=True)
     ids = prompt[:, -1:]
-    pos = torch.full((1, 1), PROMPT, device=dev)
+    pos = torch.full((1, 1), position, device=dev)
     return ids, pos, torch.tensor([0], device=dev)
 
 
@@ -218,6 +220,94 @@ def profile_model(name: str, bw: float) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _without(part: str):
+    """The decoder with one kind of its non-GEMV kernels replaced by a view of its input
+    (no kernel at all): what remains of the step is its GEMVs and the other parts, so the
+    graph step's difference is what that part costs in place, its launch and the wait it
+    puts between two GEMVs included. Batch 1 only (the views assume one row)."""
+    from woq.kernels import decode_attention, fused
+
+    originals = {"norm": (fused, "add_rms_norm"), "silu": (fused, "silu_mul"),
+                 "attention": (decode_attention, "rope_cache_attention")}
+    stand_ins = {
+        "norm": lambda x, residual, weight, eps: (x, x if residual is None else residual),
+        "silu": lambda gate_up: gate_up.reshape(-1)[: gate_up.shape[-1] // 2].view(*gate_up.shape[:-1], -1),
+        "attention": lambda qkv, positions, slots, lengths, cos, sin, k, v, heads, head_dim, splits=None:
+            qkv.reshape(-1)[: heads * head_dim].view(1, heads, head_dim),
+    }
+    parts = [p for p in part.split("+") if p]
+    saved = {p: getattr(*originals[p]) for p in parts}
+    for p in parts:
+        setattr(*originals[p], stand_ins[p])
+    try:
+        yield
+    finally:
+        for p in parts:
+            setattr(*originals[p], saved[p])
+
+
+@contextlib.contextmanager
+def _attention_with(stages: int | None = None, **options):
+    """Decode attention with other shares (``splits``), tiles (``block``) or pipeline
+    stages than its defaults."""
+    from woq.kernels import decode_attention
+
+    original, default_stages = decode_attention.rope_cache_attention, decode_attention.DEFAULT_STAGES
+    decode_attention.rope_cache_attention = lambda *a, **kw: original(*a, **{**kw, **options})
+    decode_attention.DEFAULT_STAGES = stages or default_stages
+    try:
+        yield
+    finally:
+        decode_attention.rope_cache_attention, decode_attention.DEFAULT_STAGES = original, default_stages
+
+
+ABLATIONS = {"full step": contextlib.nullcontext, "no add + RMSNorm": lambda: _without("norm"),
+             "no SiLU * up": lambda: _without("silu"), "no attention": lambda: _without("attention"),
+             "GEMVs, embedding, LM head only": lambda: _without("norm+silu+attention"),
+             "attention, 3 stages": lambda: _attention_with(stages=3),
+             **{f"attention, tiles of {n} tokens": (lambda n=n: _attention_with(block=n)) for n in (64, 256)},
+             "attention, 8 shares": lambda: _attention_with(splits=8)}
+
+
+def ablation(name: str, position: int, rounds: int = 3) -> dict:
+    """Batch-1 graph step (median µs) at ``position`` with each part of the decoder taken
+    out, and with other shares or tiles of the decode attention; the variants alternate
+    over ``rounds`` rounds and each reports the median of its rounds."""
+    config = configs()[name]
+    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
+                        progress=False)
+    cfg = model.cfg
+    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
+    ids, pos, slots = step_inputs(model, cache, position)
+    times: dict[str, list[float]] = {k: [] for k in ABLATIONS}
+    for _ in range(rounds):
+        for label, variant in ABLATIONS.items():
+            with variant():
+                times[label].append(graph_step_us(model, cache, ids, pos, slots))
+            print(f"{name} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
+    del model, cache
+    torch.cuda.empty_cache()
+    full = statistics.median(times["full step"])
+    return {"model": name, "position": position, "rows": [
+        {"variant": k, "graph_step_us": statistics.median(v), "saved_us": full - statistics.median(v), "rounds_us": v}
+        for k, v in times.items()]}
+
+
+def ablation_summary(result: dict) -> str:
+    lines = [f"GPU: {result['gpu']}, torch {result['torch']}. int4 g128 random weights, batch 1, decode at the "
+             "position shown; graph step: median µs of 200 CUDA-graph replays (programmatic launches), each variant captured "
+             "afresh, the variants alternating over 3 rounds (median of the rounds). \"no X\": that kind of kernel "
+             "replaced by a view of its input, so \"saved\" is what it costs in place, its launch and the wait "
+             "between the GEMVs around it included. `python benchmarks/profile_decode.py --ablation`\n"]
+    for m in result["models"]:
+        lines.append(f"\n**{m['model']}, position {m['position']}**\n")
+        lines.append(markdown_table(["variant", "graph step µs", "saved µs", "per layer µs"],
+                                    [[r["variant"], r["graph_step_us"], r["saved_us"],
+                                      r["saved_us"] / configs()[m["model"]].num_hidden_layers] for r in m["rows"]]))
+    return "\n".join(lines) + "\n"
+
+
 def summary(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
              f"int4 g128 random weights, batch 1, decode at position {PROMPT} ({NEW}-token runs for the engine rate). "
@@ -248,11 +338,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2-135m,llama3-8b")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--ablation", action="store_true", help="graph step with each non-GEMV part taken out")
+    ap.add_argument("--positions", default=f"{PROMPT},1024", help="decode positions of the ablation")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.ablation:
+        result = dict(gpu_info(), models=[ablation(name, int(p)) for name in args.models.split(",")
+                                          for p in args.positions.split(",")])
+        write_json(args.out / "decode_ablation.json", result)
+        (args.out / "decode_ablation.md").write_text(ablation_summary(result))
+        print(ablation_summary(result))
+        return
     bw = copy_bandwidth()
     rows = [r for name in args.models.split(",") for r in profile_model(name, bw)]
     result = dict(gpu_info(), bandwidth_bytes_per_s=bw, rows=rows)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "decode_profile.json", result)
     (args.out / "decode_profile.md").write_text(summary(result))
     print(summary(result))

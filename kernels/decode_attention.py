@@ -14,18 +14,29 @@ One kernel per layer does all of a decode step's attention work (it was three: R
 the cache write, the shares, their merge):
 
 * with ``rope_cache_attention`` it rotates q and the new k (RoPE) straight from the qkv
-  projection's output, and the program whose share holds the new position writes k and v
-  into the cache before reading its share;
+  projection's output; the program whose share holds the new position writes k and v
+  into the cache, and every program takes them from registers;
 * the last program of a (sequence, KV head) to finish -- a counter per pair, re-armed by
-  that program -- merges the shares, instead of a second kernel.
+  that program -- merges the shares, instead of a second kernel; a sequence whose length
+  fits in one share (a tile, ``DEFAULT_BLOCK`` tokens) has one program per KV head, which
+  writes the output itself.
 
-Measured against the three kernels it replaced (RoPE + cache write, split attention with
-shares sized from the cache's length, merge), H100, int4 g128 random weights at position
-128, graph step µs, median of 3 alternating runs in one process
-(``profile_decode.graph_step_us``): Llama-3-8B batch 1 2663 vs 2653, batch 16 3913 vs
-4106; SmolLM2-135M batch 1 687 vs 682, batch 16 761 vs 900. At batch 1 the small
-kernels' launches were already hidden behind the GEMVs' programmatic launches
-(``pdl.py``); at 16 the equal shares spread each sequence over more programs.
+Where its time goes. At batch 1 the kernel sits between two GEMVs, and what it costs is
+the latency it adds to that chain, not bandwidth (a KB of q and a few hundred KB of
+cache). Launched programmatically (``pdl.py``), its programs start while the qkv
+projection still runs, so all that does not depend on the projection -- the step's
+lengths and positions, the cached k and v of the first tile, the RoPE rows -- is loaded
+before ``griddepcontrol.wait``; a program whose share is past the length leaves at once
+instead of holding an SM the next GEMV's blocks could take; tiles of 128 tokens without
+software pipelining keep its shared memory small for the same reason. Measured with
+``benchmarks/profile_decode.py --ablation`` (H100, Llama-3-8B-shaped int4 g128, batch-1
+graph step, docs/bench/decode_ablation.md; runs of their own, so ~2 % apart by noise
+alone): at position 128 the step went from 2635 µs (the kernel before: loads after the
+wait, tiles of 64 with 3 stages, idle programs waiting) to 2478, what attention costs in
+place (against the step without it) from 361 to 218 µs; at position 1024 from 2803 (the
+first tile already loaded early) to 2522. The RMSNorm's weight is loaded early too
+(``fused.py``). Tiles of 64 or 256 tokens, 3 pipeline stages or 8 shares were each
+slower at one of the two positions.
 """
 from __future__ import annotations
 
@@ -37,7 +48,7 @@ import triton.language as tl
 
 from . import pdl
 from .device import sm_count
-from .fused import programmatic_prologue, rope_rotate
+from .fused import rope_rotate
 
 
 @triton.jit
@@ -48,89 +59,123 @@ def _decode_attention_kernel(
     HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     SPLITS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
-    programmatic_prologue(PDL)
     GROUP: tl.constexpr = HEADS // HKV
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
+    # Before waiting for the previous kernel (the qkv projection), all that does not
+    # depend on it: the step's inputs (written before the step's first kernel) and the
+    # cached k and v of the earlier positions -- the first tile's DRAM latency then
+    # passes while the projection still runs instead of after it.
     slot = tl.load(slots + b)
     length = tl.load(lengths + b)
-    # This sequence's shares: SPLITS equal ones of the live length (multiples of 16 tokens),
-    # so a short sequence spreads over the programs as a long one does.
-    share = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), 16) * 16, 16)  # (>= 16: no division by 0 below)
+    # This sequence's shares: SPLITS equal ones of the live length (multiples of 16
+    # tokens), at least a tile each: a short sequence takes one program per KV head, which
+    # then writes its output itself (no partial results, no merge).
+    share = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), 16) * 16, BLOCK)
+    used = tl.cdiv(length, share)  # the shares that hold a token
     start = split * share
     end = tl.minimum(start + share, length)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
-    gmask = g < GROUP
-    heads = hkv * GROUP + g
-    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
-    k_base = K + slot * stride_ks + hkv * stride_kh
-    v_base = V + slot * stride_ks + hkv * stride_kh
-    if ROPE:  # Q is the qkv projection's row: q heads, then k heads, then v heads
-        pos = tl.load(positions + b)
-        cos_row = COS + pos * stride_rope
-        sin_row = SIN + pos * stride_rope
-        partner = (d + D // 2) % D
-        q = rope_rotate(q, tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0), d[None, :],
-                        cos_row, sin_row, D)
-        if (pos >= start) & (pos < end):  # the new token falls in this share: cache it first
-            k_row = Q + b * stride_qb + (HEADS + hkv) * stride_qh
-            k_new = rope_rotate(tl.load(k_row + d), tl.load(k_row + partner), d, cos_row, sin_row, D)
-            tl.store(k_base + pos * stride_kt + d, k_new)
-            tl.store(v_base + pos * stride_kt + d, tl.load(Q + b * stride_qb + (HEADS + HKV + hkv) * stride_qh + d))
-            tl.debug_barrier()  # (a block barrier orders global memory too: the loop below reads them)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for t0 in range(start, end, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        tmask = t < end
-        k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], fp32
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_base + t[:, None] * stride_kt + d[None, :], mask=tmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-    # A share that saw tokens leaves its output and log-sum-exp (an empty one, past the
-    # length, leaves nothing: the merge reads only the shares that saw a token).
+    if ROPE:
+        pos = tl.load(positions + b)  # the new token's position (= length - 1): from qkv, not the cache
+    else:
+        pos = length  # the caller cached every position already
+    # A program past the length leaves at once, without waiting: it holds no SM the next
+    # kernel's blocks could start on (a share's program always waits, so this kernel still
+    # completes after its predecessor).
     if start < end:
-        tl.store(Part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + d[None, :],
-                 acc / l_i[:, None], mask=gmask[:, None])
-        tl.store(Lse + b * stride_lb + split * stride_ls + heads, m_i + tl.log(l_i), mask=gmask)
+        d = tl.arange(0, D)
+        t = start + tl.arange(0, BLOCK)
+        k_base = K + slot * stride_ks + hkv * stride_kh
+        v_base = V + slot * stride_ks + hkv * stride_kh
+        cached = ((t < end) & (t != pos))[:, None]
+        k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=cached, other=0.0)
+        v = tl.load(v_base + t[:, None] * stride_kt + d[None, :], mask=cached, other=0.0)
+        if ROPE:  # this position's RoPE rows (fp32 tables, DRAM) too
+            cos = tl.load(COS + pos * stride_rope + d)
+            sin = tl.load(SIN + pos * stride_rope + d)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
 
-    # Merge: the pair's last program to arrive. Every thread's stores above precede the
-    # barrier, the barrier precedes the releasing increment (as CUTLASS's semaphores do);
-    # the last program's acquiring increment precedes its reads, which bypass L1 (.cg).
-    tl.debug_barrier()
-    counter = Counters + b * HKV + hkv
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        tl.store(counter, 0)  # re-armed for the next launch (stream-ordered after this one)
-        used = tl.cdiv(length, share)  # the shares that saw a token
-        s = tl.arange(0, SPLITS)
-        lse = tl.load(Lse + b * stride_lb + s[:, None] * stride_ls + heads[None, :],
-                      mask=(s[:, None] < used) & gmask[None, :], other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.max(lse, 0)
-        total = tl.zeros([GROUP_PAD, D], tl.float32)
-        weight = tl.zeros([GROUP_PAD], tl.float32)
-        for i in tl.static_range(SPLITS):  # (unrolled, predicated: the shares' loads fly together)
-            live = gmask & (i < used)
-            w = tl.exp(tl.load(Lse + b * stride_lb + i * stride_ls + heads, mask=live, other=float("-inf"),
-                               cache_modifier=".cg") - lse_max)  # 0 for a share past the length
-            part = tl.load(Part + b * stride_pb + i * stride_ps + heads[:, None] * stride_ph + d[None, :],
-                           mask=live[:, None], other=0.0, cache_modifier=".cg")
-            total += part * w[:, None]
-            weight += w
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 (total / weight[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
+        g = tl.arange(0, GROUP_PAD)
+        gmask = g < GROUP
+        heads = hkv * GROUP + g
+        q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
+        if ROPE:  # Q is the qkv projection's row: q heads, then k heads, then v heads
+            partner = (d + D // 2) % D
+            q = rope_rotate(q, tl.load(q_rows + partner[None, :], mask=gmask[:, None], other=0.0), d[None, :],
+                            cos[None, :], sin[None, :], D)
+            k_row = Q + b * stride_qb + (HEADS + hkv) * stride_qh
+            k_new = rope_rotate(tl.load(k_row + d), tl.load(k_row + partner), d, cos, sin, D)
+            v_new = tl.load(Q + b * stride_qb + (HEADS + HKV + hkv) * stride_qh + d)
+            # the share holding the new position caches it, and every share takes it from
+            # registers (its tile left that row out), so nothing waits for the store
+            mine = (d < D) & (pos >= start) & (pos < end)
+            tl.store(k_base + pos * stride_kt + d, k_new, mask=mine)
+            tl.store(v_base + pos * stride_kt + d, v_new, mask=mine)
+            new_row = (t == pos)[:, None]
+            k = tl.where(new_row, k_new[None, :], k)
+            v = tl.where(new_row, v_new[None, :], v)
 
+        # online softmax over the share: the first tile (loaded above), then the rest
+        s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], fp32
+        s = tl.where((t < end)[None, :], s, float("-inf"))
+        m_i = tl.max(s, 1)
+        p = tl.exp(s - m_i[:, None])
+        l_i = tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v)
+        for t0 in range(start + BLOCK, end, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            tmask = t < end
+            k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=tmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_base + t[:, None] * stride_kt + d[None, :], mask=tmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        if used == 1:
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
+        else:
+            # Several shares: each leaves its output and log-sum-exp, and the last of the
+            # `used` programs to arrive merges them. Every thread's stores precede the
+            # barrier, the barrier precedes the releasing increment (as CUTLASS's
+            # semaphores do); the last program's acquiring increment precedes its reads,
+            # which bypass L1 (.cg). Programs past the length take no part.
+            tl.store(Part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + d[None, :],
+                     acc / l_i[:, None], mask=gmask[:, None])
+            tl.store(Lse + b * stride_lb + split * stride_ls + heads, m_i + tl.log(l_i), mask=gmask)
+            tl.debug_barrier()
+            counter = Counters + b * HKV + hkv
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                tl.store(counter, 0)  # re-armed for the next launch (stream-ordered after this one)
+                sh = tl.arange(0, SPLITS)
+                lse = tl.load(Lse + b * stride_lb + sh[:, None] * stride_ls + heads[None, :],
+                              mask=(sh[:, None] < used) & gmask[None, :], other=float("-inf"), cache_modifier=".cg")
+                lse_max = tl.max(lse, 0)
+                total = tl.zeros([GROUP_PAD, D], tl.float32)
+                weight = tl.zeros([GROUP_PAD], tl.float32)
+                for i in tl.static_range(SPLITS):  # (unrolled, predicated: the shares' loads fly together)
+                    live = gmask & (i < used)
+                    w = tl.exp(tl.load(Lse + b * stride_lb + i * stride_ls + heads, mask=live, other=float("-inf"),
+                                       cache_modifier=".cg") - lse_max)  # 0 for a share past the length
+                    part = tl.load(Part + b * stride_pb + i * stride_ps + heads[:, None] * stride_ph + d[None, :],
+                                   mask=live[:, None], other=0.0, cache_modifier=".cg")
+                    total += part * w[:, None]
+                    weight += w
+                tl.store(out_ptrs, (total / weight[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
+
+
+DEFAULT_BLOCK = 128  # tokens per tile: the least a share holds
+DEFAULT_STAGES = 1  # Triton's software pipelining of the tile loop (its shared memory: k + v tiles a stage)
 
 # One int32 per (sequence, KV head), zero between launches (each launch's merging programs
 # re-arm theirs); per device, grown only outside a CUDA-graph capture, so that every graph
@@ -149,13 +194,14 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-            lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None,
+            lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None, block: int | None,
             rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
         splits = min(16, math.ceil(2 * sm_count(q_src.device) / (B * Hkv)))
     splits = triton.next_power_of_2(splits)  # (the merge loads the shares' [SPLITS] as one block)
+    block = block or DEFAULT_BLOCK
     # (no fill: the merge reads only the shares that saw a token, and each of those wrote)
     part = torch.empty(B, splits, H, D, device=q_src.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q_src.device, dtype=torch.float32)
@@ -167,35 +213,37 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
         q_src.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), 1.0 / math.sqrt(D),
-        HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64, SPLITS=splits,
-        ROPE=rope is not None,
+        HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, SPLITS=splits,
+        ROPE=rope is not None, num_warps=min(16, max(4, block * D // 2048)), num_stages=DEFAULT_STAGES,
         **pdl.triton_kwargs(q_src.device),
     )
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor, splits: int | None = None, block: int | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
     positions of slot ``slots[b]`` in ``k_cache``/``v_cache`` ``[S, Hkv, T, D]``; ``[B, H, D]``.
 
     ``splits`` (rounded up to a power of two; default: from the batch and the GPU's SMs)
-    shares per sequence and KV head; the launch does not depend on the lengths (CUDA-graph
-    safe).
+    shares per sequence and KV head, each at least ``block`` tokens (a power of two >= 16;
+    default ``DEFAULT_BLOCK``) unless the length is shorter; the launch does not depend on
+    the lengths (CUDA-graph safe).
     """
     B, H, D = q.shape
     q = q.contiguous()
-    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, None)
+    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, block, None)
 
 
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         heads: int, head_dim: int, splits: int | None = None) -> torch.Tensor:
+                         heads: int, head_dim: int, splits: int | None = None,
+                         block: int | None = None) -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
     ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
     ``slots[b]``, then ``decode_attention`` of q over ``lengths[b]`` (> ``positions[b]``)
     positions; ``[B, H, D]``."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
-    return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits,
+    return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits, block,
                    (positions, cos, sin))

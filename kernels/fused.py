@@ -47,10 +47,14 @@ def programmatic_prologue(PDL: tl.constexpr):
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_rout, N, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    programmatic_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    if PDL:  # the norm's weight before the wait (no kernel writes it): its DRAM latency off the chain
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
@@ -59,7 +63,6 @@ def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
     h = h.to(X.dtype.element_ty)  # the reference casts back before the weight
-    w = tl.load(W + cols, mask=mask, other=0.0)
     tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * h.to(tl.float32)).to(X.dtype.element_ty), mask=mask)
 
 
@@ -85,14 +88,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def rope_rotate(x, partner, d, COS_ROW, SIN_ROW, D: tl.constexpr):
+def rope_rotate(x, partner, d, cos, sin, D: tl.constexpr):
     """RoPE of head vectors ``x`` (``[..., D]``, last axis ``d``) given ``partner``, each
     element's rotate_half partner (``x`` at ``(d + D/2) % D``), and one position's cos/sin
-    rows. Rounded as the torch reference (``Rotary``) is: cos/sin to the activation type,
-    then each product and the sum."""
+    rows (fp32, as loaded from the tables). Rounded as the torch reference (``Rotary``) is:
+    cos/sin to the activation type, then each product and the sum."""
     rotated = tl.where(d < D // 2, -partner, partner)  # rotate_half: the first half negated
-    c = tl.load(COS_ROW + d).to(x.dtype).to(tl.float32)
-    s = tl.load(SIN_ROW + d).to(x.dtype).to(tl.float32)
+    c = cos.to(x.dtype).to(tl.float32)
+    s = sin.to(x.dtype).to(tl.float32)
     a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
     b = (rotated.to(tl.float32) * s).to(x.dtype).to(tl.float32)
     return (a + b).to(x.dtype)
@@ -116,7 +119,8 @@ def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
     live = head[:, None] < H + 2 * HKV
     x = tl.load(src + d[None, :], mask=live, other=0.0)
     partner = tl.load(src + ((d + D // 2) % D)[None, :], mask=live & (head[:, None] < H + HKV), other=0.0)
-    y = rope_rotate(x, partner, d[None, :], COS + pos * stride_rope, SIN + pos * stride_rope, D)
+    cos, sin = tl.load(COS + pos * stride_rope + d), tl.load(SIN + pos * stride_rope + d)
+    y = rope_rotate(x, partner, d[None, :], cos, sin, D)
     is_q = head[:, None] < H
     is_k = (head[:, None] >= H) & (head[:, None] < H + HKV)
     is_v = (head[:, None] >= H + HKV) & live
