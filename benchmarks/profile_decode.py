@@ -248,60 +248,66 @@ def _without(part: str):
 
 
 @contextlib.contextmanager
-def _attention_with(stages: int | None = None, **options):
+def _attention_with(**options):
     """Decode attention with other shares (``splits``), tiles (``block``) or pipeline
-    stages than its defaults."""
+    ``stages`` than its defaults (``decode_attention.tiles``)."""
     from woq.kernels import decode_attention
 
-    original, default_stages = decode_attention.rope_cache_attention, decode_attention.DEFAULT_STAGES
+    original = decode_attention.rope_cache_attention
     decode_attention.rope_cache_attention = lambda *a, **kw: original(*a, **{**kw, **options})
-    decode_attention.DEFAULT_STAGES = stages or default_stages
     try:
         yield
     finally:
-        decode_attention.rope_cache_attention, decode_attention.DEFAULT_STAGES = original, default_stages
+        decode_attention.rope_cache_attention = original
 
 
 ABLATIONS = {"full step": contextlib.nullcontext, "no add + RMSNorm": lambda: _without("norm"),
              "no SiLU * up": lambda: _without("silu"), "no attention": lambda: _without("attention"),
              "GEMVs, embedding, LM head only": lambda: _without("norm+silu+attention"),
-             "attention, 3 stages": lambda: _attention_with(stages=3),
-             **{f"attention, tiles of {n} tokens": (lambda n=n: _attention_with(block=n)) for n in (64, 256)},
+             "attention, tiles of 128 tokens, 1 stage": lambda: _attention_with(block=128, stages=1),
+             "attention, tiles of 64 tokens, 3 stages": lambda: _attention_with(block=64, stages=3),
+             "attention, tiles of 256 tokens, 1 stage": lambda: _attention_with(block=256, stages=1),
              "attention, 8 shares": lambda: _attention_with(splits=8)}
+TAKEN_OUT = ("no ", "GEMVs")  # the variants that replace kernels by views of one row: batch 1 only
 
 
-def ablation(name: str, position: int, rounds: int = 3) -> dict:
-    """Batch-1 graph step (median µs) at ``position`` with each part of the decoder taken
-    out, and with other shares or tiles of the decode attention; the variants alternate
-    over ``rounds`` rounds and each reports the median of its rounds."""
+def ablation(name: str, position: int, batch: int = 1, rounds: int = 3) -> dict:
+    """Graph step (median µs) of ``batch`` sequences at ``position`` with each part of the
+    decoder taken out (batch 1 only), and with other shares, tiles or stages of the decode
+    attention; the variants alternate over ``rounds`` rounds and each reports the median of
+    its rounds."""
     config = configs()[name]
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
                         progress=False)
     cfg = model.cfg
-    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
+    cache = KVCache(cfg.num_layers, batch + 1, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
     ids, pos, slots = step_inputs(model, cache, position)
-    times: dict[str, list[float]] = {k: [] for k in ABLATIONS}
+    if batch > 1:  # (the other rows attend over whatever their slots hold: the same amount of work)
+        ids, pos = ids.expand(batch, 1).contiguous(), pos.expand(batch, 1).contiguous()
+        slots = torch.arange(batch, device=ids.device)
+    variants = {k: v for k, v in ABLATIONS.items() if batch == 1 or not k.startswith(TAKEN_OUT)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
-        for label, variant in ABLATIONS.items():
+        for label, variant in variants.items():
             with variant():
                 times[label].append(graph_step_us(model, cache, ids, pos, slots))
-            print(f"{name} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
+            print(f"{name} b{batch} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
     del model, cache
     torch.cuda.empty_cache()
     full = statistics.median(times["full step"])
-    return {"model": name, "position": position, "rows": [
+    return {"model": name, "position": position, "batch": batch, "rows": [
         {"variant": k, "graph_step_us": statistics.median(v), "saved_us": full - statistics.median(v), "rounds_us": v}
         for k, v in times.items()]}
 
 
 def ablation_summary(result: dict) -> str:
-    lines = [f"GPU: {result['gpu']}, torch {result['torch']}. int4 g128 random weights, batch 1, decode at the "
+    lines = [f"GPU: {result['gpu']}, torch {result['torch']}. int4 g128 random weights, decode at the batch and "
              "position shown; graph step: median µs of 200 CUDA-graph replays (programmatic launches), each variant captured "
              "afresh, the variants alternating over 3 rounds (median of the rounds). \"no X\": that kind of kernel "
              "replaced by a view of its input, so \"saved\" is what it costs in place, its launch and the wait "
-             "between the GEMVs around it included. `python benchmarks/profile_decode.py --ablation`\n"]
+             "between the GEMVs around it included (batch 1 only). `python benchmarks/profile_decode.py --ablation`\n"]
     for m in result["models"]:
-        lines.append(f"\n**{m['model']}, position {m['position']}**\n")
+        lines.append(f"\n**{m['model']}, batch {m.get('batch', 1)}, position {m['position']}**\n")
         lines.append(markdown_table(["variant", "graph step µs", "saved µs", "per layer µs"],
                                     [[r["variant"], r["graph_step_us"], r["saved_us"],
                                       r["saved_us"] / configs()[m["model"]].num_hidden_layers] for r in m["rows"]]))
@@ -340,11 +346,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--ablation", action="store_true", help="graph step with each non-GEMV part taken out")
     ap.add_argument("--positions", default=f"{PROMPT},1024", help="decode positions of the ablation")
+    ap.add_argument("--batches", default="1,4,16", help="batch sizes of the ablation")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ablation:
-        result = dict(gpu_info(), models=[ablation(name, int(p)) for name in args.models.split(",")
-                                          for p in args.positions.split(",")])
+        result = dict(gpu_info(), models=[ablation(name, int(p), int(b)) for name in args.models.split(",")
+                                          for b in args.batches.split(",") for p in args.positions.split(",")])
         write_json(args.out / "decode_ablation.json", result)
         (args.out / "decode_ablation.md").write_text(ablation_summary(result))
         print(ablation_summary(result))

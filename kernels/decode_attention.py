@@ -18,8 +18,8 @@ the cache write, the shares, their merge):
   into the cache, and every program takes them from registers;
 * the last program of a (sequence, KV head) to finish -- a counter per pair, re-armed by
   that program -- merges the shares, instead of a second kernel; a sequence whose length
-  fits in one share (a tile, ``DEFAULT_BLOCK`` tokens) has one program per KV head, which
-  writes the output itself.
+  fits in one share (a tile, see ``tiles``) has one program per KV head, which writes
+  the output itself.
 
 Where its time goes. At batch 1 the kernel sits between two GEMVs, and what it costs is
 the latency it adds to that chain, not bandwidth (a KB of q and a few hundred KB of
@@ -27,16 +27,17 @@ cache). Launched programmatically (``pdl.py``), its programs start while the qkv
 projection still runs, so all that does not depend on the projection -- the step's
 lengths and positions, the cached k and v of the first tile, the RoPE rows -- is loaded
 before ``griddepcontrol.wait``; a program whose share is past the length leaves at once
-instead of holding an SM the next GEMV's blocks could take; tiles of 128 tokens without
-software pipelining keep its shared memory small for the same reason. Measured with
+instead of holding an SM the next GEMV's blocks could take; at small batches, tiles of
+128 tokens without software pipelining keep its shared memory small for the same reason
+(``tiles``; larger batches are bandwidth-bound and take pipelined tiles of 64). Measured with
 ``benchmarks/profile_decode.py --ablation`` (H100, Llama-3-8B-shaped int4 g128, batch-1
-graph step, docs/bench/decode_ablation.md; runs of their own, so ~2 % apart by noise
+graph step, docs/bench/decode_ablation.md; runs of their own, so a few % apart by noise
 alone): at position 128 the step went from 2635 µs (the kernel before: loads after the
-wait, tiles of 64 with 3 stages, idle programs waiting) to 2478, what attention costs in
-place (against the step without it) from 361 to 218 µs; at position 1024 from 2803 (the
-first tile already loaded early) to 2522. The RMSNorm's weight is loaded early too
-(``fused.py``). Tiles of 64 or 256 tokens, 3 pipeline stages or 8 shares were each
-slower at one of the two positions.
+wait, tiles of 64 with 3 stages, idle programs waiting) to 2445, what attention costs in
+place (against the step without it) from 361 to 195 µs; at position 1024 from 2803 (the
+first tile already loaded early) to 2503. The RMSNorm's weight is loaded early too
+(``fused.py``). At batch 1, tiles of 64 or 256 tokens, 3 pipeline stages or 8 shares
+were each slower at one of the two positions.
 """
 from __future__ import annotations
 
@@ -174,8 +175,22 @@ def _decode_attention_kernel(
                 tl.store(out_ptrs, (total / weight[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
 
 
-DEFAULT_BLOCK = 128  # tokens per tile: the least a share holds
-DEFAULT_STAGES = 1  # Triton's software pipelining of the tile loop (its shared memory: k + v tiles a stage)
+def tiles(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per tile -- the least a share holds --, software-pipeline stages of the tile
+    loop) for a launch over ``batch`` sequences.
+
+    Few (sequence, KV head) pairs -- under a quarter of the SMs: a small batch, where
+    the kernel's cost is the latency it adds between two GEMVs -- take tiles of 128 tokens
+    without pipelining: fewer programs, each with little shared memory and more of its
+    tokens loaded before the wait (its first tile). More pairs take tiles of 64 with 3
+    stages, for bandwidth. H100, Llama-3-8B-shaped int4 graph step (docs/bench/decode_ablation.md),
+    128 / 1 against 64 / 3, µs: batch 1 2438 / 2486 at position 128 and 2547 / 2619 at
+    1024; batch 4 2699 / 2779 and 3063 / 3047; batch 16 3386 / 3225 and 4514 / 4130.
+    """
+    if batch * kv_heads * 4 < sm_count(device):
+        return 128, 1
+    return 64, 3
+
 
 # One int32 per (sequence, KV head), zero between launches (each launch's merging programs
 # re-arm theirs); per device, grown only outside a CUDA-graph capture, so that every graph
@@ -195,13 +210,14 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
             lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None, block: int | None,
-            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            stages: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
         splits = min(16, math.ceil(2 * sm_count(q_src.device) / (B * Hkv)))
     splits = triton.next_power_of_2(splits)  # (the merge loads the shares' [SPLITS] as one block)
-    block = block or DEFAULT_BLOCK
+    default_block, default_stages = tiles(B, Hkv, q_src.device)
+    block, stages = block or default_block, stages or default_stages
     # (no fill: the merge reads only the shares that saw a token, and each of those wrote)
     part = torch.empty(B, splits, H, D, device=q_src.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q_src.device, dtype=torch.float32)
@@ -214,31 +230,32 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), 1.0 / math.sqrt(D),
         HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, SPLITS=splits,
-        ROPE=rope is not None, num_warps=min(16, max(4, block * D // 2048)), num_stages=DEFAULT_STAGES,
+        ROPE=rope is not None, num_warps=min(16, max(4, block * D // 2048)), num_stages=stages,
         **pdl.triton_kwargs(q_src.device),
     )
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, splits: int | None = None, block: int | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor, splits: int | None = None, block: int | None = None,
+                     stages: int | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
     positions of slot ``slots[b]`` in ``k_cache``/``v_cache`` ``[S, Hkv, T, D]``; ``[B, H, D]``.
 
     ``splits`` (rounded up to a power of two; default: from the batch and the GPU's SMs)
-    shares per sequence and KV head, each at least ``block`` tokens (a power of two >= 16;
-    default ``DEFAULT_BLOCK``) unless the length is shorter; the launch does not depend on
-    the lengths (CUDA-graph safe).
+    shares per sequence and KV head, each at least ``block`` tokens (a power of two >= 16)
+    unless the length is shorter, their tile loop pipelined over ``stages`` (defaults of
+    both: ``tiles``); the launch does not depend on the lengths (CUDA-graph safe).
     """
     B, H, D = q.shape
     q = q.contiguous()
-    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, block, None)
+    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, block, stages, None)
 
 
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         heads: int, head_dim: int, splits: int | None = None,
-                         block: int | None = None) -> torch.Tensor:
+                         heads: int, head_dim: int, splits: int | None = None, block: int | None = None,
+                         stages: int | None = None) -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
     ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
@@ -246,4 +263,4 @@ def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
     positions; ``[B, H, D]``."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
     return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits, block,
-                   (positions, cos, sin))
+                   stages, (positions, cos, sin))

@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("splits,block", [(1, None), (3, None), (None, None), (None, 16), (3, 128)])
-def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype, splits, block):
+@pytest.mark.parametrize("splits,block,stages", [(1, None, None), (3, None, None), (None, None, None), (None, 16, 3),
+                                                 (3, 128, 1), (1, 64, 3)])
+def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype, splits, block, stages):
     from woq.kernels.decode_attention import decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(heads + dim)
@@ -32,7 +33,7 @@ def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype,
         k[s, :, n:] = float("nan")
         v[s, :, n:] = float("nan")
     q = torch.randn(4, heads, dim, device="cuda", dtype=dtype, generator=g)
-    out = decode_attention(q, k, v, slots, lengths, splits=splits, block=block)
+    out = decode_attention(q, k, v, slots, lengths, splits=splits, block=block, stages=stages)
     for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
         ref = _attention_fp64(q[b], k[s, :, :n], v[s, :, :n])
         err = ((out[b].double() - ref).norm() / ref.norm()).item()
@@ -49,8 +50,9 @@ def _attention_fp64(q, k, v):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("splits,block", [(1, None), (3, None), (None, None), (None, 16), (3, 128)])
-def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads, dim, dtype, splits, block):
+@pytest.mark.parametrize("splits,block,stages", [(1, None, None), (3, None, None), (None, None, None), (None, 16, 3),
+                                                 (3, 128, 1), (1, 64, 3)])
+def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads, dim, dtype, splits, block, stages):
     """The one-kernel decode attention (RoPE, cache write, attention, merge) writes the
     cache exactly as ``rope_and_cache`` does, touches nothing else, and attends like the
     fp64 reference over that cache -- launch after launch (its merge counters re-arm)."""
@@ -74,7 +76,7 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
         ref_k, ref_v = k.clone(), v.clone()
         q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ref_k, ref_v, heads, kv_heads, dim)
         out = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim, splits=splits,
-                                   block=block)
+                                   block=block, stages=stages)
         for ours, ref in ((k, ref_k), (v, ref_v)):
             assert ((ours == ref) | (ours.isnan() & ref.isnan())).all(), step
         for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
