@@ -29,15 +29,15 @@ lengths and positions, the cached k and v of the first tile, the RoPE rows -- is
 before ``griddepcontrol.wait``; a program whose share is past the length leaves at once
 instead of holding an SM the next GEMV's blocks could take; at small batches, tiles of
 128 tokens without software pipelining keep its shared memory small for the same reason
-(``tiles``; larger batches are bandwidth-bound and take pipelined tiles of 64). Measured with
-``benchmarks/profile_decode.py --ablation`` (H100, Llama-3-8B-shaped int4 g128, batch-1
-graph step, docs/bench/decode_ablation.md; runs of their own, so a few % apart by noise
-alone): at position 128 the step went from 2635 µs (the kernel before: loads after the
-wait, tiles of 64 with 3 stages, idle programs waiting) to 2445, what attention costs in
-place (against the step without it) from 361 to 195 µs; at position 1024 from 2803 (the
-first tile already loaded early) to 2503. The RMSNorm's weight is loaded early too
-(``fused.py``). At batch 1, tiles of 64 or 256 tokens, 3 pipeline stages or 8 shares
-were each slower at one of the two positions.
+(``tiles``; larger batches are bandwidth-bound and take pipelined tiles of 64).
+Measured with ``benchmarks/profile_decode.py --ablation`` (H100, Llama-3-8B-shaped int4
+g128, batch-1 graph step, docs/bench/decode_ablation.md and decode_ablation_before.md;
+runs of their own, so a few % apart by noise alone): at position 128 the step went from
+2635 µs (the kernel before: loads after the wait, tiles of 64 with 3 stages, idle
+programs waiting) to 2445, what attention costs in place (against the step without it)
+from 361 to 195 µs; at position 1024 it costs 264 µs of a 2503 µs step. The RMSNorm's
+weight is loaded early too (``fused.py``). At batch 1, tiles of 64 tokens with 3
+stages, tiles of 256, or 8 shares were each slower at one of the two positions or both.
 """
 from __future__ import annotations
 
