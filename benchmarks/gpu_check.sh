@@ -42,7 +42,7 @@ for stage in "$@"; do
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
-    ablation) run ablation $PY benchmarks/profile_decode.py --ablation --models "${ABLATION_MODELS:-llama3-8b}" --out "$OUT" ;;
+    ablation) run ablation $PY benchmarks/profile_decode.py --ablation --models "${ABLATION_MODELS:-llama3-8b}" --out "$OUT" ${ABLATION_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
     pdlab) run pdlab $PY benchmarks/engine.py --pdl-ab --out "$OUT" ;;
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)

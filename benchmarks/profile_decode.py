@@ -271,11 +271,11 @@ ABLATIONS = {"full step": contextlib.nullcontext, "no add + RMSNorm": lambda: _w
 TAKEN_OUT = ("no ", "GEMVs")  # the variants that replace kernels by views of one row: batch 1 only
 
 
-def ablation(name: str, position: int, batch: int = 1, rounds: int = 3) -> dict:
+def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tuple[str, ...] = ()) -> dict:
     """Graph step (median µs) of ``batch`` sequences at ``position`` with each part of the
     decoder taken out (batch 1 only), and with other shares, tiles or stages of the decode
     attention; the variants alternate over ``rounds`` rounds and each reports the median of
-    its rounds."""
+    its rounds. ``only``: the variants whose label contains one of these (and the full step)."""
     config = configs()[name]
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
                         progress=False)
@@ -285,7 +285,8 @@ def ablation(name: str, position: int, batch: int = 1, rounds: int = 3) -> dict:
     if batch > 1:  # (the other rows attend over whatever their slots hold: the same amount of work)
         ids, pos = ids.expand(batch, 1).contiguous(), pos.expand(batch, 1).contiguous()
         slots = torch.arange(batch, device=ids.device)
-    variants = {k: v for k, v in ABLATIONS.items() if batch == 1 or not k.startswith(TAKEN_OUT)}
+    variants = {k: v for k, v in ABLATIONS.items() if (batch == 1 or not k.startswith(TAKEN_OUT))
+                and (k == "full step" or not only or any(o in k for o in only))}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         for label, variant in variants.items():
@@ -347,10 +348,13 @@ def main() -> None:
     ap.add_argument("--ablation", action="store_true", help="graph step with each non-GEMV part taken out")
     ap.add_argument("--positions", default=f"{PROMPT},1024", help="decode positions of the ablation")
     ap.add_argument("--batches", default="1,4,16", help="batch sizes of the ablation")
+    ap.add_argument("--variants", default="", help="comma-separated parts of the ablation variants' labels to run "
+                                                   "(default: all)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ablation:
-        result = dict(gpu_info(), models=[ablation(name, int(p), int(b)) for name in args.models.split(",")
+        only = tuple(v for v in args.variants.split(",") if v)
+        result = dict(gpu_info(), models=[ablation(name, int(p), int(b), only=only) for name in args.models.split(",")
                                           for b in args.batches.split(",") for p in args.positions.split(",")])
         write_json(args.out / "decode_ablation.json", result)
         (args.out / "decode_ablation.md").write_text(ablation_summary(result))

@@ -20,7 +20,10 @@ GEMV of a decode step, to use the gaps this overlap leaves (commit cad9da2,
 ``cp.async.bulk.prefetch.L2``, and 2873 µs for the side-stream fork/join alone (no
 prefetch issued). A weight already in L2 made a lone GEMV only ~20 % faster (4096 x 4096
 int4: 11.0 -> 8.7 µs, one launch), and here the next GEMV streams its first stages early
-anyway.
+anyway. Tried again inside the GEMV (each block, after its last weight copy, pulling a
+share of the next layer's weight prefix into L2 with ``cp.async.bulk.prefetch.L2``):
+no consistent gain, and slower the more it pulled (batch 1 at position 128: 2541 µs
+without, 2579 / 2621 / 2686 with 1/8, 1/4, 1/2 of the L2; docs/bench/l2_prefetch_in_gemv.md).
 """
 from __future__ import annotations
 
