@@ -1,10 +1,17 @@
-"""Decode steps replayed through CUDA graphs, one graph per padded batch size.
+"""Decode steps and short prefills replayed through CUDA graphs.
 
 A decode step of a small or quantized model is launch-bound: hundreds of small kernels
 whose CPU-side launch cost exceeds their GPU time. Each graph is captured once with static
 input buffers (token ids, positions, cache slots, lengths) and replayed with new values
 copied in. Batches are padded to the next captured size (1, 2, 4, 8, ...); padding rows
 decode a dummy token in a scratch cache slot that no sequence owns.
+
+A short prefill is host-bound the same way: on the H100, SmolLM2's 128-token prompt took
+19 ms of host time for ~1.3 ms of kernels (``benchmarks/prefill_host.py``), and the time
+to first token was that. ``PrefillGraphs`` captures the prefill of one whole prompt per
+padded token count (16, 32, ..., up to ``PREFILL_GRAPH_TOKENS``): the prompt is padded
+with token 0 at the following positions of its own slot, which causal attention makes
+invisible to the prompt's tokens (``models.llama.Batch``).
 """
 from __future__ import annotations
 
@@ -94,3 +101,76 @@ class DecodeGraphs:
 
     def _bucket(self, B: int) -> int:
         return next(s for s in self.buckets if s >= B)
+
+
+# The longest prompt a prefill graph takes: past a few hundred tokens a prefill's kernels
+# outlast its launches, and each graph's memory pool holds its activations for good.
+PREFILL_GRAPH_TOKENS = 512
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts with a prefill graph: 16, 32, ... up to ``max_tokens`` (itself included)."""
+    sizes, t = [], 16
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes + [max_tokens] if max_tokens >= 1 else []
+
+
+class PrefillGraphs:
+    """One graph per padded token count, each prefilling one whole prompt into one slot
+    and giving the logits of its last token."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, max_tokens: int = PREFILL_GRAPH_TOKENS):
+        self.model, self.cache = model, cache
+        self.buckets = prefill_buckets(min(max_tokens, cache.max_seq_len))
+        dev = model.device
+        n = self.buckets[-1]
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=dev)
+        self.positions = torch.arange(n, device=dev)[None]
+        self.slots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def _forward(self, t: int) -> torch.Tensor:
+        batch = Batch(self.positions[:, :t], self.slots[:t], last_index=self.last)
+        return self.model(self.ids[:, :t], batch, self.cache, last_only=True)
+
+    def capture(self) -> None:
+        """Capture every token count, largest first (the smaller graphs reuse its memory pool).
+        The captures write slot 0's first positions, which no sequence holds yet."""
+        pool = None
+        for t in reversed(self.buckets):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: autotuning, allocator, lazy inits
+                for _ in range(2):
+                    self._forward(t)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(t)
+            pool = graph.pool()
+            self.graphs[t] = (graph, out)
+        torch.cuda.synchronize()
+
+    def run(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
+        """Logits ``[1, V]`` of the last token of ``prompt_ids`` (1 to ``max_tokens`` of them),
+        its k and v written to positions ``[0, len)`` of ``slot``."""
+        n = len(prompt_ids)
+        if not 1 <= n <= self.max_tokens:
+            raise ValueError(f"a prefill graph takes 1 to {self.max_tokens} tokens, got {n}")
+        t = next(b for b in self.buckets if b >= n)
+        self.ids[0, :n].copy_(torch.tensor(prompt_ids, dtype=torch.long), non_blocking=True)
+        self.ids[0, n:t] = 0
+        self.slots[:t] = slot
+        self.last.fill_(n - 1)
+        graph, out = self.graphs[t]
+        graph.replay()
+        self.replays += 1
+        return out

@@ -4,8 +4,10 @@ One background thread owns the model and the KV cache and loops:
 
 1. admit waiting requests while a KV slot is free and prefill the newcomers together (their
    prompts packed into one forward, M = the sum of their lengths, so that each weight is
-   read once for all of them and the host launches one forward, not one per request), then
-   sample their first tokens; prefill tokens per iteration are bounded
+   read once for all of them and the host launches one forward, not one per request; on
+   CUDA, newcomers of a few hundred tokens in all instead replay the prefill graph of each
+   prompt's padded length, ``cuda_graphs.PrefillGraphs``, as such a forward is bound by its
+   launches), then sample their first tokens; prefill tokens per iteration are bounded
    (``max_prefill_tokens``) so that running decodes are not stalled for long: a prompt that
    does not fit is prefilled in chunks over the next iterations (chunked prefill), decode
    steps in between;
@@ -184,6 +186,7 @@ class Engine:
         max_prefill_tokens: int = 4096,
         observer: EngineObserver | None = None,
         cuda_graphs: bool = True,
+        prefill_graphs: bool = True,
         profile_every: int = 0,
         gpu_memory_fraction: float | None = None,
     ):
@@ -213,12 +216,15 @@ class Engine:
         self.cache = KVCache(cfg.num_layers, max_batch_size + on_cuda, cfg.num_kv_heads, self.max_seq_len,
                              cfg.head_dim, model.dtype, model.device)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if on_cuda and cuda_graphs:
-            from .cuda_graphs import DecodeGraphs
+            from .cuda_graphs import PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 
             self.graphs = DecodeGraphs(model, self.cache, max_batch_size, scratch_slot=max_batch_size)
             self.graphs.capture()
+            if prefill_graphs:
+                self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens))
+                self.prefill_graphs.capture()
         # Every profile_every-th decode step runs eagerly, so that per-kernel timings (which
         # a graph replay cannot observe) keep flowing to the metrics; 0 = never.
         self.profile_every = profile_every
@@ -382,12 +388,20 @@ class Engine:
             self._finish(seq, "abort")
 
     def _prefill(self, chunks: list[tuple[_Sequence, int, int]]) -> int:
-        """Prefill ``chunks`` in one packed forward; the sequences whose prompt is then
-        complete start running with their first token. Returns the prompt tokens."""
-        dev = self.model.device
-        ids = torch.tensor([[t for s, p, n in chunks for t in s.prompt_ids[p:p + n]]], device=dev)
-        batch = Batch.prefill([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev, [p for _, p, _ in chunks])
-        logits = self.model(ids, batch, self.cache, last_only=True)
+        """Prefill ``chunks`` -- whole prompts of a few hundred tokens in all as graph
+        replays, one per prompt, else in one packed forward; the sequences whose prompt is
+        then complete start running with their first token. Returns the prompt tokens."""
+        graphs = self.prefill_graphs
+        if graphs is not None and sum(n for _, _, n in chunks) <= graphs.max_tokens and all(
+                p == 0 and n == len(s.prompt_ids) for s, p, n in chunks):
+            # (each replay's logits are copied out before the next replay overwrites them)
+            logits = torch.cat([graphs.run(s.prompt_ids, s.slot).clone() for s, _, _ in chunks])
+        else:
+            dev = self.model.device
+            ids = torch.tensor([[t for s, p, n in chunks for t in s.prompt_ids[p:p + n]]], device=dev)
+            batch = Batch.prefill([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev,
+                                  [p for _, p, _ in chunks])
+            logits = self.model(ids, batch, self.cache, last_only=True)
         done = []
         for i, (seq, p, n) in enumerate(chunks):
             seq.prefilled = p + n

@@ -111,6 +111,11 @@ class Batch:
     * a decode step on CUDA (``lengths`` ``[B]`` on the device): the decode-attention
       kernel reads ``lengths[b]`` live positions of slot ``slots[b]`` -- no host value
       involved, so the step can be captured in a CUDA graph;
+    * one whole prompt padded to T tokens (``last_index`` ``[1]`` on the device: the row of
+      its last real token; positions ``[1, T]`` = 0..T-1, ``slots`` ``[T]`` its slot): the
+      prefill a CUDA graph captures per T (``engine/cuda_graphs.py``). Attention is causal,
+      so the padding rows after the prompt change nothing before them; their k and v land
+      past the prompt in its slot, where decode steps overwrite them before reading;
     * otherwise ``length`` positions of every row's slot are gathered and masked (CPU path).
     """
 
@@ -121,6 +126,7 @@ class Batch:
     prompt_lens: tuple[int, ...] | None = None
     prompt_slots: tuple[int, ...] | None = None
     prompt_starts: tuple[int, ...] | None = None
+    last_index: torch.Tensor | None = None
 
     @classmethod
     def prefill(cls, prompt_lens: list[int], prompt_slots: list[int], device: torch.device | str,
@@ -139,8 +145,14 @@ class Batch:
     def is_prefill(self) -> bool:
         return self.prompt_lens is not None
 
+    @property
+    def is_padded_prompt(self) -> bool:
+        return self.last_index is not None
+
     def last_rows(self, h: torch.Tensor) -> torch.Tensor:
         """Each sequence's last hidden state: ``[B, T, C]`` -> ``[B, C]`` (``[prompts, C]`` packed)."""
+        if self.is_padded_prompt:
+            return h[0].index_select(0, self.last_index)
         if not self.is_prefill:
             return h[:, -1]
         ends = torch.tensor(self.prompt_lens).cumsum(0) - 1
@@ -166,6 +178,8 @@ class Attention(nn.Module):
         fused = fused_ops(qkv)
         if cache is not None and batch.is_prefill:
             return self.o(self._prefill(qkv.view(T, -1), rope, batch, cache, fused)[None])
+        if cache is not None and batch.is_padded_prompt:
+            return self.o(self._padded_prompt(qkv.view(T, -1), rope, batch, cache, fused)[None])
         if fused is not None and cache is not None and batch.lengths is not None and T == 1:
             # CUDA decode step: RoPE, the cache write and live-token attention in one kernel
             from ..kernels.decode_attention import rope_cache_attention
@@ -201,27 +215,45 @@ class Attention(nn.Module):
         there already), causally aligned to the end (query i sees keys up to p + i): one
         SDPA call per chunk.
         """
-        T = qkv.shape[0]
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        H, D = self.heads, self.head_dim
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        positions = batch.positions.view(T)
-        if fused is not None:
-            q = fused.rope_and_cache(qkv, positions, batch.slots, rope.cos, rope.sin, k_cache, v_cache, H, Hkv, D)
-        else:
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = rope(q.view(1, T, H, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
-            k = rope(k.view(1, T, Hkv, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
-            cache.write(self.layer_idx, batch.slots, positions, k, v.view(T, Hkv, D))
-        q = q.transpose(0, 1)  # [H, T, D]
+        q = self._rope_and_cache(qkv, rope, batch, cache, fused).transpose(0, 1)  # [H, T, D]
         outs, start = [], 0
         # (the SDPA backends: _PREFILL_ATTENTION, set for the whole forward)
         for n, slot, p in zip(batch.prompt_lens, batch.prompt_slots, batch.prompt_starts):
             causal = {"is_causal": True} if p == 0 else {"attn_mask": causal_lower_right(n, p + n)}
             out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :p + n],
-                                                 v_cache[None, slot, :, :p + n], enable_gqa=H != Hkv, **causal)
+                                                 v_cache[None, slot, :, :p + n], enable_gqa=H != self.kv_heads,
+                                                 **causal)
             outs.append(out[0].transpose(0, 1).reshape(n, H * D))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _padded_prompt(self, qkv: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache, fused) -> torch.Tensor:
+        """Attention outputs ``[T, H D]`` of one whole prompt padded to T tokens (see ``Batch``):
+        every device-side, so that a CUDA graph can capture it. Its keys and values are
+        read back from its slot (positions ``[0, T)``), where they were just written."""
+        T = qkv.shape[0]
+        H, D = self.heads, self.head_dim
+        q = self._rope_and_cache(qkv, rope, batch, cache, fused).transpose(0, 1)  # [H, T, D]
+        k, v = cache.read(self.layer_idx, batch.slots[:1], T)
+        out = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, enable_gqa=H != self.kv_heads)
+        return out[0].transpose(0, 1).reshape(T, H * D)
+
+    def _rope_and_cache(self, qkv: torch.Tensor, rope: Rotary, batch: Batch, cache: KVCache, fused) -> torch.Tensor:
+        """Rotate the q and k of prefill tokens ``qkv`` ``[T, (H + 2 Hkv) D]``, store k and v
+        at their positions of their slots (``batch.slots`` ``[T]``); the rotated q ``[T, H, D]``."""
+        T = qkv.shape[0]
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        positions = batch.positions.view(T)
+        if fused is not None:
+            return fused.rope_and_cache(qkv, positions, batch.slots, rope.cos, rope.sin, cache.k[self.layer_idx],
+                                        cache.v[self.layer_idx], H, Hkv, D)
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = rope(q.view(1, T, H, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
+        k = rope(k.view(1, T, Hkv, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
+        cache.write(self.layer_idx, batch.slots, positions, k, v.view(T, Hkv, D))
+        return q
 
 
 class MLP(nn.Module):
@@ -287,7 +319,7 @@ class CausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
         # the SDPA backends of a prefill, chosen once for all layers (the switch costs host time)
-        with sdpa_kernel(_PREFILL_ATTENTION) if batch.is_prefill else contextlib.nullcontext():
+        with sdpa_kernel(_PREFILL_ATTENTION) if batch.is_prefill or batch.is_padded_prompt else contextlib.nullcontext():
             for layer in self.layers:
                 x, residual = layer(x, residual, self.rope, batch, cache)
         return self.norm.add_forward(x, residual)[0]

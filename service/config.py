@@ -66,6 +66,8 @@ class ServeSettings(ModelSettings):
                                     "(longer prompts go in chunks)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")
+    prefill_graphs: bool = Field(True, description="with --cuda-graphs: replay prefills of whole prompts up to "
+                                 "512 tokens in all through CUDA graphs too")
     profile_every: int = Field(256, ge=0, description="run every N-th graph decode step eagerly, timing its kernels")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")

@@ -96,6 +96,62 @@ def _chat(tok, text):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def test_prefill_graphs_give_the_eager_prefill(smollm2_gpu):
+    """A whole prompt replayed through the prefill graph of its padded length gives the
+    eager prefill's last-token logits (same argmax) and the same k and v in its slot."""
+    from woq.engine.cuda_graphs import PrefillGraphs
+    from woq.models.kv_cache import KVCache
+    from woq.models.llama import Batch
+
+    model, cfg = smollm2_gpu.model, smollm2_gpu.model.cfg
+    caches = [KVCache(cfg.num_layers, 3, cfg.num_kv_heads, 512, cfg.head_dim, model.dtype, "cuda") for _ in range(2)]
+    graphs = PrefillGraphs(model, caches[0])
+    graphs.capture()
+    assert graphs.buckets == [16, 32, 64, 128, 256, 512]
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 16, 17, 100, 300, 512):
+        prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        slot = n % 3
+        ours = graphs.run(prompt.tolist(), slot).clone()
+        eager = model(prompt[None].cuda(), Batch.prefill([n], [slot], "cuda"), caches[1], last_only=True)
+        assert ours.argmax(-1).item() == eager.argmax(-1).item(), n
+        assert (ours - eager).abs().max() < 2e-2 * eager.abs().max(), n
+        for kv in ("k", "v"):
+            a, b = getattr(caches[0], kv)[:, slot, :, :n], getattr(caches[1], kv)[:, slot, :, :n]
+            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max(), (n, kv)
+    with pytest.raises(ValueError, match="1 to 512 tokens"):
+        graphs.run(list(range(513)), 0)
+
+
+def test_engine_prefill_graphs(smollm2_gpu):
+    """The engine prefills short whole prompts through the prefill graphs -- alone, and
+    several arrivals as one replay each -- and their first tokens are the eager prefill's."""
+    from woq.models.kv_cache import KVCache
+    from woq.models.llama import Batch
+
+    lm = smollm2_gpu
+    prompts = [_chat(lm.tokenizer, f"Name a colour that starts with the letter {c}.") for c in "BGRY"]
+    cache = KVCache(lm.model.cfg.num_layers, 1, lm.model.cfg.num_kv_heads, 512, lm.model.cfg.head_dim,
+                    lm.model.dtype, "cuda")
+    eager_first = [lm.model(torch.tensor([p], device="cuda"), Batch.prefill([len(p)], [0], "cuda"), cache,
+                            last_only=True).argmax(-1).item() for p in prompts]
+    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=4, max_seq_len=512)
+    out = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    for i, p in enumerate(prompts[:3]):  # three queued before the engine starts: one iteration's arrivals
+        eng.submit(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                   lambda ev, i=i: (out[i].extend(ev.token_ids), ev.finish_reason and done.release()))
+    eng.start()
+    try:
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+        first = eng.generate(prompts[3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).token_ids
+        assert eng.prefill_graphs.replays == 4
+    finally:
+        eng.shutdown()
+    assert [o[0] for o in out[:3]] + [first[0]] == eager_first
+
+
 @pytest.mark.slow
 def test_graph_replays_give_the_eager_tokens_with_requests_joining_and_leaving(smollm2_gpu):
     lm = smollm2_gpu
@@ -107,7 +163,10 @@ def test_graph_replays_give_the_eager_tokens_with_requests_joining_and_leaving(s
         # schedule: 8 prompts prefilled together, then newcomers prefilled and joining the
         # running batch as sequences finish (prefill rounding depends on which prompts are
         # packed together; the comparison is about graph replays vs eager decode steps).
-        eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=8, max_seq_len=512, cuda_graphs=graphs)
+        # (prefills eager in both: a prefill graph runs a prompt alone at its padded length,
+        # whose rounding differs from a packed forward's; test_engine_prefill_graphs covers it)
+        eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=8, max_seq_len=512, cuda_graphs=graphs,
+                     prefill_graphs=False)
         out = [[] for _ in prompts]
         done = threading.Semaphore(0)
 

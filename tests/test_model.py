@@ -89,6 +89,30 @@ def test_packed_prefill_then_decode_match_transformers(tiny):
         assert (step[i] - theirs[-1]).abs().max() < 1e-4 * scale
 
 
+@pytest.mark.parametrize("n", [11, 16])
+def test_padded_prompt_prefill_then_decode_match_transformers(tiny, n):
+    """One prompt padded to 16 tokens (as a prefill graph runs it) gives its last real
+    token's logits, and the decode step after it those of prompt + token: the padding's
+    k and v, written past the prompt in its slot, are never seen."""
+    from woq.models.kv_cache import KVCache
+    from woq.models.llama import Batch
+
+    path, ref = tiny
+    lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
+    model, cfg = lm.model, lm.model.cfg
+    prompt, nxt = _ids(1, n, seed=20 + n)[0], _ids(1, 1, seed=5)
+    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
+    cache.k.normal_(), cache.v.normal_()  # what an earlier sequence left in the slot
+    padded = torch.cat([prompt, _ids(1, 16 - n, seed=6)[0]])[None]
+    batch = Batch(torch.arange(16)[None], torch.full((16,), 1), last_index=torch.tensor([n - 1]))
+    ours = model(padded, batch, cache, last_only=True)
+    step = model(nxt, Batch(torch.tensor([[n]]), torch.tensor([1]), n + 1), cache, last_only=True)
+    theirs = ref(torch.cat([prompt, nxt[0]])[None]).logits[0]
+    scale = theirs.abs().max()
+    assert (ours[0] - theirs[-2]).abs().max() < 1e-4 * scale
+    assert (step[0] - theirs[-1]).abs().max() < 1e-4 * scale
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_forward_equals_reference_on_dequantized_weights(tiny, quant):
     """The quantized model is exactly HF's forward with each linear weight replaced by its
