@@ -21,6 +21,26 @@ from ..models.kv_cache import KVCache
 from ..models.llama import Batch, CausalLM
 
 
+def capture_graphs(forward, sizes: list[int]) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """A graph of ``forward(size)`` for each size, with its output: captured largest first,
+    in one memory pool that the smaller ones reuse (one graph replays at a time)."""
+    graphs, pool = {}, None
+    for size in sorted(sizes, reverse=True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: autotuning, allocator, lazy inits
+            for _ in range(2):
+                forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(size)
+        pool = graph.pool()
+        graphs[size] = (graph, out)
+    torch.cuda.synchronize()
+    return graphs
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     sizes, b = [], 1
     while b < max_batch:
@@ -41,7 +61,6 @@ class DecodeGraphs:
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=dev)
         self.lengths = torch.ones(n, dtype=torch.long, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
 
     def _forward(self, b: int) -> torch.Tensor:
         batch = Batch(self.positions[:b], self.slots[:b], lengths=self.lengths[:b])
@@ -50,19 +69,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller graphs reuse its memory pool)."""
         self._pad(0)
-        for b in reversed(self.buckets):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: autotuning, allocator, lazy inits
-                for _ in range(2):
-                    self._forward(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(b)
-            self.pool = graph.pool()
-            self.graphs[b] = (graph, out)
-        torch.cuda.synchronize()
+        self.graphs = capture_graphs(self._forward, self.buckets)
 
     def _pad(self, start: int) -> None:
         self.ids[start:] = 0
@@ -144,20 +151,7 @@ class PrefillGraphs:
     def capture(self) -> None:
         """Capture every token count, largest first (the smaller graphs reuse its memory pool).
         The captures write slot 0's first positions, which no sequence holds yet."""
-        pool = None
-        for t in reversed(self.buckets):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: autotuning, allocator, lazy inits
-                for _ in range(2):
-                    self._forward(t)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(t)
-            pool = graph.pool()
-            self.graphs[t] = (graph, out)
-        torch.cuda.synchronize()
+        self.graphs = capture_graphs(self._forward, self.buckets)
 
     def run(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
         """Logits ``[1, V]`` of the last token of ``prompt_ids`` (1 to ``max_tokens`` of them),
