@@ -7,8 +7,8 @@ copied in. Batches are padded to the next captured size (1, 2, 4, 8, ...); paddi
 decode a dummy token in a scratch cache slot that no sequence owns.
 
 A short prefill is host-bound the same way: on the H100, SmolLM2's 128-token prompt took
-19 ms of host time for ~1.3 ms of kernels (``benchmarks/prefill_host.py``), and the time
-to first token was that. ``PrefillGraphs`` captures the prefill of one whole prompt per
+25 ms of host time for ~1.3 ms of kernels (docs/bench/prefill_graphs.md,
+decode_profile.md), and the time to first token was that. ``PrefillGraphs`` captures the prefill of one whole prompt per
 padded token count (16, 32, ..., up to ``PREFILL_GRAPH_TOKENS``): the prompt is padded
 with token 0 at the following positions of its own slot, which causal attention makes
 invisible to the prompt's tokens (``models.llama.Batch``).
