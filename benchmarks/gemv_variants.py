@@ -3,8 +3,9 @@ M = 1 roofline gap): each variant is a separate JIT build with WOQ_NVCC_FLAGS.
 
     python benchmarks/gemv_variants.py "" "-DWOQ_GEMV_STAGES=6" "-DWOQ_GEMV_STEPS=2"
 
-Prints, per variant and case, the best (k-warps, grid) time in µs (rotated weights,
-CUDA-graph replays) and the share of the copy-bandwidth roofline.
+Prints, per variant, case and pipeline (the shared-memory ring; up to 8 rows also the
+register stream), the best (k-warps, grid) time in µs (rotated weights, CUDA-graph
+replays) and the share of the copy-bandwidth roofline.
 """
 import json
 import os
@@ -24,6 +25,7 @@ from woq.kernels.layout import pack_for_gpu
 from woq.kernels.timing import graph_time_us
 sys.path.insert(0, "benchmarks")
 from common import copies_to_defeat_l2, copy_bandwidth
+from woq.kernels.tuning import _stream_candidates
 assert ops.available()
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 bw = copy_bandwidth()
@@ -34,17 +36,22 @@ for N, K, M, bits, *dtype in json.loads(sys.argv[1]):
     qw = quantize(torch.randn(N, K, device="cuda") * 0.02, spec)
     gws = [ops.prepare(pack_for_gpu(qw, dtype)) for _ in range(copies_to_defeat_l2(N * K * bits // 8))]
     x = torch.randn(M, K, device="cuda", dtype=dtype)
-    best = (float("inf"), None)
-    for kw in ops.gemv_k_warps(M):
-        for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw, M)}):
+    launches = {"ring": [(kw, b) for kw in ops.gemv_k_warps(M)
+                         for b in sorted({0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw, M)})]}
+    if M <= ops.STREAM_MAX_M:
+        launches["stream"] = _stream_candidates(N, sms)
+    roof = gws[0].nbytes() / bw * 1e6
+    for name, grid in launches.items():
+        pipeline = ops.GEMV_STREAM if name == "stream" else ops.GEMV_RING
+        best = (float("inf"), None)
+        for kw, b in grid:
             try:
-                t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
+                t = graph_time_us([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw, pipeline=pipeline) for g in gws])
             except (RuntimeError, ValueError):  # a launch this build refuses
                 continue
             best = min(best, (t, (kw, b)))
-    roof = gws[0].nbytes() / bw * 1e6
-    out.append({"case": f"{N}x{K} M={M} int{bits} {str(dtype)[6:]}", "us": round(best[0], 1), "launch": best[1],
-                "roofline_pct": round(100 * roof / best[0], 1)})
+        out.append({"case": f"{N}x{K} M={M} int{bits} {str(dtype)[6:]} {name}", "us": round(best[0], 1),
+                    "launch": best[1], "roofline_pct": round(100 * roof / best[0], 1)})
     del gws
 print("RESULT", json.dumps(out))
 """

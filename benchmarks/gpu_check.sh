@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize model e2e enginetests engine profile ablation prefill overhead pdlab serving bench msweep
-#           grid gemmcfg gemmtest variants probe ncu stalls sass gdb tune aot gptq
+#           grid gemmcfg gemmtest pytest variants probe ncu stalls sass gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -49,7 +49,7 @@ for stage in "$@"; do
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
       run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); assert ops.wgmma_configs_available(), \"no sm_90a code in the AOT library\"; print(\"AOT library loaded, no JIT build, wgmma configurations available\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
     gptq) run gptq $PY benchmarks/gptq_gpu_check.py ;;
-    tune) run tune bash -c "$PY benchmarks/tune_shapes.py && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
+    tune) run tune bash -c "$PY benchmarks/tune_shapes.py ${TUNE_ARGS:-} && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
                --concurrency 1,4,16,64 --requests-per-client 5 --offline --out "$OUT" --name serving_h100_smollm2_int4 ;;
     e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
@@ -59,15 +59,16 @@ for stage in "$@"; do
     grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;
     gemmcfg) run gemmcfg $PY benchmarks/gemm_configs.py ${GEMMCFG_ARGS:-} ;;
     gemmtest) run gemmtest $PY -m pytest -q -x tests/test_gpu_kernels.py -k "mixed_gemm or smaller_gpus" ;;
+    pytest) run pytest $PY -m pytest -q -x -m gpu tests/ -k "${PYTEST_K:?PYTEST_K: the tests to run}" ;;
     errors) run errors $PY benchmarks/check_errors.py ;;
     gdb) run gdb cuda-gdb -batch -ex run -ex bt --args $PY benchmarks/check_errors.py --inline-ours ;;
     variants) run variants $PY benchmarks/gemv_variants.py ;;  # the default build; variants: call the script with flag sets
     probe) run probe $PY benchmarks/probe_bandwidth.py ;;
-    ncu) run ncu ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
+    ncu) run ncu ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemv_stream_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
            --section MemoryWorkloadAnalysis --section SchedulerStats --section InstructionStats \
            $PY benchmarks/profile_gemv.py ${NCU_SHAPE:-28672 8192 1 4} ;;
-    stalls) run stalls ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
+    stalls) run stalls ncu --clock-control none --kernel-name regex:"${NCU_KERNEL:-gemv_kernel|gemv_stream_kernel|gemm_kernel}" --launch-skip 2 --launch-count 1 \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_tensor.*sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
            $PY benchmarks/profile_gemv.py ${NCU_SHAPE:-28672 8192 1 4} ;;
     sass) run sass bash -c 'cuobjdump --dump-sass "$(find "$WOQ_CACHE/torch_extensions" -name "*.so" | head -1)"' ;;

@@ -30,6 +30,12 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cu"))) + ("torch_binding.cpp",)  # = setup.py
 GEMV_WARPS = 8  # warps per block (csrc/gemv.cuh: kGemvWarps)
 K_WARPS = (1, 2, 4)  # warps splitting one n-tile's K (the GEMV; M > 16: gemv_k_warps)
+# How the GEMV's weights reach the tensor cores (csrc/woq_kernels.h, GemvPipeline): a
+# shared-memory ring of cp.async stages (any M), or streamed by each warp into registers
+# (M <= 8, csrc/gemv_stream.cuh). The tuner measures both.
+GEMV_RING, GEMV_STREAM = 0, 1
+STREAM_MAX_M = 8
+STREAM_K_WARPS = (1, 2, 4, 8)  # the register stream's warps per n-tile (8 // k_warps n-tiles per block)
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
 # Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh); 5..8 use
 # Hopper's wgmma and exist only where wgmma_configs_available() (an sm_90a build on sm_90)
@@ -45,6 +51,12 @@ def gemv_columns(n: int, k_warps: int, m: int = 1) -> int:
     rows at one k-warp (two n-tiles per warp: csrc/gemv.cuh, gemv_tiles_per_warp)."""
     tiles_per_warp = 2 if m > GEMV_MAX_M and k_warps == 1 else 1
     return math.ceil(n / (16 * tiles_per_warp * (GEMV_WARPS // k_warps)))
+
+
+def gemv_stream_columns(n: int, k_warps: int) -> int:
+    """Blocks of output channels the register-stream GEMV cuts ``n`` channels into: each
+    block has GEMV_WARPS // k_warps n-tiles (its grid is these columns x the splits of K)."""
+    return math.ceil(n / (16 * (GEMV_WARPS // k_warps)))
 
 
 def gemm_tiles(m: int, n: int, config: int) -> int:
@@ -131,7 +143,8 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("woq::gemv")
-    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, workspace, counters):
+    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, pipeline, workspace,
+                   counters):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("woq::gemm")
@@ -169,10 +182,11 @@ class _Scratch:
     def reserve(self, gw: GpuWeight) -> None:
         from .tuning import GEMM_MS
 
-        # GEMV: one counter per column (the narrowest columns: the most); the mixed GEMM:
-        # one per output tile, for its smallest tile up to the largest M the tuner lets it
-        # serve (beyond, it runs one block per tile, which needs none)
-        cols = max(gemv_columns(gw.N, max(K_WARPS)), 2 * self.sms,
+        # GEMV: one counter per column (the narrowest columns, one n-tile of the register
+        # stream: the most); the mixed GEMM: one per output tile, for its smallest tile up to
+        # the largest M the tuner lets it serve (beyond, it runs one block per tile, which
+        # needs none)
+        cols = max(gemv_stream_columns(gw.N, max(STREAM_K_WARPS)), 2 * self.sms,
                    max(gemm_tiles(max(GEMM_MS), gw.N, c) for c in GEMM_TILES))
         if self.counters.numel() < cols:
             self.counters = torch.zeros(cols, dtype=torch.int32, device=self.device)
@@ -206,11 +220,19 @@ def gemv_tuning_m(m: int) -> int:
     return next(t for t in GEMV_TUNED_MS if m <= t)
 
 
-def gemv_tuned_grid(gw: GpuWeight, m: int) -> tuple[int, int]:
-    """(k-warps, blocks) measured for M rows: at ``gemv_tuning_m(m)``, else (a table from
-    before that M was measured) at the next M measured, else (0, 0): the kernel's own choice."""
+def gemv_tuned_grid(gw: GpuWeight, m: int) -> tuple[int, int, int]:
+    """(k-warps, blocks, pipeline) measured for M rows: at ``gemv_tuning_m(m)``, else (a table
+    from before that M was measured) at the next M measured, else (0, 0, ring): the kernel's
+    own choice. A register-stream launch serves only the Ms it takes (<= STREAM_MAX_M)."""
     first = gemv_tuning_m(m)
-    return next((tuple(gw.grids[t]) for t in GEMV_TUNED_MS if t >= first and t in gw.grids), (0, 0))
+    for t in GEMV_TUNED_MS:
+        if t >= first and t in gw.grids:
+            k_warps, blocks, *pipeline = gw.grids[t]  # (tables before the register stream: 2 entries)
+            pipeline = pipeline[0] if pipeline else GEMV_RING
+            if pipeline == GEMV_STREAM and m > STREAM_MAX_M:
+                continue
+            return k_warps, blocks, pipeline
+    return 0, 0, GEMV_RING
 
 
 def _gemm_format(gw: GpuWeight) -> bool:
@@ -272,20 +294,26 @@ def _check_x(x: torch.Tensor, gw: GpuWeight, limit: int) -> None:
 
 
 def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
-         k_warps: int | None = None) -> torch.Tensor:
+         k_warps: int | None = None, pipeline: int | None = None) -> torch.Tensor:
     """The GEMV kernel (M <= 16; <= 32 for the weights ``gemv_rows_limit`` allows).
-    ``max_blocks`` and ``k_warps`` override the measured grid (0: the kernel's own choice)."""
+    Without overrides, the measured launch. ``pipeline`` (GEMV_RING, GEMV_STREAM; GEMV_RING
+    when only a grid is given), ``max_blocks`` and ``k_warps`` override it (0: the kernel's
+    own choice; the measured values fill in those not given where its pipeline matches)."""
     limit = gemv_rows_limit(gw)
     if x.dim() == 2 and x.shape[0] > limit:
         raise ValueError(f"the GEMV takes 1 to {limit} rows for this weight (up to {GEMV_WIDE_MAX_M} for per-channel, "
                          f"g64 and g128 weights), got shape {tuple(x.shape)}")
     _check_x(x, gw, limit)
-    tuned_k_warps, tuned_blocks = gemv_tuned_grid(gw, x.shape[0])
+    tuned_k_warps, tuned_blocks, tuned_pipeline = gemv_tuned_grid(gw, x.shape[0])
+    if pipeline is None:
+        pipeline = tuned_pipeline if max_blocks is None and k_warps is None else GEMV_RING
+    if pipeline != tuned_pipeline:
+        tuned_k_warps = tuned_blocks = 0
     blocks = tuned_blocks if max_blocks is None else max_blocks
     k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
-                              blocks, k_warps, s.workspace, s.counters)
+                              blocks, k_warps, pipeline, s.workspace, s.counters)
 
 
 def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:

@@ -7,7 +7,9 @@ For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the re
     k-warps per n-tile (1, 2 or 4 warps splitting each tile's K, so columns of 128, 64 or
     32 channels) and the grid (one resident wave, one block per SM, one block per column,
     ...) -- which wins depends on how many columns the weight has against the SM count
-    and on M (the kernel's shared memory, hence the blocks an SM holds, follows M);
+    and on M (the kernel's shared memory, hence the blocks an SM holds, follows M); up to
+    8 rows also the register-stream pipeline, at 1, 2, 4 or 8 k-warps and its columns cut
+    into 1, 2, 4, ... runs of K (``_stream_candidates``);
   * the mixed GEMM over an M grid (17 .. 1024): each tile configuration x split-K, and
     dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
     crossover is the largest M of the grid at which the kernel still wins (we stop at
@@ -120,6 +122,21 @@ def _decode_neighbour(x: torch.Tensor):
     return lambda: add_rms_norm(x, None, weight, 1e-5)
 
 
+def _stream_candidates(n: int, sms: int) -> list[tuple[int, int]]:
+    """(k_warps, blocks) of the register-stream GEMV worth timing: each k-warp count with its
+    columns cut into 1, 2, 3, 4, 6, ... runs of K, up to about 4 blocks per SM (its grid is
+    not persistent: how the blocks fill the waves matters), and the kernel's own split
+    (blocks 0: about 2 per SM)."""
+    from . import ops
+
+    out = []
+    for kw in ops.STREAM_K_WARPS:
+        columns = ops.gemv_stream_columns(n, kw)
+        out += [(kw, 0)] + [(kw, columns * s) for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+                            if s == 1 or columns * s <= 4 * sms]
+    return out
+
+
 def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
     """(config, splits) worth timing at M = m: configurations whose block rows are not
     mostly padding, each as stream-K over one resident wave (splits 0) and with split-K
@@ -136,6 +153,34 @@ def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
     return out
 
 
+def _measure_gemv(gw: GpuWeight, copies: list[GpuWeight], ms) -> tuple[dict[str, list[int]], dict[int, float]]:
+    """The fastest GEMV launch (k-warps, blocks, pipeline) at each of ``ms`` and its time."""
+    from . import ops
+
+    sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
+    grids: dict[str, list[int]] = {}
+    gemv_us: dict[int, float] = {}
+    for m in ms:
+        x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
+        before = _decode_neighbour(x) if m <= ops.GEMV_MAX_M else (lambda: None)
+        t = {}
+        candidates = [(kw, b, ops.GEMV_RING) for kw in ops.gemv_k_warps(m)
+                      for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw, m), max(1, sms // 2)})]
+        if m <= ops.STREAM_MAX_M:
+            candidates += [(kw, b, ops.GEMV_STREAM) for kw, b in _stream_candidates(gw.N, sms)]
+        for kw, b, pipe in candidates:
+            t[kw, b, pipe] = _time_us(
+                lambda g, b=b, kw=kw, pipe=pipe, before=before: (before(), ops.gemv(x, g, max_blocks=b, k_warps=kw,
+                                                                                    pipeline=pipe)),
+                copies)
+        best = min(t, key=t.get)
+        if math.isinf(t[best]):  # no launch fits this GPU at this M
+            continue
+        grids[str(m)] = list(best)
+        gemv_us[m] = t[best]
+    return grids, gemv_us
+
+
 def measure(gw: GpuWeight) -> dict:
     """Time the choices for one weight (well under a second of GPU time for most shapes)."""
     import torch.nn.functional as F
@@ -144,21 +189,7 @@ def measure(gw: GpuWeight) -> dict:
 
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
     copies = _rotation(gw)
-    grids: dict[str, list[int]] = {}
-    gemv_us: dict[int, float] = {}
-    for m in (m for m in ops.GEMV_TUNED_MS if m <= ops.gemv_rows_limit(gw)):
-        x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
-        before = _decode_neighbour(x) if m <= ops.GEMV_MAX_M else (lambda: None)
-        t = {}
-        for kw in ops.gemv_k_warps(m):
-            for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw, m), max(1, sms // 2)}):
-                t[kw, b] = _time_us(lambda g, b=b, kw=kw, before=before: (before(), ops.gemv(x, g, max_blocks=b, k_warps=kw)),
-                                    copies)
-        best = min(t, key=t.get)
-        if math.isinf(t[best]):  # no launch fits this GPU at this M
-            continue
-        grids[str(m)] = list(best)
-        gemv_us[m] = t[best]
+    grids, gemv_us = _measure_gemv(gw, copies, [m for m in ops.GEMV_TUNED_MS if m <= ops.gemv_rows_limit(gw)])
     plan: dict[str, list[int]] = {}
     gemm_us: dict[int, float] = {}
     dense_us: dict[int, float] = {}
@@ -188,6 +219,21 @@ def measure(gw: GpuWeight) -> dict:
             break
         gemv_max_m = m
     return {"grids": grids, "gemm": plan, "max_kernel_m": max(max_m, gemv_max_m), "gemv_max_m": gemv_max_m}
+
+
+def remeasure_gemv(gw: GpuWeight, entry: dict, ms) -> dict:
+    """``entry`` (a table's choices for this weight's shape) with the GEMV launches at ``ms``
+    measured anew, the rest kept: after a kernel change that touches only those launches
+    (the register stream added M <= 8 launches and left the ring and the GEMM as they
+    were), so that re-tuning does not re-time what did not change. Stored as this build's."""
+    from . import ops
+
+    grids, _ = _measure_gemv(gw, _rotation(gw), ms)
+    entry = dict(entry, grids={**entry["grids"], **grids})
+    entry["grids"] = {m: (g if len(g) == 3 else [*g, ops.GEMV_RING]) for m, g in entry["grids"].items()}
+    _table()[shape_key(gw)] = entry
+    _save()
+    return entry
 
 
 def tuned(gw: GpuWeight) -> dict:

@@ -19,8 +19,9 @@ def test_bench_dispatch_prints_every_stored_choice(tmp_path):
     for key, entry in table.items():
         row = next(line for line in section.splitlines() if line.startswith(f"| {key} |"))
         cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
-        for m, grid in entry["grids"].items():
-            assert cells[f"GEMV M<={m}"] == "x".join(map(str, grid)), (key, m)
+        for m, (k_warps, blocks, *pipeline) in entry["grids"].items():
+            stream = "s" if pipeline == [1] else ""  # (1: the register stream; tables before it: 2 entries)
+            assert cells[f"GEMV M<={m}"] == f"{stream}{k_warps}x{blocks}", (key, m)
         for m, (config, splits) in entry["gemm"].items():
             assert cells[f"GEMM M<={m}"] == f"c{config}x{splits}", (key, m)
         assert cells["GEMV up to M"] == str(entry["gemv_max_m"]) and cells["kernels up to M"] == str(entry["max_kernel_m"])
@@ -38,17 +39,20 @@ def test_shipped_tables_are_keyed_by_the_current_kernel_source():
 
 
 def test_gemv_grid_lookup_serves_each_m_from_its_measured_row_count_or_the_next():
-    """Rows 17..32 run the GEMV with the grid measured at 17, 24 or 32; a table measured
-    before M = 17 was (a user's cache) serves 17 rows with the 24-row grid, not with the
-    untuned default."""
+    """Rows 17..32 run the GEMV with the launch measured at 17, 24 or 32; a table measured
+    before M = 17 was (a user's cache) serves 17 rows with the 24-row launch, not with the
+    untuned default; a table from before the register stream (two entries per launch)
+    means the shared-memory ring, and a register-stream launch never serves more than 8 rows."""
     from types import SimpleNamespace
 
-    from woq.kernels.ops import GEMV_TUNED_MS, gemv_tuned_grid
+    from woq.kernels.ops import GEMV_RING, GEMV_STREAM, GEMV_TUNED_MS, gemv_tuned_grid
 
-    table = {m: (m % 3 + 1, 100 + m) for m in GEMV_TUNED_MS}
+    table = {m: (m % 3 + 1, 100 + m, GEMV_STREAM if m <= 8 else GEMV_RING) for m in GEMV_TUNED_MS}
     gw = SimpleNamespace(grids=table)
     assert [gemv_tuned_grid(gw, m) for m in (1, 3, 16, 17, 18, 24, 25, 32)] == \
         [table[1], table[4], table[16], table[17], table[24], table[24], table[32], table[32]]
-    old = SimpleNamespace(grids={m: g for m, g in table.items() if m != 17})
-    assert gemv_tuned_grid(old, 17) == table[24] and gemv_tuned_grid(old, 16) == table[16]
-    assert gemv_tuned_grid(SimpleNamespace(grids={}), 5) == (0, 0)
+    old = SimpleNamespace(grids={m: g[:2] for m, g in table.items() if m != 17})
+    assert gemv_tuned_grid(old, 17) == (*table[24][:2], GEMV_RING) and gemv_tuned_grid(old, 3) == (*table[4][:2], GEMV_RING)
+    assert gemv_tuned_grid(SimpleNamespace(grids={}), 5) == (0, 0, GEMV_RING)
+    odd = SimpleNamespace(grids={16: (8, 0, GEMV_STREAM), 17: (2, 50, GEMV_RING)})
+    assert gemv_tuned_grid(odd, 12) == (2, 50, GEMV_RING)

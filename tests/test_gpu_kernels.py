@@ -66,6 +66,50 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
             assert err <= 2 * err_cublas + 1e-6, f"M={M} k_warps={k_warps}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
 
 
+STREAM_FORMATS = list(itertools.product([4, 8], [None, 32, 64, 128, 256], [True, False]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group,sym", STREAM_FORMATS)
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_register_stream_gemv_matches_fp64_for_every_grid(N, K, bits, group, sym, dtype):
+    """The register-stream pipeline (M <= 8): every k-warp count, K whole per block or cut
+    into runs (partials added by each column's last block), every group size; repeated
+    calls give the same bits (counters re-armed, partials added in split order)."""
+    qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=N + K + bits + 1)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    w_lowp = w64.to(dtype)
+    for M in range(1, ops.STREAM_MAX_M + 1):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
+        ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
+        err_cublas = _rel(F.linear(x, w_lowp, bias), ref)
+        for k_warps in (0, *ops.STREAM_K_WARPS):
+            columns = ops.gemv_stream_columns(N, max(k_warps, 1))
+            for blocks in (0, columns, 3 * columns, 1000 * columns):  # (the launcher cuts to whole chunks)
+                _poison_next_alloc(M * N, dtype)
+                y = ops.gemv(x, gw, bias, max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
+                case = f"M={M} k_warps={k_warps} blocks={blocks}"
+                assert y.shape == (M, N) and torch.isfinite(y).all(), f"{case}: unwritten output"
+                err = _rel(y, ref)
+                assert err <= 2 * err_cublas + 1e-6, f"{case}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+                _poison_next_alloc(M * N, dtype)
+                again = ops.gemv(x, gw, bias, max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
+                assert torch.equal(again, y), f"{case}: not deterministic"
+
+
+def test_register_stream_gemv_refuses_what_it_does_not_take():
+    dtype = torch.float16
+    qw, _, _ = _case(256, 512, 4, 128, False, dtype, seed=5)
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        ops.gemv(torch.randn(9, 512, device="cuda", dtype=dtype), gw, pipeline=ops.GEMV_STREAM)
+    with pytest.raises(ValueError, match="k_warps 0 \\(by shape\\), 1, 2, 4 or 8"):
+        ops.gemv(torch.randn(2, 512, device="cuda", dtype=dtype), gw, k_warps=3, pipeline=ops.GEMV_STREAM)
+    with pytest.raises(ValueError, match="k_warps must be 0 \\(by shape\\), 1, 2 or 4"):
+        ops.gemv(torch.randn(2, 512, device="cuda", dtype=dtype), gw, k_warps=8, pipeline=ops.GEMV_RING)
+
+
 @pytest.mark.parametrize("bits,group", [(4, 256), (8, 256), (8, None)])
 @pytest.mark.parametrize("K", [8, 120, 264])
 def test_gemv_stages_past_k_read_no_stale_shared_memory(K, bits, group):
@@ -76,14 +120,19 @@ def test_gemv_stages_past_k_read_no_stale_shared_memory(K, bits, group):
     qw, w64, g = _case(200, K, bits, group, False, dtype, seed=K + bits)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     big = ops.prepare(pack_for_gpu(quantize(torch.randn(4096, 4096, device="cuda"), QuantSpec(bits, group, False)), dtype))
+    launches = [(ops.GEMV_RING, kw) for kw in ops.K_WARPS] + [(ops.GEMV_STREAM, kw) for kw in ops.STREAM_K_WARPS]
     for M in (1, 5, 16):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         ref = x.double() @ w64.T
-        for k_warps in ops.K_WARPS:
-            ops.gemv(torch.full((M, 4096), float("nan"), device="cuda", dtype=dtype), big, k_warps=k_warps)
-            y = ops.gemv(x, gw, k_warps=k_warps)
-            assert torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: stale shared memory reached the output"
-            assert _rel(y, ref) < 2e-3, f"M={M} k_warps={k_warps}"
+        for pipeline, k_warps in launches:
+            if pipeline == ops.GEMV_STREAM and M > ops.STREAM_MAX_M:
+                continue
+            nan_x = torch.full((M, 4096), float("nan"), device="cuda", dtype=dtype)
+            ops.gemv(nan_x, big, k_warps=k_warps, pipeline=pipeline)
+            y = ops.gemv(x, gw, k_warps=k_warps, pipeline=pipeline)
+            case = f"M={M} k_warps={k_warps} pipeline={pipeline}"
+            assert torch.isfinite(y).all(), f"{case}: stale shared memory reached the output"
+            assert _rel(y, ref) < 2e-3, case
 
 
 def test_misaligned_activations_are_realigned_or_refused():
@@ -228,9 +277,9 @@ def test_tuner_on_smaller_gpus_chooses_only_launches_that_fit(gpu):
         if gpu == "T4":
             assert "32" not in entry["grids"] and entry["gemv_max_m"] < 32
         assert entry["grids"], "no GEMV launch chosen"
-        for m, (k_warps, blocks) in entry["grids"].items():
+        for m, (k_warps, blocks, pipeline) in entry["grids"].items():
             x = torch.randn(int(m), 1536, device="cuda", generator=g).to(dtype)
-            y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps)
+            y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps, pipeline=pipeline)
             assert _rel(y, x.double() @ w64.T) < 2e-3, f"M={m}"
         for m, (config, splits) in entry["gemm"].items():
             x = torch.randn(int(m), 1536, device="cuda", generator=g).to(dtype)

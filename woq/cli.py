@@ -121,6 +121,13 @@ class EvalPpl(ModelSettings):
                           "perplexity": round(r.perplexity, 4), "tokens": r.tokens, "windows": r.windows}))
 
 
+def _gemv_launch_cell(launch: list[int]) -> str:
+    """A measured GEMV launch as "k-warps x grid", "s" before it for the register stream
+    (tables from before it hold two entries: the shared-memory ring)."""
+    k_warps, blocks, *pipeline = launch
+    return ("s" if pipeline and pipeline[0] == 1 else "") + f"{k_warps}x{blocks}"
+
+
 class BenchDispatch(ModelSettings):
     """Print (and plot) the measured dispatch table: per weight shape, the GEMV's grid at each
     tuned M, the mixed GEMM's launch per M range, the largest M the GEMV serves and the
@@ -143,7 +150,8 @@ class BenchDispatch(ModelSettings):
                   "(or run with --tune-model on one)")
             return
         for name, table in tables.items():
-            print(f"\n{name}\n(GEMV: k-warps x grid size; mixed GEMM: tile config x split-K, 0: stream-K over one wave; per M range)")
+            print(f"\n{name}\n(GEMV: k-warps x grid size, 's' before it: the register-stream pipeline; mixed GEMM: "
+                  "tile config x split-K, 0: stream-K over one wave; per M range)")
             gemv_ms = sorted({int(m) for e in table.values() for m in e["grids"]})
             ms = sorted({int(m) for e in table.values() for m in e.get("gemm", {})})
             print("| weight (NxK, format, dtype) | " + " | ".join(f"GEMV M<={m}" for m in gemv_ms) + " | "
@@ -151,7 +159,7 @@ class BenchDispatch(ModelSettings):
             print("|---" * (3 + len(gemv_ms) + len(ms)) + "|")
             for key, e in sorted(table.items()):
                 g, p = e["grids"], e.get("gemm", {})
-                cells = ["x".join(map(str, g[str(m)])) if str(m) in g else "-" for m in gemv_ms]
+                cells = [_gemv_launch_cell(g[str(m)]) if str(m) in g else "-" for m in gemv_ms]
                 cells += ["c{}x{}".format(*p[str(m)]) if str(m) in p else "-" for m in ms]
                 print(f"| {key} | " + " | ".join(cells) + f" | {e.get('gemv_max_m', 16)} | {e['max_kernel_m']} |")
         if self.plot:

@@ -73,9 +73,20 @@ void check_activations(const at::Tensor& x, const at::Tensor& scales, const std:
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
-                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, at::Tensor& workspace,
-                at::Tensor& counters) {
+                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
+                at::Tensor& workspace, at::Tensor& counters) {
   check_activations(x, scales, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
+  check(pipeline == 0 || pipeline == 1, "pipeline must be 0 (shared-memory ring) or 1 (register stream), got " + str(pipeline));
+  const bool stream = pipeline == 1;
+  if (stream) {
+    check(x.size(0) <= woq::kGemvStreamMaxRows,
+          "the register-stream GEMV takes 1 to " + str(woq::kGemvStreamMaxRows) + " rows, got " + str(x.size(0)));
+    check(k_warps == 0 || k_warps == 1 || k_warps == 2 || k_warps == 4 || k_warps == 8,
+          "the register-stream GEMV takes k_warps 0 (by shape), 1, 2, 4 or 8, got " + str(k_warps));
+  } else {
+    check(k_warps == 0 || k_warps == 1 || k_warps == 2 || k_warps == 4,
+          "k_warps must be 0 (by shape), 1, 2 or 4, got " + str(k_warps));
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   woq::GemvArgs a;
   a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
@@ -90,10 +101,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   a.y = y.data_ptr();
   a.M = static_cast<int>(x.size(0));
+  check(max_blocks >= 0 && max_blocks <= (1 << 30), "max_blocks must be 0 (by shape) or a grid size, got " + str(max_blocks));
   a.max_blocks = static_cast<int>(max_blocks);
-  check(k_warps == 0 || k_warps == 1 || k_warps == 2 || k_warps == 4,
-        "k_warps must be 0 (by shape), 1, 2 or 4, got " + str(k_warps));
   a.k_warps = static_cast<int>(k_warps);
+  a.pipeline = stream ? woq::GemvPipeline::kRegisterStream : woq::GemvPipeline::kSharedRing;
   a.dtype = dtype_of(x);
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat && workspace.numel() >= 2 * x.size(0) * 128,
         "workspace must be a CUDA float32 tensor of at least 256 * M elements");
@@ -101,11 +112,15 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
         "workspace must be 16-byte aligned (the GEMV reads partial sums as float4)");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt &&
             counters.numel() >= woq::gemv_grid_columns(static_cast<int>(n)),
-        "counters must be a CUDA int32 tensor with one element per 32 output features");
+        "counters must be a CUDA int32 tensor with one element per 16 output features");
   a.workspace = workspace.data_ptr<float>();
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
+  check(!stream || err != cudaErrorInvalidConfiguration,
+        "gemv launch failed: the register stream's x rows do not fit this GPU's shared memory at M=" + str(a.M));
+  check(!stream || err != cudaErrorInvalidValue,
+        "gemv launch failed: the workspace holds too few partial sums for the register stream's split of K");
   check(err != cudaErrorInvalidConfiguration,
         "gemv launch failed: not even a 2-stage ring " +
             (k_warps > 0 ? "of k_warps=" + str(k_warps) + " at M=" + str(a.M) + " fits this GPU's shared memory (fewer k-warps or rows may)"
@@ -178,7 +193,7 @@ void set_shared_memory_limit(int64_t bytes) {
 TORCH_LIBRARY(woq, m) {
   m.def(
       "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
-      "int k, int max_blocks, int k_warps, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+      "int k, int max_blocks, int k_warps, int pipeline, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
   m.def(
       "gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
       "int k, int config, int splits, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");

@@ -11,6 +11,9 @@ namespace woq {
 // gemv_{fp16,bf16}_m32_k{1,2}.cu (M = 17..32).
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
+// Defined in gemv_stream_launch.cuh, instantiated in gemv_stream_{fp16,bf16}_int{4,8}.cu.
+template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
+cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..8}.cu.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream);
@@ -89,6 +92,44 @@ cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
   }
 }
 
+template <typename T, int BITS, int TPB>
+cudaError_t gemv_stream_by_group(const GemvArgs& a, cudaStream_t stream) {
+  const bool z = a.weight.zeros != nullptr;
+  switch (a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size) {
+#define WOQ_CASE(G)                                                                 \
+  case G:                                                                           \
+    return z ? gemv_stream_launch<T, BITS, TPB, G, true>(a, stream)                 \
+             : gemv_stream_launch<T, BITS, TPB, G, false>(a, stream);
+    WOQ_CASE(0)
+    WOQ_CASE(32)
+    WOQ_CASE(64)
+    WOQ_CASE(128)
+    WOQ_CASE(256)
+#undef WOQ_CASE
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The register stream's k-warps when the caller leaves them to us: the fewest whose
+// columns (8 / k_warps n-tiles each) give two blocks per SM without splitting K.
+template <typename T, int BITS>
+cudaError_t gemv_stream_by_k_warps(const GemvArgs& a, cudaStream_t stream) {
+  int k_warps = a.k_warps;
+  if (k_warps == 0) {
+    const int n_tiles = (a.weight.N + 15) / 16;
+    k_warps = kGemvWarps;
+    for (int kw = 1; kw < kGemvWarps; kw *= 2)
+      if (k_warps == kGemvWarps && (n_tiles + kGemvWarps / kw - 1) / (kGemvWarps / kw) >= 2 * gemv_sm_count()) k_warps = kw;
+  }
+  switch (k_warps) {
+    case 1: return gemv_stream_by_group<T, BITS, 8>(a, stream);
+    case 2: return gemv_stream_by_group<T, BITS, 4>(a, stream);
+    case 4: return gemv_stream_by_group<T, BITS, 2>(a, stream);
+    case 8: return gemv_stream_by_group<T, BITS, 1>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T, int BITS, int CFG>
 cudaError_t gemm_by_group(const GemmArgs& a, cudaStream_t stream) {
   const bool z = a.weight.zeros != nullptr;
@@ -135,6 +176,8 @@ cudaError_t gemm_by_config(const GemmArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t gemv_by_bits(const GemvArgs& a, cudaStream_t stream) {
+  if (a.pipeline == GemvPipeline::kRegisterStream)
+    return a.weight.bits == 4 ? gemv_stream_by_k_warps<T, 4>(a, stream) : gemv_stream_by_k_warps<T, 8>(a, stream);
   return a.weight.bits == 4 ? gemv_by_m<T, 4>(a, stream) : gemv_by_m<T, 8>(a, stream);
 }
 
@@ -168,10 +211,7 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
 
 }  // namespace
 
-int gemv_grid_columns(int N) {
-  const int tiles_per_column = kGemvWarps / kGemvMaxKWarps;  // the narrowest columns
-  return ((N + 15) / 16 + tiles_per_column - 1) / tiles_per_column;
-}
+int gemv_grid_columns(int N) { return (N + 15) / 16; }
 
 int device_cc_major() {
   int dev = 0, major = 0;
@@ -237,6 +277,7 @@ int gemv_sm_count() {
 
 cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (!valid_weight(a.weight, a.dtype) || a.M < 1 || a.M > kGemvMaxM) return cudaErrorInvalidValue;
+  if (a.pipeline == GemvPipeline::kRegisterStream && a.M > kGemvStreamMaxRows) return cudaErrorInvalidValue;
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);

@@ -25,15 +25,23 @@ struct PackedWeight {
 constexpr int kGemvAnyWeightMaxRows = 16;
 constexpr int kGemvMaxRows = 32;
 
+// How the GEMV's weights reach the tensor cores: through a shared-memory ring of cp.async
+// stages (gemv.cuh; any M the GEMV takes), or streamed by each warp into registers
+// (gemv_stream.cuh; M <= 8). The tuner measures both per shape and M.
+enum class GemvPipeline : int { kSharedRing = 0, kRegisterStream = 1 };
+constexpr int kGemvStreamMaxRows = 8;
+
 struct GemvArgs {
   PackedWeight weight;
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
   const void* bias;  // [N] or nullptr
   void* y;           // [M, N]
-  int M;                   // 1..32 (17..32: per-channel, g64 and g128 weights only)
-  int max_blocks;          // grid size; 0 = one resident wave (blocks per SM x SMs)
-  int k_warps;             // warps splitting each n-tile's K: 1, 2, 4 (M > 16: 1, 2); 0 = by shape
-  float* workspace;        // partial column sums: 2 * M * (column channels: 128, or 256 at M > 16 and 1 k-warp) floats per block
+  int M;                   // 1..32 (17..32: per-channel, g64 and g128 weights only; register stream: 1..8)
+  int max_blocks;          // grid size; 0 = one resident wave (ring) / about 2 blocks per SM (stream)
+  int k_warps;             // warps splitting each n-tile's K: ring 1, 2, 4 (M > 16: 1, 2); stream 1, 2, 4, 8; 0 = by shape
+  GemvPipeline pipeline;
+  float* workspace;        // partial column sums: ring 2 * M * (column channels: 128, or 256 at M > 16 and 1 k-warp)
+                           // floats per block; stream M * 128 / k_warps per block
   long long workspace_floats;
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
@@ -61,8 +69,8 @@ struct DequantArgs {
   DType dtype;
 };
 
-// Columns of the narrowest kind (2 n-tiles, 32 output channels, at 4 k-warps): the number
-// of counters the GEMV needs.
+// Columns of the narrowest kind (one n-tile of 16 output channels: the register stream at 8
+// k-warps): the number of counters the GEMV needs.
 int gemv_grid_columns(int N);
 // Multiprocessors of the current device (cached).
 int gemv_sm_count();
