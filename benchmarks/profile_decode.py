@@ -40,7 +40,7 @@ from woq.models.llama import Batch  # noqa: E402
 
 # (group, regex on the kernel name), first match wins
 GROUPS = [
-    ("linear: woq GEMV", r"gemv_kernel"),
+    ("linear: woq GEMV", r"gemv_kernel|gemv_stream_kernel"),
     ("linear: woq mixed GEMM", r"woq::gemm_kernel"),
     ("lm_head / dense: cuBLAS", r"gemm|gemv2|sm90|sm80|cutlass|cublas|Kernel2|splitK"),
     ("attention, with RoPE + KV write (Triton)", r"_decode_attention"),

@@ -33,7 +33,16 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   const long long ws_splits = a.workspace_floats / (static_cast<long long>(columns) * a.M * 16 * TPB);
   int splits = a.max_blocks > 0 ? a.max_blocks / columns : 2 * gemv_sm_count() / columns;
   plan(static_cast<int>(std::max(1LL, std::min<long long>(splits, ws_splits))));
-  const int limit = shared_memory_budget().per_block - static_smem_bytes(kernel);
+  // The per-block shared-memory limit, queried once per budget (set_shared_memory_limit):
+  // three attribute queries per call would be host time on every eager decode step.
+  static std::atomic<unsigned long long> limit_word{0};  // (generation + 1) << 32 | limit
+  const unsigned long long generation = static_cast<unsigned long long>(shared_memory_generation()) + 1;
+  unsigned long long word = limit_word.load(std::memory_order_relaxed);
+  if ((word >> 32) != generation) {
+    word = generation << 32 | static_cast<unsigned>(shared_memory_budget().per_block - static_smem_bytes(kernel));
+    limit_word.store(word, std::memory_order_relaxed);
+  }
+  const int limit = static_cast<int>(word & 0xffffffffu);
   while (Smem::bytes(a.M, p.warp_chunks) > limit && p.warp_chunks > 1) plan(2 * p.splits);
   const int smem = Smem::bytes(a.M, p.warp_chunks);
   if (smem > limit) return cudaErrorInvalidConfiguration;
