@@ -4,9 +4,9 @@
 // pipeline), with the weights' way to the tensor cores shortened. In the ring, every lane
 // cp.asyncs its own 16 bytes of each 512-byte segment into shared memory, the block
 // meets at a barrier per stage, and each lane reads back exactly what it copied: the
-// shared memory is only a deep asynchronous buffer. ncu on the ring at M = 1 (28672 x
-// 8192 int4) counted barrier (1.9 cycles per issue) and MIO-throttle (1.7) stalls next
-// to the long-scoreboard ones the loads themselves cause. Here each warp streams its own
+// shared memory is only a deep asynchronous buffer. ncu on an earlier build of the ring
+// at M = 1 (28672 x 8192 int4) counted barrier (1.9 cycles per issue) and MIO-throttle
+// (1.7) stalls next to the long-scoreboard ones the loads themselves cause. Here each warp streams its own
 // weights straight into registers -- 16-byte `ld.global.nc` loads, a whole chunk of
 // segments of them in flight while the previous chunk is converted and multiplied -- so
 // no warp waits for another and no weight byte crosses shared memory. Only x (M rows of
@@ -29,7 +29,11 @@
 // a warp's whole share.
 //
 // M <= 8 (one 8-row B operand). The tuner (kernels/tuning.py) measures this pipeline
-// against the ring per shape and M and keeps the faster.
+// against the ring per shape and M and keeps the faster. H100, best launch of each, us
+// (docs/bench/gemv_stream_ab.md): 28672 x 8192 int4 M = 1 46.9 -> 43.2, 4096 x 4096 6.4 ->
+// 5.2, 6144 x 4096 7.0 -> 7.5 (the ring kept there), int8 28672 x 8192 82.4 -> 77.3. Built
+// for 9..16 rows too, it lost by up to 1.5x on the large shapes
+// (docs/bench/gemv_stream_m16_tried.md).
 #pragma once
 
 #include <cstdint>

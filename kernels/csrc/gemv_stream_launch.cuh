@@ -14,7 +14,7 @@ namespace woq {
 // The grid: columns of TPB n-tiles x `splits` runs of K. a.max_blocks asks for a grid
 // (splits = max_blocks / columns; 0: about two blocks per SM). The splits are then cut
 // to whole chunks per warp, to what the workspace holds, and raised until the block's x
-// range fits the shared memory (an int4 x row of 14336 k at M = 8 is 229 KB).
+// range fits the shared memory (8 rows of x over 14336 k are 229 KB).
 template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
 cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   using Smem = StreamSmem<T, BITS, TPB, GROUP>;
