@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize model e2e enginetests engine profile ablation prefill overhead pdlab serving bench msweep
-#           grid gemmcfg gemmtest pytest variants probe ncu stalls sass gdb tune aot gptq
+#           grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -44,7 +44,7 @@ for stage in "$@"; do
     profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
     ablation) run ablation $PY benchmarks/profile_decode.py --ablation --models "${ABLATION_MODELS:-llama3-8b}" --out "$OUT" ${ABLATION_ARGS:-} ;;
     prefill) run prefill $PY benchmarks/prefill_host.py --out "$OUT" ${PREFILL_ARGS:-} ;;
-    overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ;;
+    overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ${OVERHEAD_ARGS:-} ;;
     pdlab) run pdlab $PY benchmarks/engine.py --pdl-ab --out "$OUT" ;;
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
       run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); assert ops.wgmma_configs_available(), \"no sm_90a code in the AOT library\"; print(\"AOT library loaded, no JIT build, wgmma configurations available\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
@@ -72,6 +72,7 @@ for stage in "$@"; do
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed_pipe_tensor.*sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
            $PY benchmarks/profile_gemv.py ${NCU_SHAPE:-28672 8192 1 4} ;;
     sass) run sass bash -c 'cuobjdump --dump-sass "$(find "$WOQ_CACHE/torch_extensions" -name "*.so" | head -1)"' ;;
+    opcodes) run opcodes $PY benchmarks/sass_opcodes.py ${SASS_KERNELS:?SASS_KERNELS: kernel names, e.g. the .entry names of the PTX} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -30,7 +30,7 @@ from engine import CONTEXT, NEW, PROMPT, configs, decode_tps, random_state, weig
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from woq.engine.engine import Engine  # noqa: E402
-from woq.engine.sampling import SamplingParams  # noqa: E402
+from woq.engine.sampling import SamplingParams, greedy  # noqa: E402
 from woq.kernels import pdl  # noqa: E402
 from woq.kernels.timing import graph_time_us  # noqa: E402
 from woq.models import llama  # noqa: E402
@@ -48,7 +48,7 @@ GROUPS = [
     ("RoPE + KV write (fused)", r"_rope_and_cache"),
     ("SiLU * up (fused)", r"_silu_mul"),
     ("embedding", r"embedding|indexSelect"),
-    ("argmax / sampling", r"argmax|reduce_kernel.*ArgMax"),
+    ("argmax / sampling", r"argmax|reduce_kernel.*ArgMax|_chunk_max_kernel|_first_chunk_kernel"),
     ("torch elementwise / copies / indexing", r"."),
 ]
 
@@ -72,7 +72,7 @@ def eager_kernels(model, cache, ids, pos, slots) -> dict[str, dict]:
 
     def step():
         logits = model(ids, Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)
-        return logits.argmax(-1)
+        return greedy(logits)  # (the engine's greedy pick)
 
     return kernels_of(step)
 

@@ -13,7 +13,7 @@ One background thread owns the model and the KV cache and loops:
    steps in between;
 2. run one decode step for every running sequence together (one forward, M = batch; on
    CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
-   with an eager step every ``profile_every`` steps so kernel timings keep flowing);
+   with one eager step every ``profile_interval`` seconds so kernel timings keep flowing);
 3. sample every row in one pass on the device (only the new ids come back to the host),
    hand each request its new text through its sink, and free the slots of finished or
    cancelled requests.
@@ -58,7 +58,7 @@ import torch
 from ..models.kv_cache import KVCache
 from ..models.llama import Batch, CausalLM
 from .detokenizer import TextStream
-from .sampling import SamplingParams, sample_some
+from .sampling import SamplingParams, greedy, sample_some
 
 log = logging.getLogger("woq.engine")
 
@@ -187,7 +187,8 @@ class Engine:
         observer: EngineObserver | None = None,
         cuda_graphs: bool = True,
         prefill_graphs: bool = True,
-        profile_every: int = 0,
+        profile_interval: float = 0.0,
+        profile_min_steps: int = 256,
         gpu_memory_fraction: float | None = None,
     ):
         self.model = model
@@ -225,9 +226,20 @@ class Engine:
             if prefill_graphs:
                 self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens))
                 self.prefill_graphs.capture()
-        # Every profile_every-th decode step runs eagerly, so that per-kernel timings (which
-        # a graph replay cannot observe) keep flowing to the metrics; 0 = never.
-        self.profile_every = profile_every
+        # One decode step every profile_interval seconds runs eagerly, so that per-kernel
+        # timings (which a graph replay cannot observe) keep flowing to the metrics; 0 =
+        # never. By time, not by step count: an eager step costs about the same for any
+        # model (its ~250 launches queued one by one from Python), a graph step does not.
+        # H100, batch 1 (docs/bench/metrics_overhead_*.md): eager 18.9 ms against a graph
+        # replay's 0.58 ms for SmolLM2, 20.5 against 2.4 ms for the 8B -- one eager step in
+        # 256 (the former default) was ~12 % of SmolLM2's decode time, one per 10 s is 0.2 %.
+        # And only after profile_min_steps graph steps: a server idle between requests
+        # would otherwise put one ~20 ms step into every request that follows a pause.
+        self.profile_interval = profile_interval
+        self.profile_min_steps = profile_min_steps
+        self._profile_at = time.monotonic() + profile_interval
+        self._graph_steps = 0  # since the last eager step for the metrics
+        self.profile_steps = 0  # eager steps taken for the metrics
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -430,13 +442,24 @@ class Engine:
         self._deliver()  # the previous step's events, while the GPU works
         self._accept_all(seqs, step.token_ids())
 
+    def _profile_due(self) -> bool:
+        """Whether the next decode step should run eagerly, for the kernel metrics."""
+        return (self.profile_interval > 0 and self._graph_steps >= self.profile_min_steps
+                and time.monotonic() >= self._profile_at)
+
     def _launch_step(self, seqs: list[_Sequence]) -> _Launched:
         """Queue one decode step for ``seqs`` from the host's state."""
         dev = self.model.device
         ids = torch.tensor([[s.generated[-1]] for s in seqs], device=dev)
         positions = torch.tensor([[s.next_position] for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        graph = self.graphs is not None and not (self.profile_every and (self.steps + 1) % self.profile_every == 0)
+        graph = self.graphs is not None and not self._profile_due()
+        if graph:
+            self._graph_steps += 1
+        elif self.graphs is not None:
+            self.profile_steps += 1
+            self._graph_steps = 0
+            self._profile_at = time.monotonic() + self.profile_interval
         if graph:
             logits = self.graphs.run(ids, positions, slots)
         elif dev.type == "cuda":
@@ -450,6 +473,7 @@ class Engine:
     def _launch_next_step(self, step: _Launched) -> _Launched:
         """Queue the step after ``step`` for the same sequences, fed on the device with its ids."""
         logits = self.graphs.run_next(step.tokens)
+        self._graph_steps += 1
         sampling = step.sampling
         if sampling is not None:  # the draw's step counter: one token further
             sampling = (*sampling[:-1], sampling[-1] + 1)
@@ -462,7 +486,7 @@ class Engine:
             return False
         if self.prefilling or (self.waiting and self.free_slots):  # a newcomer is prefilled first
             return False
-        if self.profile_every and (self.steps + 1) % self.profile_every == 0:  # an eager step next
+        if self._profile_due():  # an eager step next
             return False
         # no sequence ends by length with this step's token (its next step would be past it)
         return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len
@@ -482,7 +506,7 @@ class Engine:
     def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None,
                       graph: bool) -> _Launched:
         """Sample ``logits`` on the device and queue the ids' copy to the host."""
-        tokens = logits.argmax(-1) if sampling is None else sample_some(logits, *sampling)
+        tokens = greedy(logits) if sampling is None else sample_some(logits, *sampling)
         host = ready = None
         if self._pinned:
             host = self._pinned[self._pinned_next]

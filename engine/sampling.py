@@ -69,6 +69,15 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``; on CUDA spread over the GPU (``kernels/argmax.py``)."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1:
+        from ..kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
+    return logits.argmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -79,7 +88,7 @@ def sample(
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits`` ``[B, V]`` and per-row parameters."""
     if bool(((temperature == 0) | (top_k == 1)).all()):
-        return logits.argmax(-1)
+        return greedy(logits)
     return sample_some(logits, temperature, top_k, top_p, seeds, steps)
 
 
@@ -95,7 +104,7 @@ def sample_some(
     look at the device values, so nothing waits for the GPU (the engine queues the next
     decode step before this step's tokens are read)."""
     logits = logits.float()
-    greedy = (temperature == 0) | (top_k == 1)
+    is_greedy = (temperature == 0) | (top_k == 1)
     B, V = logits.shape
     scaled = logits / temperature.clamp(min=1e-5)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -110,4 +119,4 @@ def sample_some(
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, V)))
     choice = (filtered + gumbel.gather(1, order)).argmax(-1)
     sampled = order.gather(1, choice[:, None]).squeeze(1)
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    return torch.where(is_greedy, greedy(logits), sampled)

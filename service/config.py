@@ -68,7 +68,8 @@ class ServeSettings(ModelSettings):
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")
     prefill_graphs: bool = Field(True, description="with --cuda-graphs: replay prefills of whole prompts up to "
                                  "512 tokens in all through CUDA graphs too")
-    profile_every: int = Field(256, ge=0, description="run every N-th graph decode step eagerly, timing its kernels")
+    profile_interval: float = Field(10.0, ge=0, description="with --cuda-graphs: one decode step every this many "
+                                    "seconds (and 256 graph steps) runs eagerly, timing its kernels (0: never)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may take, queueing included (504)")

@@ -47,7 +47,7 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
     engine = Engine(loaded.model, loaded.tokenizer, eos_token_ids(loaded), max_batch_size=settings.max_batch_size,
                     max_queue=settings.max_queue, max_seq_len=settings.max_seq_len,
                     max_prefill_tokens=settings.max_prefill_tokens, observer=metrics, cuda_graphs=settings.cuda_graphs,
-                    prefill_graphs=settings.prefill_graphs, profile_every=settings.profile_every,
+                    prefill_graphs=settings.prefill_graphs, profile_interval=settings.profile_interval,
                     gpu_memory_fraction=settings.gpu_memory_fraction).start()
     metrics.bind_engine(engine)
     dispatch.set_observer(metrics, sample_every=settings.kernel_timing_every)

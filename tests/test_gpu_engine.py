@@ -233,6 +233,40 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     assert eager_eng.look_ahead_steps == 0
 
 
+@pytest.mark.parametrize("interval,min_steps,eager_steps", [(0.0, 0, 0), (3600.0, 0, 0), (1e-9, 0, 5), (1e-9, 3, 1)])
+def test_eager_profile_steps_feed_the_kernel_metrics(interval, min_steps, eager_steps):
+    """Graph replays never reach the dispatcher, so the engine runs a decode step eagerly
+    every ``profile_interval`` seconds, once ``profile_min_steps`` graph steps ran since
+    the last one, for the kernel metrics: none with 0 or an hour (nothing is observed: the
+    prefill is a graph replay too), every step with 1 ns and no minimum, the 4th of 5 with
+    a minimum of 3 graph steps; each such step times its GEMV calls."""
+    from conftest import random_llama
+    from woq.models import dispatch
+
+    model = random_llama(torch.float16, "cuda", 256)
+    eng = Engine(model, None, set(), max_batch_size=2, max_seq_len=256, profile_interval=interval,
+                 profile_min_steps=min_steps)  # (captures the graphs)
+    seen = []
+
+    class Recorder:
+        def record(self, call, seconds):
+            seen.append((call, seconds))
+
+    dispatch.set_observer(Recorder())
+    try:
+        out = eng.start().generate(list(range(1, 20)), SamplingParams(max_tokens=6, ignore_eos=True))
+        dispatch.flush_observer()
+    finally:
+        dispatch.set_observer(None)
+        eng.shutdown()
+    assert len(out.token_ids) == 6  # (5 decode steps: the first token comes from the prefill)
+    assert eng.profile_steps == eager_steps
+    gemv = [s for c, s in seen if c.m == 1 and c.path == dispatch.GEMV]
+    assert len(gemv) == eager_steps * 4 * 3  # qkv, o, gate_up, down of 3 layers per eager step
+    assert all(s is not None and 0 < s < 1 for s in gemv)
+    assert len(seen) == len(gemv) + eager_steps  # and the LM head, nothing else
+
+
 @pytest.mark.slow
 def test_no_kv_slot_leak_after_1000_requests(smollm2_gpu):
     lm = smollm2_gpu

@@ -193,3 +193,27 @@ def test_chunked_prefill_matches_an_fp32_cpu_model(dtype):
                  cache, last_only=True).cpu()
     ref = torch.stack([cpu(prompt[None])[0, -1], cpu(other[None])[0, -1]])
     assert (ours - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("vocab", [100, 2048, 49152, 50257, 128256])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype, vocab, rows):
+    """The split greedy argmax (kernels/argmax.py) picks what torch.argmax picks on the CPU:
+    the first index of each row's maximum, with the maximum planted twice in some rows
+    (in one chunk, in two chunks, at the row's two ends) and a NaN in one row (NaN is
+    the largest, as in torch)."""
+    from woq.kernels.argmax import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab + rows)
+    x = torch.randn(rows, vocab, generator=g).to(dtype)
+    top = x.float().max() + 1
+    pairs = [(5, 9), (3, vocab - 7), (0, vocab - 1)]
+    for r, (i, j) in zip(range(rows), pairs):
+        x[r, i] = x[r, j] = top
+    if rows > 1:
+        x[-1, vocab // 2] = float("nan")
+    want = x.argmax(-1)  # (CPU torch: the reference)
+    y = x.cuda()
+    assert torch.equal(argmax_rows(y).cpu(), want)
+    assert torch.equal(argmax_rows(y[:, :]), y.argmax(-1))  # torch's CUDA argmax agrees too

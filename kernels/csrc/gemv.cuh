@@ -97,6 +97,9 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 16 * kTile
 #ifndef WOQ_GEMV_NARROW_NT  // n-tiles per warp at MB = 1, 2 (see gemv_tiles_per_warp)
 #define WOQ_GEMV_NARROW_NT 1
 #endif
+#ifndef WOQ_GEMV_MB2_NT  // the same at MB = 2 (M = 9..16) and one k-warp
+#define WOQ_GEMV_MB2_NT WOQ_GEMV_NARROW_NT
+#endif
 #ifndef WOQ_GEMV_WIDE_NT  // the same for MB = 3, 4 at 1 k-warp
 #define WOQ_GEMV_WIDE_NT 2
 #endif
@@ -195,9 +198,21 @@ __host__ __device__ constexpr int groups_per_stage() {
 // memory (RTX 30/40, L4) run the GEMV up to ~24 rows and the mixed GEMM above. Kept at 1
 // where a stage's group scales would need more than one copy per thread (the scale fetch
 // does one).
+// At 9..16 rows (MB = 2) two n-tiles were measured too and are not worth it: a stage of
+// ~42 KB at int4, so one block per SM; the large shapes gain under 1 us (about the spread
+// of two runs of one build), the small ones lose up to 2. H100, gemv_variants.py ""
+// -DWOQ_GEMV_MB2_NT=2, best grid, M = 16, us, 1 / 2: int4 28672 x 8192 59.0 / 58.4,
+// 21504 x 14336 72.9 / 72.0, 14336 x 4096 17.8 / 19.4, 4096 x 14336 18.9 / 20.9; int8
+// 28672 x 8192 92.8 / 93.6, 21504 x 14336 121.1 / 123.9. (Also tried and dropped:
+// starting each group's partial sums with a zero-accumulator mma instead of clearing them
+// after the group -- 40 SASS instructions more, not fewer, and int4 M = 16 ~1 us slower
+// on both large shapes.)
 template <int BITS, int MB, int KW, int GROUP, bool ZEROS>
 __host__ __device__ constexpr int gemv_tiles_per_warp() {
-  constexpr int wanted = MB <= 2 ? WOQ_GEMV_NARROW_NT : KW == 1 ? WOQ_GEMV_WIDE_NT : WOQ_GEMV_WIDE_KW2_NT;
+  constexpr int wanted = MB == 2 && KW == 1 ? WOQ_GEMV_MB2_NT
+                         : MB <= 2           ? WOQ_GEMV_NARROW_NT
+                         : KW == 1           ? WOQ_GEMV_WIDE_NT
+                                             : WOQ_GEMV_WIDE_KW2_NT;
   constexpr int copies = wanted * TileShape<BITS, KW>::kTiles * groups_per_stage<BITS, KW, GROUP>() * 2 * (ZEROS ? 2 : 1);
   return copies <= kGemvWarps * 32 ? wanted : 1;
 }
