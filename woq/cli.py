@@ -124,8 +124,10 @@ class EvalPpl(ModelSettings):
 def _gemv_launch_cell(launch: list[int]) -> str:
     """A measured GEMV launch as "k-warps x grid", "s" before it for the register stream
     (tables from before it hold two entries: the shared-memory ring)."""
+    from woq.kernels.ops import GEMV_STREAM
+
     k_warps, blocks, *pipeline = launch
-    return ("s" if pipeline and pipeline[0] == 1 else "") + f"{k_warps}x{blocks}"
+    return ("s" if pipeline and pipeline[0] == GEMV_STREAM else "") + f"{k_warps}x{blocks}"
 
 
 class BenchDispatch(ModelSettings):

@@ -42,8 +42,6 @@
 
 namespace woq {
 
-constexpr int kGemvStreamMaxM = 8;
-
 // Segments (16-byte lane loads) per chunk. Build-time so that benchmarks/gemv_variants.py
 // can time others (WOQ_NVCC_FLAGS="-DWOQ_STREAM_CHUNK=4").
 #ifndef WOQ_STREAM_CHUNK

@@ -20,7 +20,6 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   using Smem = StreamSmem<T, BITS, TPB, GROUP>;
   constexpr int KW = Smem::kKW, CH = stream_chunk<BITS, GROUP>();
   auto kernel = gemv_stream_kernel<T, BITS, TPB, GROUP, ZEROS>;
-  if (a.M < 1 || a.M > kGemvStreamMaxM) return cudaErrorInvalidValue;
   GemvStreamParams p;
   set_operands(p, a);
   p.ktiles = a.weight.K_pad / TileShape<BITS>::kK;
@@ -35,14 +34,9 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   plan(static_cast<int>(std::max(1LL, std::min<long long>(splits, ws_splits))));
   // The per-block shared-memory limit, queried once per budget (set_shared_memory_limit):
   // three attribute queries per call would be host time on every eager decode step.
-  static std::atomic<unsigned long long> limit_word{0};  // (generation + 1) << 32 | limit
-  const unsigned long long generation = static_cast<unsigned long long>(shared_memory_generation()) + 1;
-  unsigned long long word = limit_word.load(std::memory_order_relaxed);
-  if ((word >> 32) != generation) {
-    word = generation << 32 | static_cast<unsigned>(shared_memory_budget().per_block - static_smem_bytes(kernel));
-    limit_word.store(word, std::memory_order_relaxed);
-  }
-  const int limit = static_cast<int>(word & 0xffffffffu);
+  static BudgetCached limit_cache;
+  const int limit = static_cast<int>(limit_cache.get(
+      [&] { return static_cast<uint32_t>(shared_memory_budget().per_block - static_smem_bytes(kernel)); }));
   while (Smem::bytes(a.M, p.warp_chunks) > limit && p.warp_chunks > 1) plan(2 * p.splits);
   const int smem = Smem::bytes(a.M, p.warp_chunks);
   if (smem > limit) return cudaErrorInvalidConfiguration;

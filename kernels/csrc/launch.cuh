@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 
 #include "woq_kernels.h"
 
@@ -132,24 +133,40 @@ struct LaunchPlan {
   int stages, resident;
 };
 
-// One cached LaunchPlan, planned on first use and again after the shared-memory budget
-// changes (woq_kernels.h). Packed in one atomic word: launches may come from several
-// host threads, and a plan is cheap to recompute if two of them race.
-class PlanCache {
+// A 32-bit value worked out from the shared-memory budget, on first use and again after
+// the budget changes (woq_kernels.h). Tagged with the budget's generation in one atomic
+// word: launches may come from several host threads, and the value is cheap to recompute
+// if two of them race.
+class BudgetCached {
  public:
-  template <typename Plan>
-  LaunchPlan get(Plan plan) {
+  template <typename Compute>
+  uint32_t get(Compute compute) {
     const unsigned long long tag = static_cast<unsigned long long>(shared_memory_generation()) + 1;
     const unsigned long long w = word_.load(std::memory_order_relaxed);
-    if ((w >> 32) == tag) return {static_cast<int>((w >> 16) & 0xffff), static_cast<int>(w & 0xffff)};
-    const LaunchPlan p = plan();
-    word_.store((tag << 32) | (static_cast<unsigned long long>(p.stages) << 16) | static_cast<unsigned>(p.resident),
-                std::memory_order_relaxed);
-    return p;
+    if ((w >> 32) == tag) return static_cast<uint32_t>(w);
+    const uint32_t v = compute();
+    word_.store((tag << 32) | v, std::memory_order_relaxed);
+    return v;
   }
 
  private:
   std::atomic<unsigned long long> word_{0};
+};
+
+// One cached LaunchPlan (stages and resident blocks, 16 bits each).
+class PlanCache {
+ public:
+  template <typename Plan>
+  LaunchPlan get(Plan plan) {
+    const uint32_t w = cache_.get([&] {
+      const LaunchPlan p = plan();
+      return (static_cast<uint32_t>(p.stages) << 16) | static_cast<uint32_t>(p.resident);
+    });
+    return {static_cast<int>(w >> 16), static_cast<int>(w & 0xffff)};
+  }
+
+ private:
+  BudgetCached cache_;
 };
 
 // Launch `kernel<<<blocks, threads, smem, stream>>>(params)`, programmatically dependent
