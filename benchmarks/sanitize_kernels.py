@@ -1,8 +1,8 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
 columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..32 (1 to 4 row blocks); the register-stream GEMV
-(M <= 8) at 1, 2, 4, 8 k-warps with K whole or cut between blocks; the mixed GEMM's three tile
-configurations with and without split-K, M tails; shallower rings under smaller GPUs'
-shared memory. Run by benchmarks/gpu_check.sh under the sanitizer."""
+(M <= 8) at 1, 2, 4, 8 k-warps with K whole or cut between blocks; the mixed GEMM's mma tile
+configurations and, where built (an H100's sm_90a), its wgmma ones, with and without split-K,
+tiles cut between blocks, M tails; shallower rings under smaller GPUs' shared memory. Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
 import torch
@@ -25,7 +25,10 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     for M, blocks, k_warps in [(1, 0, 0), (8, 0, 8), (3, 7, 1), (5, 1000, 4), (2, 3, 2), (1, 1000, 8)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
-    for M, config, splits in [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]:
+    gemm_launches = [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]
+    if ops.wgmma_configs_available():
+        gemm_launches += [(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2), (200, 8, 0), (129, 8, 1)]
+    for M, config, splits in gemm_launches:
         ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  config=config, splits=splits)
     ops.dequantize(gw)

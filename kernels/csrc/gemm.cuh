@@ -55,13 +55,21 @@
 //
 // Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, 28672 x 8192, stream-K, us,
 // best mma config -> best wgmma config): M = 32 82.6 -> 68.0; M = 64 126.9 -> 90.9; M = 128
-// 231.6 -> 164.4; M = 256 457.2 -> 310.8; M = 512 961.6 -> 593.3. Still far from the tensor
-// peak (M = 128: ~370 TFLOP/s of ~990): one block of 8 warps per SM issues the copies, the
-// conversions and the wgmma in one instruction stream each, with 2 warps per scheduler to
-// hide their latencies. Tried without effect: 1 vs 4 wgmma groups in flight, and keeping
-// the tensor cores busy through the stage barrier (both kept: they cost nothing). Next
-// steps: warp specialization (a producer warp with TMA, two consumer warpgroups) and
-// bigger tiles per SM.
+// 231.6 -> 164.4; M = 256 457.2 -> 310.8; M = 512 961.6 -> 593.3. Those wgmma times had the
+// tensor cores drain at every stage: ptxas waited for all wgmma groups at the back edge of
+// the main loop (see the main loop). With that gone, 28672 x 8192 int4 g128, dispatched
+// (docs/bench/kernels_msweep.md, previous build -> this one, us): M = 32 68.0 -> 65.9, M = 64
+// 88.7 -> 82.3, M = 128 154.4 -> 130.0, M = 256 284.6 -> 256.6; int8 M = 256 362.2 -> 291.7;
+// 21504 x 14336 int4 M = 128 200.8 -> 173.9. Still far from the tensor peak (M = 128: ~460
+// TFLOP/s of ~990): one block of 8 warps per SM issues the copies, the conversions and the
+// wgmma in one instruction stream each, with 2 warps per scheduler to hide their
+// latencies. Measured with the drain still there: 1, 2 and 4 wgmma groups in flight ran
+// alike, and so did keeping the tensor cores busy through the stage barrier (both kept:
+// they cost nothing); config 5 built for two blocks per SM (128 registers instead of 241:
+// ~100 bytes of spills) was slower, M = 32, gemm_configs.py, us: 28672 x 8192 int4 69.2 ->
+// 93.2, 21504 x 14336 85.0 -> 116.6, and with 2 groups in flight (<= 48 bytes of spills)
+// 72.9 and 88.2. Next steps: warp specialization (a
+// producer warp with TMA, two consumer warpgroups) and bigger tiles per SM.
 //
 // Group scales are applied to the converted weights, not to the accumulators:
 // (code - z) is an exact small integer and the scale a T, so their product is exact in
@@ -538,8 +546,8 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // complete (compute_wgmma leaves at most kWgmmaInFlight - 1 in flight, all its own):
   // the tensor cores keep working through the barrier instead of draining at every stage.
   const int ahead = p.stages - 1 - (Shape::kWgmma ? 1 : 0);
-  int tile = L_begin / p.nstages, st = L_begin % p.nstages;
-  UnitPos fetch_pos{tile % p.m_tiles, tile / p.m_tiles, st};  // the next unit to fetch
+  const int tile_begin = L_begin / p.nstages;
+  UnitPos fetch_pos{tile_begin % p.m_tiles, tile_begin / p.m_tiles, L_begin % p.nstages};  // the next unit to fetch
   allow_dependent_launch();
   {
     UnitPos u = fetch_pos;
@@ -558,34 +566,39 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       cp_async_commit();
     }
   }
-  int segment_start = L_begin;  // the first unit of this block in the current tile
-  enter_tile(tile);
+  // Two loops: over the tiles of this block's run, and over the units (stages) of one
+  // tile. The inner loop touches the accumulators only through the MMAs, so with wgmma
+  // its back edge carries them in flight: when one loop held both, the tile's end
+  // (finish_tile reads the accumulators, enter_tile zeroes them) sat under a branch inside
+  // it, and ptxas made every iteration wait for all wgmma groups at the back edge
+  // ("warpgroup.wait is injected ... to allow use of registers defined by GMMA", C7517):
+  // the tensor cores drained at every stage.
   int slot = 0;
-  for (int L = L_begin; L < L_end; ++L) {
-    cp_async_wait_dynamic<kGemmMaxStages - 2>(ahead - 1);
-    if constexpr (Shape::kWgmma) fence_proxy_async_shared();  // this stage's cp.async data, read by wgmma
-    __syncthreads();  // unit L visible to all; the slot to refill free (see above)
-    if (L + ahead < L_end) {
-      const int ahead_slot = slot + ahead < p.stages ? slot + ahead : slot + ahead - p.stages;
-      fetch_weights(fetch_pos, ahead_slot);
-      fetch_x(fetch_pos, ahead_slot);
-      advance(fetch_pos);
+  for (int L = L_begin; L < L_end;) {
+    const int tile = L / p.nstages;
+    const int segment_end = min(L_end, (tile + 1) * p.nstages);  // this block's units of the tile
+    const bool whole = L == tile * p.nstages && segment_end == (tile + 1) * p.nstages;
+    const bool first_of_run = L == L_begin;
+    enter_tile(tile);
+    for (; L < segment_end; ++L) {
+      cp_async_wait_dynamic<kGemmMaxStages - 2>(ahead - 1);
+      if constexpr (Shape::kWgmma) fence_proxy_async_shared();  // this stage's cp.async data, read by wgmma
+      __syncthreads();  // unit L visible to all; the slot to refill free (see above)
+      if (L + ahead < L_end) {
+        const int ahead_slot = slot + ahead < p.stages ? slot + ahead : slot + ahead - p.stages;
+        fetch_weights(fetch_pos, ahead_slot);
+        fetch_x(fetch_pos, ahead_slot);
+        advance(fetch_pos);
+      }
+      cp_async_commit();
+      if constexpr (Shape::kWgmma) {
+        compute_wgmma(slot);  // (every warp: a warpgroup's rows are the block's, never all past M)
+      } else if (warp_live) {
+        compute(slot);
+      }
+      slot = slot == p.stages - 1 ? 0 : slot + 1;
     }
-    cp_async_commit();
-    if constexpr (Shape::kWgmma) {
-      compute_wgmma(slot);  // (every warp: a warpgroup's rows are the block's, never all past M)
-    } else if (warp_live) {
-      compute(slot);
-    }
-    slot = slot == p.stages - 1 ? 0 : slot + 1;
-    if (st == p.nstages - 1 || L == L_end - 1) {
-      finish_tile(tile, segment_start == tile * p.nstages && st == p.nstages - 1, segment_start == L_begin);
-      segment_start = L + 1;
-      st = 0;
-      if (L + 1 < L_end) enter_tile(++tile);
-    } else {
-      ++st;
-    }
+    finish_tile(tile, whole, first_of_run);
   }
   cp_async_wait<0>();
 }

@@ -206,7 +206,12 @@ __host__ __device__ constexpr int groups_per_stage() {
 // 28672 x 8192 92.8 / 93.6, 21504 x 14336 121.1 / 123.9. (Also tried and dropped:
 // starting each group's partial sums with a zero-accumulator mma instead of clearing them
 // after the group -- 40 SASS instructions more, not fewer, and int4 M = 16 ~1 us slower
-// on both large shapes.)
+// on both large shapes.) Nor with stages of half the k, so that two n-tiles per warp keep
+// two blocks per SM (-DWOQ_GEMV_MB2_NT=2 -DWOQ_GEMV_STEPS=2, which halves x's shared-memory
+// reads per weight byte): M = 16, us, default / variant / -DWOQ_GEMV_STEPS=2 alone: int4
+// 28672 x 8192 58.6 / 60.6 / 59.8, 21504 x 14336 72.2 / 75.3 / 73.1, 14336 x 4096 17.8 /
+// 19.8 / 18.2; int8 28672 x 8192 92.6 / 95.3 / 94.9, 21504 x 14336 120.6 / 123.3 / 125.1 --
+// x's shared-memory traffic is not what bounds the 16-row kernel.
 template <int BITS, int MB, int KW, int GROUP, bool ZEROS>
 __host__ __device__ constexpr int gemv_tiles_per_warp() {
   constexpr int wanted = MB == 2 && KW == 1 ? WOQ_GEMV_MB2_NT
