@@ -2,7 +2,8 @@
 columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..32 (1 to 4 row blocks); the register-stream GEMV
 (M <= 8) at 1, 2, 4, 8 k-warps with K whole or cut between blocks; the mixed GEMM's mma tile
 configurations and, where built (an H100's sm_90a), its wgmma ones, with and without split-K,
-tiles cut between blocks, M tails; shallower rings under smaller GPUs' shared memory. Run by benchmarks/gpu_check.sh under the sanitizer."""
+tiles cut between blocks, M tails; shallower rings under smaller GPUs' shared memory.
+Run by benchmarks/gpu_check.sh under the sanitizer."""
 import itertools
 
 import torch

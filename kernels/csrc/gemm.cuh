@@ -68,8 +68,8 @@
 // they cost nothing); config 5 built for two blocks per SM (128 registers instead of 241:
 // ~100 bytes of spills) was slower, M = 32, gemm_configs.py, us: 28672 x 8192 int4 69.2 ->
 // 93.2, 21504 x 14336 85.0 -> 116.6, and with 2 groups in flight (<= 48 bytes of spills)
-// 72.9 and 88.2. Next steps: warp specialization (a
-// producer warp with TMA, two consumer warpgroups) and bigger tiles per SM.
+// 72.9 and 88.2. Next steps: warp specialization (a producer warp with TMA, two consumer
+// warpgroups) and bigger tiles per SM.
 //
 // Group scales are applied to the converted weights, not to the accumulators:
 // (code - z) is an exact small integer and the scale a T, so their product is exact in
