@@ -456,13 +456,12 @@ class Engine:
         graph = self.graphs is not None and not self._profile_due()
         if graph:
             self._graph_steps += 1
-        elif self.graphs is not None:
-            self.profile_steps += 1
-            self._graph_steps = 0
-            self._profile_at = time.monotonic() + self.profile_interval
-        if graph:
             logits = self.graphs.run(ids, positions, slots)
         elif dev.type == "cuda":
+            if self.graphs is not None:  # the kernel metrics' eager step
+                self.profile_steps += 1
+                self._graph_steps = 0
+                self._profile_at = time.monotonic() + self.profile_interval
             logits = self.model(ids, Batch(positions, slots, lengths=positions[:, 0] + 1), self.cache, last_only=True)
         else:
             batch = Batch(positions, slots, max(s.next_position for s in seqs) + 1)

@@ -6,11 +6,12 @@
 // meets at a barrier per stage, and each lane reads back exactly what it copied: the
 // shared memory is only a deep asynchronous buffer. ncu on an earlier build of the ring
 // at M = 1 (28672 x 8192 int4) counted barrier (1.9 cycles per issue) and MIO-throttle
-// (1.7) stalls next to the long-scoreboard ones the loads themselves cause. Here each warp streams its own
-// weights straight into registers -- 16-byte `ld.global.nc` loads, a whole chunk of
-// segments of them in flight while the previous chunk is converted and multiplied -- so
-// no warp waits for another and no weight byte crosses shared memory. Only x (M rows of
-// the block's K range, a few KB at M = 1) sits in shared memory, loaded once per block.
+// (1.7) stalls next to the long-scoreboard ones the loads themselves cause. Here each
+// warp streams its own weights straight into registers -- 16-byte `ld.global.nc` loads,
+// a whole chunk of segments of them in flight while the previous chunk is converted and
+// multiplied -- so no warp waits for another and no weight byte crosses shared memory.
+// Only x (M rows of the block's K range, a few KB at M = 1) sits in shared memory,
+// loaded once per block.
 //
 // Work decomposition (one block = 8 warps, no persistent loop):
 //   * a block owns a "column" of TPB adjacent n-tiles (16 output channels each) and one of
