@@ -48,7 +48,7 @@
 // cores read from shared memory in the 128-byte swizzle layout (fetch_x writes it so).
 //
 //   config   warpgroup tile (channels x rows)   block tile BM x BN   accumulators/thread
-//     5      128 x 32   (NTW 2, m64n32k16)         32 x 256           32
+//     5      128 x 32   (NTW 2, m64n32k16)         32 x 256           32 (int4: 256 k a stage)
 //     6      128 x 64   (NTW 2, m64n64k16)         64 x 256           64
 //     7       64 x 128  (NTW 1, m64n128k16)       128 x 128           64
 //     8      128 x 128  (NTW 2, m64n128k16)       128 x 256          128
@@ -60,7 +60,10 @@
 // the main loop (see the main loop). With that gone, 28672 x 8192 int4 g128, dispatched
 // (docs/bench/kernels_msweep.md, previous build -> this one, us): M = 32 68.0 -> 65.9, M = 64
 // 88.7 -> 82.3, M = 128 154.4 -> 130.0, M = 256 284.6 -> 256.6; int8 M = 256 362.2 -> 291.7;
-// 21504 x 14336 int4 M = 128 200.8 -> 173.9. Still far from the tensor peak (M = 128: ~460
+// 21504 x 14336 int4 M = 128 200.8 -> 173.9. Then config 5's 256-k int4 stages and the
+// weight prefetch (GemmTile, compute_wgmma), dispatched int4 g128 M = 32: 28672 x 8192 65.9
+// -> 58.2 (2.82x cuBLAS fp16), 21504 x 14336 85.1 -> 73.0 (3.15x); M = 17 60.9 -> 57.0 and
+// 75.3 -> 71.7. Still far from the tensor peak (M = 128: ~460
 // TFLOP/s of ~990): one block of 8 warps per SM issues the copies, the conversions and the
 // wgmma in one instruction stream each, with 2 warps per scheduler to hide their
 // latencies. Measured with the drain still there: 1, 2 and 4 wgmma groups in flight ran
@@ -68,8 +71,18 @@
 // they cost nothing); config 5 built for two blocks per SM (128 registers instead of 241:
 // ~100 bytes of spills) was slower, M = 32, gemm_configs.py, us: 28672 x 8192 int4 69.2 ->
 // 93.2, 21504 x 14336 85.0 -> 116.6, and with 2 groups in flight (<= 48 bytes of spills)
-// 72.9 and 88.2. Next steps: warp specialization (a producer warp with TMA, two consumer
-// warpgroups) and bigger tiles per SM.
+// 72.9 and 88.2. Re-measured with the drain gone: two blocks with 1 group in flight (4-8
+// bytes of spills) 67.1 -> 64.4 at M = 32 and 128.5 -> 115.0 at M = 48 on 28672 x 8192, but
+// its int8 tile no longer fits wgmma's three stages per block, and config 5's 256-k stages
+// (GemmTile) won more. Bulk copies (cp.async.bulk, one per n-tile, 1 KB for int4 at 128 k a
+// stage, completing on an mbarrier) instead of every thread's cp.async for the weights:
+// int4 g128 M = 32 68.0 -> 81.7 us (and 134.1 with the scales' 32-byte runs bulk-copied too),
+// int8 alike (86.4 -> 82.4 at M = 32, 152.4 -> 156.1 at M = 128): the copies' instructions
+// were not what bounds the kernel. ncu at M = 32 (config 5): ~520 instructions per warp
+// per stage, issue slots half busy, 2 warps per scheduler; the top stall was the wait at
+// each stage's barrier and the first shared-memory loads after it. Next steps: warp
+// specialization (a producer warp, two consumer warpgroups on mbarriers, no block-wide
+// barrier per stage) and bigger tiles per SM.
 //
 // Group scales are applied to the converted weights, not to the accumulators:
 // (code - z) is an exact small integer and the scale a T, so their product is exact in
@@ -105,9 +118,15 @@
 namespace woq {
 
 constexpr int kGemmWarps = 8;
-constexpr int kGemmStageK = 128;  // k per pipeline stage
-constexpr int kGemmMaxStages = 4;  // shared-memory ring depth, at most (gemm_launch.cuh)
-constexpr int kGemmXStride = kGemmStageK + 8;  // +16 B per x row: conflict-free ldmatrix
+constexpr int kGemmStageK = 128;  // k per pipeline stage (but see GemmTile::kStageK4)
+// Shared-memory ring depth, at most (gemm_launch.cuh). A build-time macro only so that
+// deeper rings can be timed (WOQ_NVCC_FLAGS="-DWOQ_GEMM_STAGES=8"): more bytes in flight
+// did not help, H100, gemm_configs.py, int4 g128 M = 32, config 5 at 128 k a stage, us, 4 /
+// 6 / 8 stages: 28672 x 8192 68.0 / 67.0 / 66.5, 21504 x 14336 86.7 / 84.8 / 83.8.
+#ifndef WOQ_GEMM_STAGES
+#define WOQ_GEMM_STAGES 4
+#endif
+constexpr int kGemmMaxStages = WOQ_GEMM_STAGES;
 constexpr int kGemmConfigs = 9;
 // wgmma groups (one per k16 step) a warpgroup keeps in flight while it converts the next
 // step's weights: each holds its A registers until it completes. (Measured on the H100,
@@ -120,26 +139,34 @@ static_assert(kGemmStageK / 16 >= kWgmmaInFlight, "a stage's own groups are the 
 // at 128 per thread, so 16 warps per SM hide latency; 1: 64 accumulators per thread, 128
 // for wgmma config 8).
 // kWgmma: Hopper warpgroup MMA (configs 5..8, sm_90a only; see "wgmma configurations").
+// kStageK4: k per pipeline stage with int4 weights (int8: kGemmStageK). Config 5 (M <= 32)
+// takes 256: its block does little math per weight byte, so what bounds it is the
+// per-stage round trip (the barrier, then the first shared-memory loads and conversions
+// before the tensor cores start again); twice the k per stage halves those per byte.
+// Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, M = 32, stream-K, us, 128 ->
+// 256, both with the weight prefetch in compute_wgmma): 28672 x 8192 64.5 -> 57.8, 21504 x
+// 14336 80.6 -> 74.5. Its int8 stage at 256 would be 80 KB (2 stages: too few for wgmma's
+// ring), and config 6 (M <= 64) at 256 fits 3 stages, one in flight: 78.5 -> 118.7 us.
 template <int CFG>
 struct GemmTile;
 template <>
-struct GemmTile<0> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = false; };
+struct GemmTile<0> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<1> { static constexpr int kWM = 2, kMBW = 4, kNTW = 4, kMinBlocks = 1; static constexpr bool kWgmma = false; };
+struct GemmTile<1> { static constexpr int kWM = 2, kMBW = 4, kNTW = 4, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<2> { static constexpr int kWM = 2, kMBW = 8, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = false; };
+struct GemmTile<2> { static constexpr int kWM = 2, kMBW = 8, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<3> { static constexpr int kWM = 2, kMBW = 4, kNTW = 2, kMinBlocks = 2; static constexpr bool kWgmma = false; };
+struct GemmTile<3> { static constexpr int kWM = 2, kMBW = 4, kNTW = 2, kMinBlocks = 2, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<4> { static constexpr int kWM = 1, kMBW = 4, kNTW = 1, kMinBlocks = 2; static constexpr bool kWgmma = false; };
+struct GemmTile<4> { static constexpr int kWM = 1, kMBW = 4, kNTW = 1, kMinBlocks = 2, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
 template <>
-struct GemmTile<5> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+struct GemmTile<5> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1, kStageK4 = 256; static constexpr bool kWgmma = true; };
 template <>
-struct GemmTile<6> { static constexpr int kWM = 1, kMBW = 8, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+struct GemmTile<6> { static constexpr int kWM = 1, kMBW = 8, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
 template <>
-struct GemmTile<7> { static constexpr int kWM = 1, kMBW = 16, kNTW = 1, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+struct GemmTile<7> { static constexpr int kWM = 1, kMBW = 16, kNTW = 1, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
 template <>
-struct GemmTile<8> { static constexpr int kWM = 1, kMBW = 16, kNTW = 2, kMinBlocks = 1; static constexpr bool kWgmma = true; };
+struct GemmTile<8> { static constexpr int kWM = 1, kMBW = 16, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
 
 template <int CFG>
 struct GemmShape {
@@ -163,7 +190,7 @@ struct GemmShape {
 
 
 struct GemmParams : KernelOperands {  // workspace: [gridDim.x, 2, BM * BN]; counters: [tiles]
-  int nstages;  // ceil(K_pad / kGemmStageK)
+  int nstages;  // ceil(K_pad / stage k)
   int m_tiles;  // ceil(M / BM)
   int units;    // tiles * nstages: (tile, stage) work units; gridDim.x <= units
   int stages;   // depth of the shared-memory ring, 2..kGemmMaxStages
@@ -173,13 +200,15 @@ struct GemmParams : KernelOperands {  // workspace: [gridDim.x, 2, BM * BN]; cou
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 struct GemmStage {
   using Shape = GemmShape<CFG>;
-  static constexpr int kSegs = kGemmStageK / TileShape<BITS>::kK;  // 512-byte segments per n-tile
-  static constexpr int kGroups = GROUP == 0 ? 0 : kGemmStageK / GROUP;
+  static constexpr int kK = BITS == 4 ? GemmTile<CFG>::kStageK4 : kGemmStageK;  // k per stage
+  static constexpr int kXStride = kK + 8;  // mma: +16 B per x row, conflict-free ldmatrix
+  static constexpr int kSegs = kK / TileShape<BITS>::kK;  // 512-byte segments per n-tile
+  static constexpr int kGroups = GROUP == 0 ? 0 : kK / GROUP;
   static constexpr int kW = Shape::kTiles * kSegs * 512;
   // x: mma, rows padded by 16 bytes; wgmma, the 128-byte swizzle (wgmma.cuh) in two
   // 64-k halves of BM rows, each 1024-byte aligned (kW is a multiple of 1024 and the
   // stage size rounded up to one: the kernel aligns the ring's base).
-  static constexpr int kX = Shape::kBM * (Shape::kWgmma ? kGemmStageK : kGemmXStride) * static_cast<int>(sizeof(T));
+  static constexpr int kX = Shape::kBM * (Shape::kWgmma ? kK : kXStride) * static_cast<int>(sizeof(T));
   static constexpr int kS = Shape::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
   static constexpr int kAlign = Shape::kWgmma ? 1024 : 16;
@@ -211,10 +240,10 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   constexpr int kThreads = kGemmWarps * 32;
   constexpr int BM = Shape::kBM, MBW = Shape::kMBW, NTW = Shape::kNTW, kTiles = Shape::kTiles;
   constexpr int KT = TileShape<BITS>::kK, KT16 = KT / 16, kSegs = Stage::kSegs;
-  constexpr int XS = kGemmXStride;
+  constexpr int SK = Stage::kK, XS = Stage::kXStride;
   constexpr int kGroups = Stage::kGroups;
-  constexpr int kGroupK = GROUP == 0 ? kGemmStageK : GROUP;  // (per-channel: as if one group a stage)
-  static_assert(kGemmStageK % kGroupK == 0 && kGroupK % KT == 0, "a group is whole segments of a stage");
+  constexpr int kGroupK = GROUP == 0 ? SK : GROUP;  // (per-channel: as if one group a stage)
+  static_assert(SK % kGroupK == 0 && kGroupK % KT == 0, "a group is whole segments of a stage");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
@@ -297,19 +326,19 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     }
   };
   auto fetch_x = [&](const UnitPos& u, int slot) {
-    const int m0 = u.mt * BM, k0 = u.st * kGemmStageK;
+    const int m0 = u.mt * BM, k0 = u.st * SK;
     const uint32_t base = smem_addr + slot * Stage::kBytes;
-    // activations: BM rows x 16 chunks of 8 elements; rows past M and k past K zero-filled
-    constexpr int kXChunks = BM * (kGemmStageK / 8);
+    // activations: BM rows x SK / 8 chunks of 8 elements; rows past M and k past K zero-filled
+    constexpr int kXChunks = BM * (SK / 8);
     static_assert(kXChunks % kThreads == 0, "whole x copies per thread");
     const T* x_unit = x + static_cast<size_t>(m0) * p.K + k0;
 #pragma unroll
     for (int j = 0; j < kXChunks / kThreads; ++j) {
       const int c = tid + j * kThreads;
-      const int row = c / (kGemmStageK / 8), chunk = c % (kGemmStageK / 8);
+      const int row = c / (SK / 8), chunk = c % (SK / 8);
       const bool valid = m0 + row < p.M && k0 + chunk * 8 < p.K;
       uint32_t dst;
-      if constexpr (Shape::kWgmma) {  // 64-k half, row of 128 bytes, chunk XOR row % 8
+      if constexpr (Shape::kWgmma) {  // 64-k slice, row of 128 bytes, chunk XOR row % 8
         dst = (chunk / 8) * BM * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
       } else {
         dst = (row * XS + chunk * 8) * static_cast<uint32_t>(sizeof(T));
@@ -414,11 +443,26 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
           reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + Shape::n_tile(warp, 0) * kGroups * 8 + gid;
       const uint32_t x_addr = smem_addr + slot * Stage::kBytes + Stage::kW;
       [[maybe_unused]] uint32_t s_lo[NTW], s_hi[NTW];
+      // A segment's weights are loaded from shared memory while the segment before it is
+      // converted (one segment ahead) where the wgmma are short (BM <= 64 rows): the
+      // wgmma_* asm (memory clobbers) keeps the compiler from hoisting the loads itself,
+      // and each load's latency otherwise sat between two segments' MMAs. Measured on the
+      // H100 (gemm_configs.py, int4 g128, stream-K, us, without -> with): config 5 M = 32
+      // 28672 x 8192 67.0 -> 64.5, 21504 x 14336 87.1 -> 80.6; config 6 M = 64 79.5 -> 78.5,
+      // 102.1 -> 98.8; config 8 M = 128 (128 rows) 138.6 -> 142.4, 181.3 -> 182.7: not there.
+      constexpr bool kPrefetch = BM <= 64;
+      uint4 wv_next[NTW];  // the warp's nt-th n-tile is 4 nt n-tiles past its first (Shape::n_tile)
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs) * 32];
 #pragma unroll
       for (int s = 0; s < kSegs; ++s) {
-        uint4 wv[NTW];  // the warp's nt-th n-tile is 4 nt n-tiles past its first (Shape::n_tile)
+        uint4 wv[NTW];
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) wv[nt] = wsm[(nt * 4 * kSegs + s) * 32];
+        for (int nt = 0; nt < NTW; ++nt) wv[nt] = wv_next[nt];
+        if (kPrefetch && s + 1 < kSegs) {
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs + s + 1) * 32];
+        }
 #pragma unroll
         for (int j = 0; j < KT16; ++j) {
           const int i = s * KT16 + j;  // k16 block within the stage (compile-time)
@@ -447,13 +491,17 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
               a[nt][3] = mul_pair<T>(a[nt][3], s_hi[nt]);
             }
           }
-          // k16 block i: 64-k half i / 4 of the swizzled tile, 32 bytes per k16 into its rows
+          // k16 block i: 64-k slice i / 4 of the swizzled tile, 32 bytes per k16 into its rows
           const uint64_t desc = smem_desc_sw128(x_addr + (i / 4) * BM * 128 + (i % 4) * 32);
           wgmma_fence();
 #pragma unroll
           for (int nt = 0; nt < NTW; ++nt) wgmma_rs<T, MBW * 8>(&acc[nt][0][0], a[nt], desc);
           wgmma_commit();
           wgmma_wait<kWgmmaInFlight - 1>();
+        }
+        if (!kPrefetch && s + 1 < kSegs) {
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs + s + 1) * 32];
         }
       }
       // (the stage's last groups stay in flight into the next stage: the ring refills the
