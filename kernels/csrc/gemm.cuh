@@ -205,9 +205,10 @@ struct GemmStage {
   static constexpr int kSegs = kK / TileShape<BITS>::kK;  // 512-byte segments per n-tile
   static constexpr int kGroups = GROUP == 0 ? 0 : kK / GROUP;
   static constexpr int kW = Shape::kTiles * kSegs * 512;
-  // x: mma, rows padded by 16 bytes; wgmma, the 128-byte swizzle (wgmma.cuh) in two
-  // 64-k halves of BM rows, each 1024-byte aligned (kW is a multiple of 1024 and the
-  // stage size rounded up to one: the kernel aligns the ring's base).
+  // x: mma, rows padded by 16 bytes; wgmma, the 128-byte swizzle (wgmma.cuh) in 64-k
+  // slices of BM rows (two, or four for config 5's 256-k stages), each 1024-byte aligned
+  // (kW is a multiple of 1024 and the stage size rounded up to one: the kernel aligns the
+  // ring's base).
   static constexpr int kX = Shape::kBM * (Shape::kWgmma ? kK : kXStride) * static_cast<int>(sizeof(T));
   static constexpr int kS = Shape::kTiles * kGroups * 16 * static_cast<int>(sizeof(T));
   static constexpr int kZ = ZEROS ? kS : 0;
