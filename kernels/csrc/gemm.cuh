@@ -58,29 +58,29 @@
 // 231.6 -> 164.4; M = 256 457.2 -> 310.8; M = 512 961.6 -> 593.3. Those wgmma times had the
 // tensor cores drain at every stage: ptxas waited for all wgmma groups at the back edge of
 // the main loop (see the main loop). With that gone, 28672 x 8192 int4 g128, dispatched
-// (docs/bench/kernels_msweep.md, previous build -> this one, us): M = 32 68.0 -> 65.9, M = 64
-// 88.7 -> 82.3, M = 128 154.4 -> 130.0, M = 256 284.6 -> 256.6; int8 M = 256 362.2 -> 291.7;
-// 21504 x 14336 int4 M = 128 200.8 -> 173.9. Then config 5's 256-k int4 stages and the
-// weight prefetch (GemmTile, compute_wgmma), dispatched int4 g128 M = 32: 28672 x 8192 65.9
-// -> 58.2 (2.82x cuBLAS fp16), 21504 x 14336 85.1 -> 73.0 (3.15x); M = 17 60.9 -> 57.0 and
-// 75.3 -> 71.7. Still far from the tensor peak (M = 128: ~460
-// TFLOP/s of ~990): one block of 8 warps per SM issues the copies, the conversions and the
-// wgmma in one instruction stream each, with 2 warps per scheduler to hide their
-// latencies. Measured with the drain still there: 1, 2 and 4 wgmma groups in flight ran
-// alike, and so did keeping the tensor cores busy through the stage barrier (both kept:
-// they cost nothing); config 5 built for two blocks per SM (128 registers instead of 241:
-// ~100 bytes of spills) was slower, M = 32, gemm_configs.py, us: 28672 x 8192 int4 69.2 ->
-// 93.2, 21504 x 14336 85.0 -> 116.6, and with 2 groups in flight (<= 48 bytes of spills)
-// 72.9 and 88.2. Re-measured with the drain gone: two blocks with 1 group in flight (4-8
-// bytes of spills) 67.1 -> 64.4 at M = 32 and 128.5 -> 115.0 at M = 48 on 28672 x 8192, but
-// its int8 tile no longer fits wgmma's three stages per block, and config 5's 256-k stages
-// (GemmTile) won more. Bulk copies (cp.async.bulk, one per n-tile, 1 KB for int4 at 128 k a
-// stage, completing on an mbarrier) instead of every thread's cp.async for the weights:
-// int4 g128 M = 32 68.0 -> 81.7 us (and 134.1 with the scales' 32-byte runs bulk-copied too),
-// int8 alike (86.4 -> 82.4 at M = 32, 152.4 -> 156.1 at M = 128): the copies' instructions
-// were not what bounds the kernel. ncu at M = 32 (config 5): ~520 instructions per warp
-// per stage, issue slots half busy, 2 warps per scheduler; the top stall was the wait at
-// each stage's barrier and the first shared-memory loads after it. Next steps: warp
+// (docs/bench/kernels_msweep.md, previous build -> this one, us): M = 32 68.0 -> 65.9, M =
+// 64 88.7 -> 82.3, M = 128 154.4 -> 130.0, M = 256 284.6 -> 256.6; int8 M = 256 362.2 ->
+// 291.7; 21504 x 14336 int4 M = 128 200.8 -> 173.9. Then config 5's 256-k int4 stages and
+// the weight prefetch (GemmTile, compute_wgmma), dispatched int4 g128 M = 32: 28672 x 8192
+// 65.9 -> 58.2 (2.82x cuBLAS fp16), 21504 x 14336 85.1 -> 73.0 (3.15x); M = 17 60.9 -> 57.0
+// and 75.3 -> 71.7. Still far from the tensor peak (M = 128: ~460 TFLOP/s of ~990): one
+// block of 8 warps per SM issues the copies, the conversions and the wgmma in one
+// instruction stream each, with 2 warps per scheduler to hide their latencies. Measured
+// with the drain still there: 1, 2 and 4 wgmma groups in flight ran alike, and so did
+// keeping the tensor cores busy through the stage barrier (both kept: they cost nothing);
+// config 5 built for two blocks per SM (128 registers instead of 241: ~100 bytes of spills)
+// was slower, M = 32, gemm_configs.py, us: 28672 x 8192 int4 69.2 -> 93.2, 21504 x 14336
+// 85.0 -> 116.6, and with 2 groups in flight (<= 48 bytes of spills) 72.9 and 88.2.
+// Re-measured with the drain gone: two blocks with 1 group in flight (4-8 bytes of spills)
+// 67.1 -> 64.4 at M = 32 and 128.5 -> 115.0 at M = 48 on 28672 x 8192, but its int8 tile no
+// longer fits wgmma's three stages per block, and config 5's 256-k stages (GemmTile) won
+// more. Bulk copies (cp.async.bulk, one per n-tile, 1 KB for int4 at 128 k a stage,
+// completing on an mbarrier) instead of every thread's cp.async for the weights: int4 g128
+// M = 32 68.0 -> 81.7 us (and 134.1 with the scales' 32-byte runs bulk-copied too), int8
+// alike (86.4 -> 82.4 at M = 32, 152.4 -> 156.1 at M = 128): the copies' instructions were
+// not what bounds the kernel. ncu at M = 32 (config 5): ~520 instructions per warp per
+// stage, issue slots half busy, 2 warps per scheduler; the top stall was the wait at each
+// stage's barrier and the first shared-memory loads after it. Next steps: warp
 // specialization (a producer warp, two consumer warpgroups on mbarriers, no block-wide
 // barrier per stage) and bigger tiles per SM.
 //
@@ -452,18 +452,19 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       // 28672 x 8192 67.0 -> 64.5, 21504 x 14336 87.1 -> 80.6; config 6 M = 64 79.5 -> 78.5,
       // 102.1 -> 98.8; config 8 M = 128 (128 rows) 138.6 -> 142.4, 181.3 -> 182.7: not there.
       constexpr bool kPrefetch = BM <= 64;
-      uint4 wv_next[NTW];  // the warp's nt-th n-tile is 4 nt n-tiles past its first (Shape::n_tile)
+      uint4 wv_next[NTW];
+      // (the warp's nt-th n-tile is 4 nt n-tiles past its first: Shape::n_tile)
+      auto load_segment = [&](int s) {
 #pragma unroll
-      for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs) * 32];
+        for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs + s) * 32];
+      };
+      load_segment(0);
 #pragma unroll
       for (int s = 0; s < kSegs; ++s) {
         uint4 wv[NTW];
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt) wv[nt] = wv_next[nt];
-        if (kPrefetch && s + 1 < kSegs) {
-#pragma unroll
-          for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs + s + 1) * 32];
-        }
+        if (kPrefetch && s + 1 < kSegs) load_segment(s + 1);
 #pragma unroll
         for (int j = 0; j < KT16; ++j) {
           const int i = s * KT16 + j;  // k16 block within the stage (compile-time)
@@ -500,10 +501,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
           wgmma_commit();
           wgmma_wait<kWgmmaInFlight - 1>();
         }
-        if (!kPrefetch && s + 1 < kSegs) {
-#pragma unroll
-          for (int nt = 0; nt < NTW; ++nt) wv_next[nt] = wsm[(nt * 4 * kSegs + s + 1) * 32];
-        }
+        if (!kPrefetch && s + 1 < kSegs) load_segment(s + 1);
       }
       // (the stage's last groups stay in flight into the next stage: the ring refills the
       // slot computed two units back, see the main loop; finish_tile waits for them)
