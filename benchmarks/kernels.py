@@ -148,10 +148,18 @@ def run(shapes, ms, out_dir: Path, dtypes) -> dict:
             for (fmt, dtype), (gws, wbytes) in packs.items():
                 x = x16.to(dtype)
                 name = f"woq_{fmt}_{str(dtype).split('.')[-1]}"
-                calls = [lambda g=g: ops.gemv(x, g) for g in gws]
-                t[name] = time_calls(calls)
                 roof = (wbytes + io_bytes(M, N, K)) / bw * 1e6
-                rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name], roof_us=roof, bytes=wbytes))
+                # What the dispatch serves: the GEMV, or the mixed GEMM where the tuner measured
+                # it faster at 16 rows (its 16-row tile); then also the GEMV itself.
+                path = "mixed_gemm" if M > gws[0].gemv_max_m and ops.supports_mixed_gemm(gws[0]) else "gemv"
+                kernel = ops.gemm if path == "mixed_gemm" else ops.gemv
+                calls = [lambda g=g: kernel(x, g) for g in gws]
+                t[name] = time_calls(calls)
+                rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name], roof_us=roof, bytes=wbytes, path=path))
+                if path != "gemv":
+                    t[name + "_gemv"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                    rows.append(dict(N=N, K=K, M=M, impl=name + "_gemv", us=t[name + "_gemv"], roof_us=roof,
+                                     bytes=wbytes, path="gemv"))
                 if dtype == torch.float16:  # the same calls without programmatic launches
                     pdl.set_enabled(False)
                     t[name + "_plain"] = time_calls(calls)
@@ -186,8 +194,9 @@ def summary(result: dict) -> str:
     rows = result["rows"]
     shapes = sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1])
     ms = sorted({r["M"] for r in rows})
-    head = ["N×K", "M", "int4 µs", "int4 % roof", "int4 plain µs", "int4 bf16 µs", "int8 µs", "int8 % roof",
-            "int8 plain µs", "int8 bf16 µs", "cuBLAS fp16 µs", "tinygemm µs", "gemlite w4 µs", "gemlite w8 µs", "bnb nf4 µs", "int4 vs cuBLAS"]
+    head = ["N×K", "M", "path int4/int8", "int4 µs", "int4 % roof", "int4 plain µs", "int4 bf16 µs", "int4 GEMV µs",
+            "int8 µs", "int8 % roof", "int8 plain µs", "int8 bf16 µs", "int8 GEMV µs", "cuBLAS fp16 µs", "tinygemm µs",
+            "gemlite w4 µs", "gemlite w8 µs", "bnb nf4 µs", "int4 vs cuBLAS"]
     table = []
     for N, K in shapes:
         for M in ms:
@@ -195,10 +204,13 @@ def summary(result: dict) -> str:
             i4, i4b, i8, i8b = g("woq_int4_g128_float16"), g("woq_int4_g128_bfloat16"), g("woq_int8_channel_float16"), g("woq_int8_channel_bfloat16")
             cb = g("cublas_fp16")
             opt = lambda r: r["us"] if r else "-"  # noqa: E731
-            table.append([f"{N}×{K}", M, opt(i4), 100 * i4["roof_us"] / i4["us"] if i4 else "-",
-                          opt(g("woq_int4_g128_float16_plain")), opt(i4b), opt(i8),
-                          100 * i8["roof_us"] / i8["us"] if i8 else "-", opt(g("woq_int8_channel_float16_plain")),
-                          opt(i8b), opt(cb), opt(g("tinygemm_int4_bf16")),
+            short = {"gemv": "GEMV", "mixed_gemm": "GEMM"}
+            paths = "/".join(short.get((r or {}).get("path", "gemv"), "?") for r in (i4, i8))
+            table.append([f"{N}×{K}", M, paths, opt(i4), 100 * i4["roof_us"] / i4["us"] if i4 else "-",
+                          opt(g("woq_int4_g128_float16_plain")), opt(i4b), opt(g("woq_int4_g128_float16_gemv")),
+                          opt(i8), 100 * i8["roof_us"] / i8["us"] if i8 else "-",
+                          opt(g("woq_int8_channel_float16_plain")), opt(i8b), opt(g("woq_int8_channel_float16_gemv")),
+                          opt(cb), opt(g("tinygemm_int4_bf16")),
                           opt(g("gemlite_w4_fp16")), opt(g("gemlite_w8_fp16")), opt(g("bnb_nf4_fp16")),
                           f"{cb['us'] / i4['us']:.2f}×" if (cb and i4) else "-"])
     # the issue's bar: faster than every peer at every M; the closest call per peer
@@ -216,8 +228,30 @@ def summary(result: dict) -> str:
            f"copy bandwidth {bw:.2f} TB/s (read+write). Median µs per call, CUDA graph of 20 calls, weights "
            f"rotated past 4× L2. % roof = (weight+scale+zero bytes + x + y) / bandwidth ÷ time. "
            f"Our kernels launch programmatically on sm_90+ (kernels/pdl.py: a call's weight stream overlaps the "
-           f"previous call's tail); \"plain\": the same calls launched plainly, as the peers are.\n\n")
-    return hdr + markdown_table(head, table) + "\n\nAgainst the peers (int4 vs the int4 peers, int8 vs gemlite w8):\n\n" + peer_margins(margins)
+           f"previous call's tail); \"plain\": the same calls launched plainly, as the peers are. "
+           f"int4/int8 µs: the kernel the dispatch serves (path: the GEMV, or the mixed GEMM where the tuner "
+           f"measured its 16-row tile faster at 16 rows); GEMV µs: the GEMV kernel itself where it is not "
+           f"the one served.\n\n")
+    return (hdr + markdown_table(head, table) + "\n\n" + ratio_lines(rows, shapes)
+            + "\nAgainst the peers (int4 vs the int4 peers, int8 vs gemlite w8):\n\n" + peer_margins(margins))
+
+
+def ratio_lines(rows, shapes) -> str:
+    """Issue 3's ratios per shape: M = 16 over M = 1 (served, and the GEMV's own), and the
+    largest bf16-vs-fp16 difference over the Ms."""
+    out = []
+    for N, K in shapes:
+        for fmt in FORMATS:
+            g = lambda M, impl: _get(rows, N, K, M, impl)  # noqa: E731
+            one, sixteen = g(1, f"woq_{fmt}_float16"), g(16, f"woq_{fmt}_float16")
+            if not (one and sixteen):
+                continue
+            own = g(16, f"woq_{fmt}_float16_gemv") or sixteen
+            diffs = [abs(b["us"] / a["us"] - 1) for M in sorted({r["M"] for r in rows})
+                     if (a := g(M, f"woq_{fmt}_float16")) and (b := g(M, f"woq_{fmt}_bfloat16"))]
+            out.append(f"- {N}×{K} {fmt}: M=16 ÷ M=1 {sixteen['us'] / one['us']:.2f} served, "
+                       f"{own['us'] / one['us']:.2f} GEMV; bf16 vs fp16 at most {100 * max(diffs):.1f} %\n")
+    return "".join(out)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -291,7 +325,7 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                 t = {}
                 if M <= ops.gemv_rows_limit(gws[0]):
                     t["gemv"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
-                if M > ops.GEMV_MAX_M and ops.supports_mixed_gemm(gws[0]):
+                if M > min(ops.GEMV_MAX_M, gemv_reach) and ops.supports_mixed_gemm(gws[0]):
                     t["mixed_gemm"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
                 t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
                 # what models/dispatch.py runs: the GEMV up to its measured reach, the mixed

@@ -28,7 +28,8 @@ for (N, K), bits, group, sym, dtype in itertools.product(
                  max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
     gemm_launches = [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]
     if ops.wgmma_configs_available():
-        gemm_launches += [(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2), (200, 8, 0), (129, 8, 1)]
+        gemm_launches += [(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2), (200, 8, 0), (129, 8, 1),
+                          (16, 9, 0), (9, 9, 2), (37, 9, 0)]
     for M, config, splits in gemm_launches:
         ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  config=config, splits=splits)

@@ -37,11 +37,11 @@ GEMV_RING, GEMV_STREAM = 0, 1
 STREAM_MAX_M = 8
 STREAM_K_WARPS = (1, 2, 4, 8)  # the register stream's warps per n-tile (8 // k_warps n-tiles per block)
 GEMM_GROUPS = (64, 128)  # group sizes the mixed GEMM is instantiated for (and per-channel)
-# Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh); 5..8 use
+# Mixed-GEMM tile configurations: block rows x block channels (csrc/gemm.cuh); 5..9 use
 # Hopper's wgmma and exist only where wgmma_configs_available() (an sm_90a build on sm_90)
 GEMM_TILES = {0: (32, 256), 1: (64, 256), 2: (128, 128), 3: (64, 128), 4: (32, 128),
-              5: (32, 256), 6: (64, 256), 7: (128, 128), 8: (128, 256)}
-GEMM_WGMMA_CONFIGS = (5, 6, 7, 8)
+              5: (32, 256), 6: (64, 256), 7: (128, 128), 8: (128, 256), 9: (16, 256)}
+GEMM_WGMMA_CONFIGS = (5, 6, 7, 8, 9)
 GEMM_TILE_FLOATS = max(bm * bn for bm, bn in GEMM_TILES.values())
 
 
@@ -88,7 +88,7 @@ def _build_jit() -> None:
     from torch.utils.cpp_extension import load
 
     major, minor = torch.cuda.get_device_capability()
-    # H100/H200: the sm_90a target, whose wgmma the mixed GEMM's configurations 5..8 use.
+    # H100/H200: the sm_90a target, whose wgmma the mixed GEMM's configurations 5..9 use.
     # WOQ_BUILT_SM90A tells the host code that the library holds them: only when the arch
     # list really has 9.0a (a TORCH_CUDA_ARCH_LIST of plain 9.0 builds their bodies empty).
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else ""))

@@ -2,12 +2,13 @@
 
 DENSE = "dense"  # unquantized layer: F.linear
 CPU_REFERENCE = "cpu_reference"  # quantized, off CUDA (or no compiled kernels): torch reference
-GEMV = "gemv"  # CUDA, M <= 16 (to 32 where measured faster): weight-only GEMV kernel
+GEMV = "gemv"  # CUDA, M <= 16 (8 to 32 as measured per shape): weight-only GEMV kernel
 MIXED_GEMM = "mixed_gemm"  # CUDA, mid M: tensor-core GEMM with fused dequantization
 DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buffer + cuBLAS
 PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS)
 
-GEMV_MAX_M = 16  # rows the GEMV path always takes, any weight (row blocks MB = 1, 2)
+GEMV_MAX_M = 16  # rows the GEMV path takes, any weight (row blocks MB = 1, 2), unless the
+# tuner measured the mixed GEMM faster at 16 rows (GpuWeight.gemv_max_m = 8 then).
 # Rows it can take for per-channel, g64 and g128 weights (MB = 3, 4): between 17 and 32
 # the tuner measures it against the mixed GEMM per shape (GpuWeight.gemv_max_m).
 GEMV_WIDE_MAX_M = 32

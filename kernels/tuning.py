@@ -10,12 +10,13 @@ For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the re
     and on M (the kernel's shared memory, hence the blocks an SM holds, follows M); up to
     8 rows also the register-stream pipeline, at 1, 2, 4 or 8 k-warps and its columns cut
     into 1, 2, 4, ... runs of K (``_stream_candidates``);
-  * the mixed GEMM over an M grid (17 .. 1024): each tile configuration x split-K, and
+  * the mixed GEMM over an M grid (16 .. 1024): each tile configuration x split-K, and
     dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
     crossover is the largest M of the grid at which the kernel still wins (we stop at
     the first loss: beyond it the dense GEMM's reuse only grows);
-  * the GEMV's reach: the largest of M = 16, 17, 24, 32 up to which its best launch is no
-    slower than the mixed GEMM and dequantize + cuBLAS (again stopping at the first loss).
+  * the GEMV's reach: 8, 16, 17, 24 or 32, whichever keeps each M measured from 16 up
+    closest to its fastest path (the mixed GEMM is timed at 16 rows too, after the same
+    small kernel as the GEMV; ``_gemv_reach``).
 Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
 defaults for measured GPUs: ``kernels/tuned/``). ``WOQ_TUNE=0`` disables measuring; the
 kernel's own default grid and a fixed crossover are used then.
@@ -39,7 +40,8 @@ from .timing import graph_time_us
 log = logging.getLogger("woq.kernels")
 
 DEFAULT_MAX_KERNEL_M = 128  # without measurements (WOQ_TUNE=0)
-GEMM_MS = (17, 24, 32, 64, 128, 256, 512, 1024)  # 17: the GEMV's rival at its measured 17 rows
+# 16: the GEMV's rival at a decode batch of 16 (config 9's 16-row tile); 17: at its measured 17 rows
+GEMM_MS = (16, 17, 24, 32, 64, 128, 256, 512, 1024)
 _tables: dict[str, dict] = {}
 
 
@@ -197,28 +199,51 @@ def measure(gw: GpuWeight) -> dict:
     if ops.supports_mixed_gemm(gw):
         for m in GEMM_MS:
             x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
+            before = _decode_neighbour(x) if m <= ops.GEMV_MAX_M else (lambda: None)  # timed as the GEMV is
             t = {}
             for c, s in _gemm_candidates(m, gw.N, sms):
-                t[c, s] = _time_us(lambda g, c=c, s=s: ops.gemm(x, g, config=c, splits=s), copies)
+                t[c, s] = _time_us(lambda g, c=c, s=s, before=before: (before(), ops.gemm(x, g, config=c, splits=s)),
+                                   copies)
             best = min(t, key=t.get)
             if math.isinf(t[best]):  # no tile fits this GPU (not seen: config 4 fits 99 KB)
                 break
             plan[str(m)] = list(best)
             gemm_us[m] = t[best]
+            if m <= ops.GEMV_MAX_M:  # decode rows: only the GEMV's rival (below)
+                continue
             dense_us[m] = _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies)
             if t[best] > dense_us[m]:
                 break
             max_m = m
     del copies
-    # Past 16 rows the GEMV must beat both other paths where they were measured (an M the
-    # GEMM loop did not reach ends the GEMV's reach too).
-    gemv_max_m = ops.GEMV_MAX_M
-    for m in sorted(m for m in gemv_us if m > ops.GEMV_MAX_M):
-        rivals = [d[m] for d in (gemm_us, dense_us) if m in d]
-        if not rivals or gemv_us[m] > min(rivals):
-            break
-        gemv_max_m = m
+    gemv_max_m = _gemv_reach(gemv_us, gemm_us, dense_us)
     return {"grids": grids, "gemm": plan, "max_kernel_m": max(max_m, gemv_max_m), "gemv_max_m": gemv_max_m}
+
+
+def _gemv_reach(gemv_us: dict[int, float], gemm_us: dict[int, float], dense_us: dict[int, float]) -> int:
+    """The largest M the GEMV serves: 8 (the mixed GEMM takes 9..16, which the engine pads
+    to 16) or one of the GEMV's measured Ms from 16 up -- whichever keeps the served time
+    closest to the fastest path at every M measured from 16 up (the smallest worst ratio;
+    then the least time). One threshold cannot follow every measurement: on the H100 a
+    GEMM faster at 16 rows can lose to the GEMV at 17 (4096 x 14336 int8: 26.6 against 27.1
+    us at 16, 29.4 against 27.4 at 17), and "the GEMM from where it first wins" served 17
+    rows 7 % slower than the GEMV. Past 16 rows only Ms where a rival was measured count
+    (an M the GEMM loop did not reach ends the GEMV's reach too)."""
+    def rival(m: int) -> float:
+        return min([d[m] for d in (gemm_us, dense_us) if m in d], default=math.inf)
+
+    ms = []
+    for m in sorted(m for m in gemv_us if m >= GEMV_MAX_M):
+        if m > GEMV_MAX_M and math.isinf(rival(m)):
+            break
+        ms.append(m)
+
+    def cost(reach: int) -> tuple[float, float]:
+        served = [gemv_us[m] if m <= reach else rival(m) for m in ms]
+        return max((t / min(gemv_us[m], rival(m)) for t, m in zip(served, ms)), default=1.0), sum(served)
+
+    below = [m for m in gemv_us if m < GEMV_MAX_M]
+    return min(([max(below)] if below else []) + (ms or [GEMV_MAX_M]), key=cost)
 
 
 def remeasure_gemv(gw: GpuWeight, entry: dict, ms) -> dict:

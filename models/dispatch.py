@@ -9,7 +9,8 @@ path               when
 ``dense``          unquantized layer (``--quant none``): ``F.linear``
 ``cpu_reference``  quantized layer off CUDA, or CUDA without the compiled kernels
 ``gemv``           CUDA, M <= 16 (decode): the weight-only GEMV kernel; up to 32
-                   rows where it measured faster than the mixed GEMM for the shape
+                   rows where it measured faster than the mixed GEMM for the shape,
+                   up to 8 where the mixed GEMM measured faster at 16 rows
 ``mixed_gemm``     CUDA, from there to the measured crossover: the tensor-core GEMM
                    with fused dequantization
 ``dequant_cublas`` CUDA, larger M (prefill): dequantize to a scratch buffer + cuBLAS
@@ -70,7 +71,7 @@ class Dispatchable(Protocol):
         """Whether the layer holds its weight in the GPU kernels' layout."""
 
     def gemv_max_rows(self) -> int:
-        """Largest M the layer's GEMV serves (16, or up to 32 where measured faster)."""
+        """Largest M the layer's GEMV serves (16; 8 or up to 32 as measured for the shape)."""
 
     def kernel_max_rows(self) -> int:
         """Largest M the layer's kernels serve before dequantize + cuBLAS is faster."""

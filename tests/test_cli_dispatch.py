@@ -56,3 +56,30 @@ def test_gemv_grid_lookup_serves_each_m_from_its_measured_row_count_or_the_next(
     assert gemv_tuned_grid(SimpleNamespace(grids={}), 5) == (0, 0, GEMV_RING)
     odd = SimpleNamespace(grids={16: (8, 0, GEMV_STREAM), 17: (2, 50, GEMV_RING)})
     assert gemv_tuned_grid(odd, 12) == (2, 50, GEMV_RING)
+
+
+def test_gemv_reach_serves_each_measured_m_closest_to_its_fastest_path():
+    """The GEMV's reach (8, or a measured M from 16 up) from the tuner's timings, us: H100
+    cases, then random ones against a brute force over every reach."""
+    import random
+
+    from woq.kernels.tuning import _gemv_reach
+
+    dense = {m: 400.0 for m in (17, 24, 32)}
+    # 28672 x 8192 int4: the 16-row GEMM tile wins from 16 rows on -> 9..16 leave the GEMV
+    assert _gemv_reach({1: 43.8, 8: 51.5, 16: 58.7, 17: 61.7, 24: 64.6, 32: 75.3},
+                       {16: 52.6, 17: 57.6, 24: 57.1, 32: 58.2}, dense) == 8
+    # 4096 x 14336 int8: the GEMM wins at 16 by 2 %, loses at 17 by 7 %, wins at 24
+    assert _gemv_reach({1: 20.9, 8: 22.7, 16: 27.1, 17: 27.4, 24: 30.9, 32: 35.1},
+                       {16: 26.6, 17: 29.4, 24: 29.8, 32: 30.1}, dense) == 17
+    # no mixed GEMM (e.g. a g32 weight): the GEMV keeps its 16 rows
+    assert _gemv_reach({1: 5.0, 8: 6.0, 16: 8.0}, {}, {}) == 16
+    rng = random.Random(0)
+    for _ in range(200):
+        gemv = {m: rng.uniform(10, 20) for m in (1, 8, 16, 17, 24, 32)}
+        gemm = {m: rng.uniform(10, 20) for m in (16, 17, 24, 32)}
+        reach = _gemv_reach(gemv, gemm, {})
+
+        def worst(r):
+            return max((gemv[m] if m <= r else gemm[m]) / min(gemv[m], gemm[m]) for m in (16, 17, 24, 32))
+        assert reach in (8, 16, 17, 24, 32) and worst(reach) == min(worst(r) for r in (8, 16, 17, 24, 32))

@@ -148,7 +148,7 @@ def test_misaligned_activations_are_realigned_or_refused():
         ops.gemv(x, gw)
 
 
-GEMM_MS = (17, 31, 48, 64, 100, 128, 256, 1000, 4096)  # tails of every tile configuration
+GEMM_MS = (1, 9, 16, 17, 31, 48, 64, 100, 128, 256, 1000, 4096)  # tails of every tile configuration
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -189,11 +189,12 @@ def test_hopper_builds_carry_the_wgmma_configurations():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("config", range(9))  # ops.GEMM_TILES
+@pytest.mark.parametrize("config", range(10))  # ops.GEMM_TILES (checked below)
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None), (8, 64)])
 def test_mixed_gemm_split_k_is_deterministic(bits, group, config, dtype):
     """Each split count is correct and repeats bit for bit (partials added in split order,
     counters re-armed by each tile's last block, also under graph-style back-to-back calls)."""
+    assert sorted(ops.GEMM_TILES) == list(range(10)), "parametrize over every tile configuration"
     if config not in ops.gemm_configs():
         pytest.skip(f"config {config} needs wgmma (an sm_90a build on an H100/H200)")
     qw, w64, g = _case(700, 4096, bits, group, True, dtype, seed=11)
@@ -339,10 +340,10 @@ def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
     entry = saved[tuning.shape_key(layer.gpu)]
     assert set(entry["grids"]) == {str(m) for m in ops.GEMV_TUNED_MS} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
     assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 0 for c, s in entry["gemm"].values())  # 0: stream-K
-    assert entry["gemv_max_m"] in (16, 24, 32) and layer.gpu.gemv_max_m == entry["gemv_max_m"]
+    assert entry["gemv_max_m"] in (8, 16, 17, 24, 32) and layer.gpu.gemv_max_m == entry["gemv_max_m"]
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
     assert dispatch.choose_path(x, layer) == dispatch.GEMV
-    for m in (16, 17, 24, 25, 32, 33, 64, 65, 300, 2000):
+    for m in (8, 9, 16, 17, 24, 25, 32, 33, 64, 65, 300, 2000):
         path = dispatch.choose_path(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer)
         expect = (dispatch.GEMV if m <= entry["gemv_max_m"] else
                   dispatch.MIXED_GEMM if m <= entry["max_kernel_m"] else dispatch.DEQUANT_CUBLAS)

@@ -52,7 +52,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -86,8 +85,26 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 __device__ __forceinline__ uint32_t as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
+// d = a * b + c on packed pairs (bf16x2 needs sm_80; sub.bf16x2 would need sm_90).
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  d = 0;  // bf16 kernels are not launched below sm_80 (checked on the host)
+#endif
+  return d;
+}
+
 // Per-group constants folding the zero point into the magic-number subtraction, for the
 // two output rows a thread owns (row gid -> "lo", row gid + 8 -> "hi").
+//
+// Each is built from floats (the fixed symmetric bias; per-channel zero points, once per
+// tile) or, per group, from the stored pair (z_lo, z_hi) in T with packed half / bf16
+// arithmetic (2-3 instructions): no conversions to fp32 and back per row, which the bf16
+// and int8 constants took before. The result is the same: zero points are codes (small
+// integers, exact), and for any stored value both routes round the exact sum once (an
+// fp32 sum of two values of at most 11 significant bits is exact).
 template <typename T, int BITS>
 struct ZeroConsts;
 
@@ -97,6 +114,11 @@ struct ZeroConsts<__half, 8> {
   ZeroConsts() = default;
   __device__ __forceinline__ ZeroConsts(float z_lo, float z_hi)
       : sub_lo(as_u32(__float2half2_rn(1024.f + z_lo))), sub_hi(as_u32(__float2half2_rn(1024.f + z_hi))) {}
+  __device__ __forceinline__ explicit ZeroConsts(uint32_t z_pair) {  // (operand swizzles: 2 adds)
+    const __half2 z = as_h2(z_pair);
+    sub_lo = as_u32(__hadd2(__low2half2(z), as_h2(0x64006400u)));  // + half2(1024, 1024)
+    sub_hi = as_u32(__hadd2(__high2half2(z), as_h2(0x64006400u)));
+  }
 };
 
 // int4: the unshifted nibbles (mask 0x000f000f) always land in row gid's registers and the
@@ -126,6 +148,11 @@ struct ZeroConsts<__nv_bfloat16, 4> {
     neg_lo = *reinterpret_cast<uint32_t*>(&lo);
     neg_hi = *reinterpret_cast<uint32_t*>(&hi);
   }
+  __device__ __forceinline__ explicit ZeroConsts(uint32_t z_pair) {
+    const uint32_t neg = fma_bf16x2(z_pair, 0xbf80bf80u, 0xc300c300u);  // z * -1 + -128
+    neg_lo = prmt(neg, neg, 0x1010);
+    neg_hi = prmt(neg, neg, 0x3232);
+  }
 };
 
 template <>
@@ -137,29 +164,17 @@ struct ZeroConsts<__nv_bfloat16, 8> {
     add_lo = *reinterpret_cast<uint32_t*>(&lo);
     add_hi = *reinterpret_cast<uint32_t*>(&hi);
   }
+  __device__ __forceinline__ explicit ZeroConsts(uint32_t z_pair) {
+    const uint32_t add = fma_bf16x2(z_pair, 0xbf80bf80u, 0x43004300u);  // z * -1 + 128
+    add_lo = prmt(add, add, 0x1010);
+    add_hi = prmt(add, add, 0x3232);
+  }
 };
 
 // The constants of a stored zero-point pair (rows gid, gid + 8), in T.
 template <typename T, int BITS>
 __device__ __forceinline__ ZeroConsts<T, BITS> zero_consts(uint32_t z_pair) {
-  if constexpr (std::is_same_v<T, __half> && BITS == 4) {
-    return ZeroConsts<T, BITS>(z_pair);
-  } else {
-    const float2 z = std::is_same_v<T, __half> ? __half22float2(as_h2(z_pair))
-                                               : __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&z_pair));
-    return ZeroConsts<T, BITS>(z.x, z.y);
-  }
-}
-
-// d = a * b + c on packed pairs (bf16x2 needs sm_80; sub.bf16x2 would need sm_90).
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-#else
-  d = 0;  // bf16 kernels are not launched below sm_80 (checked on the host)
-#endif
-  return d;
+  return ZeroConsts<T, BITS>(z_pair);
 }
 
 // --- int8: two words (8 codes) -> the 4 A-fragment registers of one k16 block ----------

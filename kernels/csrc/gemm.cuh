@@ -40,7 +40,7 @@
 // reaches about half of its wgmma peak at best, so this kernel wins against dequantize +
 // cuBLAS, and against fp16 cuBLAS only while the weight bytes dominate (M <= ~64-128).
 //
-// wgmma configurations (5..8; sm_90a builds on an H100/H200, wgmma.cuh). Each warpgroup
+// wgmma configurations (5..9; sm_90a builds on an H100/H200, wgmma.cuh). Each warpgroup
 // (warps 0-3, 4-7) owns NTW 64-channel slices of the block's channels and all BM rows:
 // per k16 step its warps convert their A fragments exactly as above (the weight layout
 // already matches wgmma's register fragments: the A fragment of warp w is rows 16w..16w+15)
@@ -52,6 +52,16 @@
 //     6      128 x 64   (NTW 2, m64n64k16)         64 x 256           64
 //     7       64 x 128  (NTW 1, m64n128k16)       128 x 128           64
 //     8      128 x 128  (NTW 2, m64n128k16)       128 x 256          128
+//     9      128 x 16   (NTW 2, m64n16k16)         16 x 256            8 (int4: 256 k a stage)
+//
+// Config 9 is config 5 at half the rows, for decode batches of 9..16 rows (M <= 16 is the
+// GEMV's by default; the tuner gives those rows to this tile where it measures faster,
+// kernels/tuning.py): the per-weight-byte work -- copies, conversions, scales -- is the
+// GEMV's, but the tensor cores read the 16 rows of x from shared memory, where each GEMV
+// warp loads them into registers (see above). Measured on the H100 (gemm_configs.py,
+// stream-K, M = 16, us, config 5 -> 9): int4 g128 28672 x 8192 58.6 -> 53.3, 21504 x 14336
+// 72.1 -> 66.2; int8 85.0 -> 83.8 (split 1), 114.5 -> 109.8; the GEMV at 16 rows: int4 59.6
+// and 72.5, int8 94.1 and 123.8 (docs/bench/kernels.md).
 //
 // Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, 28672 x 8192, stream-K, us,
 // best mma config -> best wgmma config): M = 32 82.6 -> 68.0; M = 64 126.9 -> 90.9; M = 128
@@ -127,7 +137,7 @@ constexpr int kGemmStageK = 128;  // k per pipeline stage (but see GemmTile::kSt
 #define WOQ_GEMM_STAGES 4
 #endif
 constexpr int kGemmMaxStages = WOQ_GEMM_STAGES;
-constexpr int kGemmConfigs = 9;
+constexpr int kGemmConfigs = 10;
 // wgmma groups (one per k16 step) a warpgroup keeps in flight while it converts the next
 // step's weights: each holds its A registers until it completes. (Measured on the H100,
 // 28672 x 8192 int4: 1 and 4 ran alike, e.g. M = 32 73.7 vs 73.2 us; 4 leaves the
@@ -138,15 +148,17 @@ static_assert(kGemmStageK / 16 >= kWgmmaInFlight, "a stage's own groups are the 
 // kMinBlocks: resident blocks per SM the configuration is built for (2: registers capped
 // at 128 per thread, so 16 warps per SM hide latency; 1: 64 accumulators per thread, 128
 // for wgmma config 8).
-// kWgmma: Hopper warpgroup MMA (configs 5..8, sm_90a only; see "wgmma configurations").
-// kStageK4: k per pipeline stage with int4 weights (int8: kGemmStageK). Config 5 (M <= 32)
-// takes 256: its block does little math per weight byte, so what bounds it is the
-// per-stage round trip (the barrier, then the first shared-memory loads and conversions
-// before the tensor cores start again); twice the k per stage halves those per byte.
+// kWgmma: Hopper warpgroup MMA (configs 5..9, sm_90a only; see "wgmma configurations").
+// kStageK4: k per pipeline stage with int4 weights (int8: kGemmStageK). Configs 5 (M <= 32)
+// and 9 (M <= 16) take 256: their blocks do little math per weight byte, so what bounds
+// them is the per-stage round trip (the barrier, then the first shared-memory loads and
+// conversions before the tensor cores start again); twice the k per stage halves those
+// per byte.
 // Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, M = 32, stream-K, us, 128 ->
 // 256, both with the weight prefetch in compute_wgmma): 28672 x 8192 64.5 -> 57.8, 21504 x
-// 14336 80.6 -> 74.5. Its int8 stage at 256 would be 80 KB (2 stages: too few for wgmma's
-// ring), and config 6 (M <= 64) at 256 fits 3 stages, one in flight: 78.5 -> 118.7 us.
+// 14336 80.6 -> 74.5. Config 5's int8 stage at 256 would be 80 KB (2 stages: too few for
+// wgmma's ring; config 9's 72 KB, 3 stages, one in flight), and config 6 (M <= 64) at 256
+// fits 3 stages, one in flight: 78.5 -> 118.7 us.
 template <int CFG>
 struct GemmTile;
 template <>
@@ -167,6 +179,8 @@ template <>
 struct GemmTile<7> { static constexpr int kWM = 1, kMBW = 16, kNTW = 1, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
 template <>
 struct GemmTile<8> { static constexpr int kWM = 1, kMBW = 16, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
+template <>
+struct GemmTile<9> { static constexpr int kWM = 1, kMBW = 2, kNTW = 2, kMinBlocks = 1, kStageK4 = 256; static constexpr bool kWgmma = true; };
 
 template <int CFG>
 struct GemmShape {

@@ -1,5 +1,5 @@
 // Host-side launcher of one mixed-GEMM instantiation. Defined here, instantiated in
-// gemm_{fp16,bf16}_c{0..8}.cu (one translation unit per activation type and tile
+// gemm_{fp16,bf16}_c{0..9}.cu (one translation unit per activation type and tile
 // configuration: they build in parallel).
 #pragma once
 

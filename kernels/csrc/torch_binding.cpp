@@ -134,7 +134,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 int64_t group_size, int64_t n, int64_t k, int64_t config, int64_t splits, at::Tensor& workspace,
                 at::Tensor& counters) {
   check_activations(x, scales, bias, n, k, 1 << 24, "the mixed GEMM takes 1 to 2^24 rows");
-  check(config >= -1 && config <= 8, "config must be -1 (by M) or 0..8, got " + str(config));
+  check(config >= -1 && config <= 9, "config must be -1 (by M) or 0..9, got " + str(config));
   check(splits >= 0 && splits <= 64, "splits must be 0 (by shape) .. 64, got " + str(splits));
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat, "workspace must be a CUDA float32 tensor");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters must be a CUDA int32 tensor");

@@ -14,7 +14,7 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemv_stream_launch.cuh, instantiated in gemv_stream_{fp16,bf16}_int{4,8}.cu.
 template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
 cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream);
-// Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..8}.cu.
+// Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..9}.cu.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream);
 
@@ -160,6 +160,7 @@ cudaError_t gemm_with_config(const GemmArgs& a, int config, cudaStream_t stream)
     case 6: return gemm_by_group<T, BITS, 6>(a, stream);
     case 7: return gemm_by_group<T, BITS, 7>(a, stream);
     case 8: return gemm_by_group<T, BITS, 8>(a, stream);
+    case 9: return gemm_by_group<T, BITS, 9>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -54,7 +54,7 @@ struct GemmArgs {
   const void* bias;  // [N] or nullptr
   void* y;           // [M, N]
   int M;
-  int config;        // tile configuration 0..8 (gemm.cuh; 5..8 where wgmma_available); -1 = by M
+  int config;        // tile configuration 0..9 (gemm.cuh; 5..9 where wgmma_available); -1 = by M
   int splits;        // blocks per output tile (split-K); 0 = one resident wave (stream-K)
   float* workspace;  // partial tiles: 2 * BM * BN floats per block (the grid is capped to fit)
   long long workspace_floats;
@@ -76,7 +76,7 @@ int gemv_grid_columns(int N);
 int gemv_sm_count();
 // Compute capability major of the current device.
 int device_cc_major();
-// Whether the mixed GEMM's wgmma configurations (5..8) run here: this library holds sm_90a
+// Whether the mixed GEMM's wgmma configurations (5..9) run here: this library holds sm_90a
 // code (built with -DWOQ_BUILT_SM90A and an sm_90a target: kernels/ops.py, setup.py) and
 // the current device is compute capability 9.0 (H100, H200).
 bool wgmma_available();
