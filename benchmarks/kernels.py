@@ -149,8 +149,8 @@ def run(shapes, ms, out_dir: Path, dtypes) -> dict:
                 x = x16.to(dtype)
                 name = f"woq_{fmt}_{str(dtype).split('.')[-1]}"
                 roof = (wbytes + io_bytes(M, N, K)) / bw * 1e6
-                # What the dispatch serves: the GEMV, or the mixed GEMM where the tuner measured
-                # it faster at 16 rows (its 16-row tile); then also the GEMV itself.
+                # What the dispatch serves: the GEMV, or the mixed GEMM where the tuner gave it
+                # these rows (its 16-row tile; GpuWeight.gemv_max_m); then also the GEMV itself.
                 path = "mixed_gemm" if M > gws[0].gemv_max_m and ops.supports_mixed_gemm(gws[0]) else "gemv"
                 kernel = ops.gemm if path == "mixed_gemm" else ops.gemv
                 calls = [lambda g=g: kernel(x, g) for g in gws]
@@ -229,8 +229,8 @@ def summary(result: dict) -> str:
            f"rotated past 4× L2. % roof = (weight+scale+zero bytes + x + y) / bandwidth ÷ time. "
            f"Our kernels launch programmatically on sm_90+ (kernels/pdl.py: a call's weight stream overlaps the "
            f"previous call's tail); \"plain\": the same calls launched plainly, as the peers are. "
-           f"int4/int8 µs: the kernel the dispatch serves (path: the GEMV, or the mixed GEMM where the tuner "
-           f"measured its 16-row tile faster at 16 rows); GEMV µs: the GEMV kernel itself where it is not "
+           f"int4/int8 µs: the kernel the dispatch serves (path: the GEMV, or the mixed GEMM's 16-row tile where "
+           f"the tuner gave it 9..16 rows); GEMV µs: the GEMV kernel itself where it is not "
            f"the one served.\n\n")
     return (hdr + markdown_table(head, table) + "\n\n" + ratio_lines(rows, shapes)
             + "\nAgainst the peers (int4 vs the int4 peers, int8 vs gemlite w8):\n\n" + peer_margins(margins))

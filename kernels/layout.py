@@ -92,9 +92,8 @@ class GpuWeight:
     gemm_plan: dict = field(default_factory=dict)
     # Largest M the kernels serve before dequantize + cuBLAS wins (measured, tuning.py).
     max_kernel_m: int = 128
-    # Largest M the GEMV serves: 16, or up to 32 where it measured faster than the mixed
-    # GEMM, or 8 where the mixed GEMM measured faster at 16 rows (tuning.py; per-channel,
-    # g64 and g128 weights).
+    # Largest M the GEMV serves: 16, or 8 or up to 32 as measured against the mixed GEMM
+    # (tuning._gemv_reach; per-channel, g64 and g128 weights).
     gemv_max_m: int = 16
 
     @property

@@ -8,7 +8,7 @@ DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buff
 PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS)
 
 GEMV_MAX_M = 16  # rows the GEMV path takes, any weight (row blocks MB = 1, 2), unless the
-# tuner measured the mixed GEMM faster at 16 rows (GpuWeight.gemv_max_m = 8 then).
+# tuner gives 9..16 to the mixed GEMM (GpuWeight.gemv_max_m = 8; tuning._gemv_reach).
 # Rows it can take for per-channel, g64 and g128 weights (MB = 3, 4): between 17 and 32
 # the tuner measures it against the mixed GEMM per shape (GpuWeight.gemv_max_m).
 GEMV_WIDE_MAX_M = 32

@@ -9,8 +9,7 @@ path               when
 ``dense``          unquantized layer (``--quant none``): ``F.linear``
 ``cpu_reference``  quantized layer off CUDA, or CUDA without the compiled kernels
 ``gemv``           CUDA, M <= 16 (decode): the weight-only GEMV kernel; up to 32
-                   rows where it measured faster than the mixed GEMM for the shape,
-                   up to 8 where the mixed GEMM measured faster at 16 rows
+                   rows, or only 8, as measured against the mixed GEMM for the shape
 ``mixed_gemm``     CUDA, from there to the measured crossover: the tensor-core GEMM
                    with fused dequantization
 ``dequant_cublas`` CUDA, larger M (prefill): dequantize to a scratch buffer + cuBLAS

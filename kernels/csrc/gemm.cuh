@@ -137,7 +137,6 @@ constexpr int kGemmStageK = 128;  // k per pipeline stage (but see GemmTile::kSt
 #define WOQ_GEMM_STAGES 4
 #endif
 constexpr int kGemmMaxStages = WOQ_GEMM_STAGES;
-constexpr int kGemmConfigs = 10;
 // wgmma groups (one per k16 step) a warpgroup keeps in flight while it converts the next
 // step's weights: each holds its A registers until it completes. (Measured on the H100,
 // 28672 x 8192 int4: 1 and 4 ran alike, e.g. M = 32 73.7 vs 73.2 us; 4 leaves the
