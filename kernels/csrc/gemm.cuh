@@ -90,9 +90,26 @@
 // alike (86.4 -> 82.4 at M = 32, 152.4 -> 156.1 at M = 128): the copies' instructions were
 // not what bounds the kernel. ncu at M = 32 (config 5): ~520 instructions per warp per
 // stage, issue slots half busy, 2 warps per scheduler; the top stall was the wait at each
-// stage's barrier and the first shared-memory loads after it. Next steps: warp
-// specialization (a producer warp, two consumer warpgroups on mbarriers, no block-wide
-// barrier per stage) and bigger tiles per SM.
+// stage's barrier and the first shared-memory loads after it. Then two changes, each timed
+// against the block barrier in one device call (gemm_configs.py, stream-K, fp16, int4 g128,
+// us, best tile; docs/bench/gemm_ring.md):
+//  - ring barriers (an mbarrier pair per ring slot instead of a block barrier per stage,
+//    see the main loop), with the copies as they were: M = 32 (config 5) 28672 x 8192
+//    60.1 -> 58.0, 21504 x 14336 73.1 -> 71.5; M = 128 (config 8) 150.4 -> 133.4 and
+//    181.0 -> 175.1; M = 16 (config 9) 53.7 -> 52.2 and 67.1 -> 65.9.
+//  - copies indexed per thread (fetch_weights, fetch_x): config 5's copy code had been ~15
+//    instructions per 16-byte copy, a quarter of its instructions per unit (SASS), and
+//    its registers went from 253 to 211. With them, block barrier -> ring barriers: M = 32
+//    55.6 -> 54.7 and 67.4 -> 68.1, M = 128 141.3 -> 140.9 and 180.0 -> 177.8, M = 16
+//    50.5 -> 51.0 and 63.2 -> 63.2: the copies were most of what the ring had saved, and
+//    the two synchronizations now run alike within the noise between runs (config 8 at M
+//    = 128 took 133.4 in the first call). The ring stays: it is what a producer warp would
+//    build on, and the shipped measurements (kernels_msweep.md) are with it.
+// ncu with the ring barriers and the old copies, M = 32, config 5 (stalls per issued
+// instruction): "wait" (fixed-latency dependencies) 0.84, long scoreboard 0.40, dispatch
+// 0.33, math-pipe throttle 0.26, barrier 0.12; the tensor pipe active 26 % of the cycles
+// (50 % at M = 128, config 8). Not tried: warp specialization (a producer warp feeding the
+// two consumer warpgroups), bigger tiles per SM.
 //
 // Group scales are applied to the converted weights, not to the accumulators:
 // (code - z) is an exact small integer and the scale a T, so their product is exact in
@@ -137,6 +154,13 @@ constexpr int kGemmStageK = 128;  // k per pipeline stage (but see GemmTile::kSt
 #define WOQ_GEMM_STAGES 4
 #endif
 constexpr int kGemmMaxStages = WOQ_GEMM_STAGES;
+// wgmma configurations: the ring's slots handed over through mbarriers (a "full" and an
+// "empty" barrier per slot) instead of a block barrier per stage; see the main loop. A
+// build-time macro so that the block barrier can still be timed against it
+// (WOQ_NVCC_FLAGS="-DWOQ_GEMM_RING_BARRIERS=0").
+#ifndef WOQ_GEMM_RING_BARRIERS
+#define WOQ_GEMM_RING_BARRIERS 1
+#endif
 // wgmma groups (one per k16 step) a warpgroup keeps in flight while it converts the next
 // step's weights: each holds its A registers until it completes. (Measured on the H100,
 // 28672 x 8192 int4: 1 and 4 ran alike, e.g. M = 32 73.7 vs 73.2 us; 4 leaves the
@@ -308,21 +332,32 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // while serving (weights, scales, zero points) and the activations, which the previous
   // kernel may still be writing (launch.cuh). Every part is a run of 16-byte chunks, chunk
   // c to thread c % kThreads; out-of-range chunks are zero-filled (zero codes convert to
-  // finite values, and they meet zero-filled x). Addresses: one 64-bit base per unit plus
-  // 32-bit offsets per chunk.
+  // finite values, and they meet zero-filled x).
+  //
+  // A thread's chunks of a part are one fixed chunk of every j-th n-tile (weights) or row
+  // (x): c = tid + j * kThreads splits into a per-thread part (tid's n-tile or row, its
+  // 16 bytes in it) and j times a whole number of n-tiles or rows. Written that way, each
+  // copy costs a pointer step and a compare; indexing by c (divisions, 64-bit products per
+  // chunk) cost ~15 instructions per copy, a quarter of config 5's instructions per unit
+  // (SASS, int4 g128).
+  constexpr int kWTileChunks = kSegs * 32;  // one n-tile's chunks of a stage
+  static_assert(kThreads % kWTileChunks == 0, "a thread's weight chunks lie in every j-th n-tile");
+  constexpr int kWTileStep = kThreads / kWTileChunks;
+  const int w_tile = tid / kWTileChunks, w_chunk = tid % kWTileChunks;
+  const size_t w_tile_stride = static_cast<size_t>(ktiles) * 32 * kWTileStep;  // (uint4)
   auto fetch_weights = [&](const UnitPos& u, int slot) {
     const int tile0 = u.col * kTiles, st = u.st;
     const uint32_t base = smem_addr + slot * Stage::kBytes;
     // weights: each n-tile's kSegs segments of this stage lie contiguous in global memory
     constexpr int kWChunks = kTiles * kSegs * 32;
     static_assert(kWChunks % kThreads == 0, "whole weight copies per thread");
-    const uint4* w_unit = p.w + (static_cast<size_t>(tile0) * ktiles + st * kSegs) * 32;
+    const uint4* src = p.w + (static_cast<size_t>(tile0 + w_tile) * ktiles + st * kSegs) * 32 + w_chunk;
+    const bool k_valid = st * kSegs + w_chunk / 32 < ktiles;
+    const int tiles_left = p.n_tiles - tile0 - w_tile;  // this thread's n-tiles in range
 #pragma unroll
     for (int j = 0; j < kWChunks / kThreads; ++j) {
-      const int c = tid + j * kThreads;
-      const int t = c / (kSegs * 32), r = c % (kSegs * 32);
-      const bool valid = tile0 + t < p.n_tiles && st * kSegs + r / 32 < ktiles;
-      copy16_async(base + c * 16, valid ? w_unit + t * ktiles * 32 + r : p.w, valid);
+      const bool valid = k_valid && j * kWTileStep < tiles_left;
+      copy16_async(base + (tid + j * kThreads) * 16, valid ? src + j * w_tile_stride : p.w, valid);
     }
     // group scales (and zeros): 16 values = 2 chunks per (n-tile, group)
     if constexpr (kGroups > 0) {
@@ -339,25 +374,30 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       }
     }
   };
+  constexpr int kXRowChunks = SK / 8;  // one x row's chunks of a stage
+  static_assert(kThreads % kXRowChunks == 0 && (kThreads / kXRowChunks) % 8 == 0,
+                "a thread's x chunks lie in every j-th row, j a multiple of 8 (its swizzle is fixed)");
+  constexpr int kXRowStep = kThreads / kXRowChunks;
+  const int x_row = tid / kXRowChunks, x_chunk = tid % kXRowChunks;
+  // the chunk's place in the row-0 slice of a stage (wgmma: 64-k slice, row of 128 bytes,
+  // chunk XOR row % 8, the same for all of this thread's rows; mma: rows padded)
+  const uint32_t x_dst = Shape::kWgmma
+                             ? (x_chunk / 8) * BM * 128 + x_row * 128 + ((x_chunk % 8) ^ (x_row % 8)) * 16
+                             : (x_row * XS + x_chunk * 8) * static_cast<uint32_t>(sizeof(T));
+  constexpr uint32_t kXDstStep = Shape::kWgmma ? kXRowStep * 128 : kXRowStep * XS * sizeof(T);
   auto fetch_x = [&](const UnitPos& u, int slot) {
     const int m0 = u.mt * BM, k0 = u.st * SK;
-    const uint32_t base = smem_addr + slot * Stage::kBytes;
+    const uint32_t base = smem_addr + slot * Stage::kBytes + Stage::kW + x_dst;
     // activations: BM rows x SK / 8 chunks of 8 elements; rows past M and k past K zero-filled
     constexpr int kXChunks = BM * (SK / 8);
     static_assert(kXChunks % kThreads == 0, "whole x copies per thread");
-    const T* x_unit = x + static_cast<size_t>(m0) * p.K + k0;
+    const T* src = x + static_cast<size_t>(m0 + x_row) * p.K + k0 + x_chunk * 8;
+    const bool k_valid = k0 + x_chunk * 8 < p.K;
+    const int rows_left = p.M - m0 - x_row;
 #pragma unroll
     for (int j = 0; j < kXChunks / kThreads; ++j) {
-      const int c = tid + j * kThreads;
-      const int row = c / (SK / 8), chunk = c % (SK / 8);
-      const bool valid = m0 + row < p.M && k0 + chunk * 8 < p.K;
-      uint32_t dst;
-      if constexpr (Shape::kWgmma) {  // 64-k slice, row of 128 bytes, chunk XOR row % 8
-        dst = (chunk / 8) * BM * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
-      } else {
-        dst = (row * XS + chunk * 8) * static_cast<uint32_t>(sizeof(T));
-      }
-      copy16_async(base + Stage::kW + dst, valid ? x_unit + row * p.K + chunk * 8 : x, valid);
+      const bool valid = k_valid && j * kXRowStep < rows_left;
+      copy16_async(base + j * kXDstStep, valid ? src + static_cast<size_t>(j) * kXRowStep * p.K : x, valid);
     }
   };
 
@@ -449,7 +489,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // tile, read by the tensor cores straight from shared memory (no ldmatrix, no x
   // registers). Converting step i + 1 overlaps the wgmma of the steps before it (up to
   // kWgmmaInFlight groups in flight).
-  auto compute_wgmma = [&](int slot) {
+  auto compute_wgmma = [&](int slot, uint32_t release_bar) {
     if constexpr (Shape::kWgmma) {  // (never instantiated for the mma configurations)
       const char* base = smem + slot * Stage::kBytes;
       const uint4* wsm = reinterpret_cast<const uint4*>(base) + Shape::n_tile(warp, 0) * kSegs * 32 + lane;
@@ -513,6 +553,9 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
           for (int nt = 0; nt < NTW; ++nt) wgmma_rs<T, MBW * 8>(&acc[nt][0][0], a[nt], desc);
           wgmma_commit();
           wgmma_wait<kWgmmaInFlight - 1>();
+          // Ring barriers: the groups left in flight are now all this stage's, so the
+          // previous stage's slot is read for the last time -- it may be refilled.
+          if (i == kWgmmaInFlight - 1 && release_bar != 0) mbarrier_arrive(release_bar);
         }
         if (!kPrefetch && s + 1 < kSegs) load_segment(s + 1);
       }
@@ -605,6 +648,30 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // so that the slot refilled is the one computed two units back, whose wgmma groups are
   // complete (compute_wgmma leaves at most kWgmmaInFlight - 1 in flight, all its own):
   // the tensor cores keep working through the barrier instead of draining at every stage.
+  //
+  // Ring barriers (wgmma, WOQ_GEMM_RING_BARRIERS): no block barrier per stage. Each slot
+  // has a "full" barrier, on which every thread's copies of a unit arrive as they land
+  // (cp.async.mbarrier.arrive: no thread waits for its own copies), and an "empty" one, on
+  // which every thread arrives once the slot's previous unit is read for the last time
+  // (its wgmma groups complete: kWgmmaInFlight - 1 k16 steps into the next unit). A warp
+  // waits only for the data it is about to read and, before refilling a slot, for the
+  // unit that slot held two units back -- so warps drift by up to a unit against each
+  // other instead of meeting at every stage, where ncu placed this kernel's top stall
+  // (the barrier, then the first shared-memory loads after it). Unit q (counted from the
+  // run's start) lives in slot q % stages; its barriers' phase parity is (q / stages) % 2.
+  constexpr bool kRing = Shape::kWgmma && WOQ_GEMM_RING_BARRIERS;
+  __shared__ alignas(8) uint64_t ring_barriers[2 * kGemmMaxStages];  // full[slot], then empty[slot]
+  const uint32_t full_bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring_barriers));
+  auto full_bar = [&](int s) { return full_bar0 + 8u * s; };
+  auto empty_bar = [&](int s) { return full_bar0 + 8u * (kGemmMaxStages + s); };
+  if constexpr (kRing) {
+    if (tid < p.stages) {
+      mbarrier_init(full_bar(tid), kThreads);
+      mbarrier_init(empty_bar(tid), kThreads);
+    }
+    fence_mbarrier_init();
+    __syncthreads();
+  }
   const int ahead = p.stages - 1 - (Shape::kWgmma ? 1 : 0);
   const int tile_begin = L_begin / p.nstages;
   UnitPos fetch_pos{tile_begin % p.m_tiles, tile_begin / p.m_tiles, L_begin % p.nstages};  // the next unit to fetch
@@ -621,9 +688,12 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
 #pragma unroll
   for (int q = 0; q < kGemmMaxStages - 1; ++q) {
     if (q < ahead) {
-      if (L_begin + q < L_end) fetch_x(fetch_pos, q);
+      if (L_begin + q < L_end) {
+        fetch_x(fetch_pos, q);
+        if constexpr (kRing) mbarrier_arrive_on_copies(full_bar(q));
+      }
       advance(fetch_pos);
-      cp_async_commit();
+      if constexpr (!kRing) cp_async_commit();
     }
   }
   // Two loops: over the tiles of this block's run, and over the units (stages) of one
@@ -634,6 +704,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // ("warpgroup.wait is injected ... to allow use of registers defined by GMMA", C7517):
   // the tensor cores drained at every stage.
   int slot = 0;
+  uint32_t round = 0;  // (ring barriers) parity of unit L's use of its slot
   for (int L = L_begin; L < L_end;) {
     const int tile = L / p.nstages;
     const int segment_end = min(L_end, (tile + 1) * p.nstages);  // this block's units of the tile
@@ -641,22 +712,43 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     const bool first_of_run = L == L_begin;
     enter_tile(tile);
     for (; L < segment_end; ++L) {
-      cp_async_wait_dynamic<kGemmMaxStages - 2>(ahead - 1);
-      if constexpr (Shape::kWgmma) fence_proxy_async_shared();  // this stage's cp.async data, read by wgmma
-      __syncthreads();  // unit L visible to all; the slot to refill free (see above)
-      if (L + ahead < L_end) {
-        const int ahead_slot = slot + ahead < p.stages ? slot + ahead : slot + ahead - p.stages;
-        fetch_weights(fetch_pos, ahead_slot);
-        fetch_x(fetch_pos, ahead_slot);
-        advance(fetch_pos);
+      if constexpr (kRing) {
+        mbarrier_wait(full_bar(slot), round);  // unit L's copies, every thread's
+        fence_proxy_async_shared();            // ... read next by wgmma
+        if (L + ahead < L_end) {
+          const bool wraps = slot + ahead >= p.stages;
+          const int refill = wraps ? slot + ahead - p.stages : slot + ahead;
+          // the unit that slot held before (L + ahead - stages), released by every thread
+          if (L - L_begin + ahead >= p.stages) mbarrier_wait(empty_bar(refill), round ^ wraps ^ 1u);
+          fetch_weights(fetch_pos, refill);
+          fetch_x(fetch_pos, refill);
+          advance(fetch_pos);
+          mbarrier_arrive_on_copies(full_bar(refill));
+        }
+        // (0: no unit before this one; an empty barrier's address never is 0, the full
+        // barriers precede them)
+        compute_wgmma(slot, L > L_begin ? empty_bar(slot == 0 ? p.stages - 1 : slot - 1) : 0u);
+      } else {
+        cp_async_wait_dynamic<kGemmMaxStages - 2>(ahead - 1);
+        if constexpr (Shape::kWgmma) fence_proxy_async_shared();  // this stage's cp.async data, read by wgmma
+        __syncthreads();  // unit L visible to all; the slot to refill free (see above)
+        if (L + ahead < L_end) {
+          const int ahead_slot = slot + ahead < p.stages ? slot + ahead : slot + ahead - p.stages;
+          fetch_weights(fetch_pos, ahead_slot);
+          fetch_x(fetch_pos, ahead_slot);
+          advance(fetch_pos);
+        }
+        cp_async_commit();
+        if constexpr (Shape::kWgmma) {
+          compute_wgmma(slot, 0u);  // (every warp: a warpgroup's rows are the block's, never all past M)
+        } else if (warp_live) {
+          compute(slot);
+        }
       }
-      cp_async_commit();
-      if constexpr (Shape::kWgmma) {
-        compute_wgmma(slot);  // (every warp: a warpgroup's rows are the block's, never all past M)
-      } else if (warp_live) {
-        compute(slot);
+      if (++slot == p.stages) {
+        slot = 0;
+        round ^= 1u;
       }
-      slot = slot == p.stages - 1 ? 0 : slot + 1;
     }
     finish_tile(tile, whole, first_of_run);
   }

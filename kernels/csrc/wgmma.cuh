@@ -50,10 +50,50 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 // Shared memory written through the generic proxy (cp.async, st.shared) and read next by
-// wgmma (the async proxy) needs this fence in each writing thread before the barrier.
+// wgmma (the async proxy) needs this fence between the two: in each writing thread before
+// a block barrier, or in each reading thread after the barrier wait that acquired the data.
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #if WOQ_SM90A
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Ring barriers (mbarrier objects: 8 bytes of shared memory each; 32-bit shared-window
+// addresses). A phase completes when `count` arrivals have been made; waiters name the
+// phase by its parity, so a waiter must never fall a whole phase behind (the ring's
+// protocol in gemm.cuh guarantees it). Waiting acquires what the arrivals released.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+#if WOQ_SM90A
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Initialized barriers visible before any thread's first arrival (with a block barrier).
+__device__ __forceinline__ void fence_mbarrier_init() {
+#if WOQ_SM90A
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+#if WOQ_SM90A
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// The arrival of this thread, made by the hardware once all of its earlier cp.async copies
+// have landed (.noinc: it is one of the phase's `count`); the thread does not wait.
+__device__ __forceinline__ void mbarrier_arrive_on_copies(uint32_t bar) {
+#if WOQ_SM90A
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+#if WOQ_SM90A
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WOQ_MBAR_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WOQ_MBAR_WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
 #endif
 }
 
