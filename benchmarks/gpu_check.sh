@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize model e2e enginetests engine profile ablation prefill overhead pdlab serving bench msweep
+#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile ablation prefill overhead pdlab serving bench msweep
 #           grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +54,8 @@ for stage in "$@"; do
                --concurrency 1,4,16,64 --requests-per-client 5 --offline --out "$OUT" --name serving_h100_smollm2_int4 ;;
     e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
+    racecheck)  # shared-memory hazards and barrier misuse in the mixed GEMM (ring barriers: mbarriers, cp.async)
+      run racecheck bash -c "compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only && compute-sanitizer --tool synccheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only" ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
     grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;

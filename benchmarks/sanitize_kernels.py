@@ -3,7 +3,11 @@ columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..32 (1 to 4 row bloc
 (M <= 8) at 1, 2, 4, 8 k-warps with K whole or cut between blocks; the mixed GEMM's mma tile
 configurations and, where built (an H100's sm_90a), its wgmma ones, with and without split-K,
 tiles cut between blocks, M tails; shallower rings under smaller GPUs' shared memory.
-Run by benchmarks/gpu_check.sh under the sanitizer."""
+Run by benchmarks/gpu_check.sh under the sanitizer.
+
+    --gemm-only: the mixed GEMM's launches of the first shape alone -- few enough launches
+    for racecheck / synccheck, which serialise every access (gpu_check.sh racecheck)."""
+import argparse
 import itertools
 
 import torch
@@ -12,13 +16,24 @@ from woq.kernels import ops
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--gemm-only", action="store_true")
+gemm_only = parser.parse_args().gemm_only
+
 assert ops.available()
 torch.manual_seed(0)
 for (N, K), bits, group, sym, dtype in itertools.product(
-    [(1000, 576), (24, 4104)], [4, 8], [None, 128], [True, False], [torch.float16, torch.bfloat16]
+    [(1000, 576)] + ([] if gemm_only else [(24, 4104)]), [4, 8], [None, 128], [True, False],
+    [torch.float16, torch.bfloat16]
 ):
     qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
     gw = ops.prepare(pack_for_gpu(qw, dtype))
+    if gemm_only:
+        for M, config, splits in [(17, 0, 0), (70, 1, 3)] + ([(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2),
+                                                               (200, 8, 0), (16, 9, 0), (37, 9, 2)]
+                                                              if ops.wgmma_configs_available() else []):
+            ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, config=config, splits=splits)
+        continue
     for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4), (19, 0, 0), (32, 3, 2),
                                (27, 0, 1), (30, 5, 1)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
@@ -41,4 +56,4 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     with ops.shared_memory_limit(99 << 10):
         ops.gemm(torch.randn(70, K, device="cuda", dtype=dtype), gw, config=2 if bits == 4 else 4, splits=2)
 torch.cuda.synchronize()
-print("sanitizer workload done")
+print(f"sanitizer workload done (wgmma configurations {'included' if ops.wgmma_configs_available() else 'not built'})")

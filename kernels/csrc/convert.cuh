@@ -48,7 +48,13 @@
 //             (e4, e5) and (e6, e7). Shifting the word left instead would collide with
 //             the 0x64 exponent byte, hence the ">> 8" (seed 000, "top_i4s").
 //       bf16: the x16 trick overflows 7 mantissa bits, so each pair is masked with
-//             0x000f000f from word, word>>4, word>>8, word>>12 (same layout).
+//             0x000f000f from word, word>>4, word>>8, word>>12 (same layout): three
+//             shifts, as a 16-bit lane has room for one nibble window, and with the
+//             fma that removes 128 + z, 11 instructions per 8 codes against fp16's 9.
+//             Tried in the GEMVs, both slower or no faster at M = 1..8 on the H100
+//             (docs/bench/gemv_bf16_zero_mma_tried.md): leaving 128 + code in A and
+//             taking the zero point off with a second mma on the same x, or with
+//             (128 + z) * sum(x) per group, the sums taken while loading x.
 #pragma once
 
 #include <cstdint>
