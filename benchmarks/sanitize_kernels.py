@@ -22,6 +22,18 @@ gemm_only = parser.parse_args().gemm_only
 
 assert ops.available()
 torch.manual_seed(0)
+GEMM_LAUNCHES = [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]  # (M, config, splits)
+if ops.wgmma_configs_available():
+    GEMM_LAUNCHES += [(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2), (200, 8, 0), (129, 8, 1),
+                      (16, 9, 0), (9, 9, 2), (37, 9, 0)]
+
+
+def run_gemm_launches(gw, N: int, K: int, dtype: torch.dtype) -> None:
+    for M, config, splits in GEMM_LAUNCHES:
+        ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
+                 config=config, splits=splits)
+
+
 for (N, K), bits, group, sym, dtype in itertools.product(
     [(1000, 576)] + ([] if gemm_only else [(24, 4104)]), [4, 8], [None, 128], [True, False],
     [torch.float16, torch.bfloat16]
@@ -29,10 +41,7 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     if gemm_only:
-        for M, config, splits in [(17, 0, 0), (70, 1, 3)] + ([(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2),
-                                                               (200, 8, 0), (16, 9, 0), (37, 9, 2)]
-                                                              if ops.wgmma_configs_available() else []):
-            ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, config=config, splits=splits)
+        run_gemm_launches(gw, N, K, dtype)
         continue
     for M, blocks, k_warps in [(1, 0, 0), (16, 0, 1), (7, 3, 2), (16, 5, 4), (3, 0, 4), (19, 0, 0), (32, 3, 2),
                                (27, 0, 1), (30, 5, 1)]:
@@ -41,13 +50,7 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     for M, blocks, k_warps in [(1, 0, 0), (8, 0, 8), (3, 7, 1), (5, 1000, 4), (2, 3, 2), (1, 1000, 8)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
-    gemm_launches = [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]
-    if ops.wgmma_configs_available():
-        gemm_launches += [(40, 5, 0), (17, 5, 3), (100, 6, 0), (129, 7, 2), (200, 8, 0), (129, 8, 1),
-                          (16, 9, 0), (9, 9, 2), (37, 9, 0)]
-    for M, config, splits in gemm_launches:
-        ops.gemm(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
-                 config=config, splits=splits)
+    run_gemm_launches(gw, N, K, dtype)
     ops.dequantize(gw)
     # the shallower rings of GPUs with less shared memory (3 and 2 stages: a T4, an RTX 30/40)
     for limit, M, k_warps in [(64 << 10, 1, 1), (64 << 10, 16, 1), (99 << 10, 16, 2), (99 << 10, 24, 1)]:
