@@ -108,8 +108,12 @@
 // ncu with the ring barriers and the old copies, M = 32, config 5 (stalls per issued
 // instruction): "wait" (fixed-latency dependencies) 0.84, long scoreboard 0.40, dispatch
 // 0.33, math-pipe throttle 0.26, barrier 0.12; the tensor pipe active 26 % of the cycles
-// (50 % at M = 128, config 8). Not tried: warp specialization (a producer warp feeding the
-// two consumer warpgroups), bigger tiles per SM.
+// (50 % at M = 128, config 8). Warp specialization -- a producer warpgroup issuing every
+// copy, the two computing warpgroups only converting and multiplying, registers moved to
+// them with setmaxnreg (232 / 40) -- was built and measured: int8 per-channel alike, int4
+// g128 3-9 % slower (M = 128: 133.0 -> 136.6 and 165.1 -> 170.8 us; it spilled under the
+// cap), so not kept (docs/bench/gemm_producer_tried.md). Not tried: bigger tiles per SM,
+// x shared between SMs (clusters).
 //
 // Group scales are applied to the converted weights, not to the accumulators:
 // (code - z) is an exact small integer and the scale a T, so their product is exact in
@@ -339,12 +343,33 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // 16 bytes in it) and j times a whole number of n-tiles or rows. Written that way, each
   // copy costs a pointer step and a compare; indexing by c (divisions, 64-bit products per
   // chunk) cost ~15 instructions per copy, a quarter of config 5's instructions per unit
-  // (SASS, int4 g128).
+  // (SASS, int4 g128). Two more places where the instructions went (SASS of the main
+  // loop, int4 g128 with zero points): x's rows addressed as (m0 + row + j * 16) * K,
+  // which the compiler multiplied out per copy (~20 instructions each, 8 copies a unit
+  // in config 8), and the scales' loop over chunks (divisions, ~200 instructions of
+  // loop for warps 0-1). Now x steps a pointer by 16 rows, and each thread's one scale
+  // chunk is fixed relative to the unit. Main loop, config 8: 819 -> 519 instructions
+  // (the copies 509 -> 211, the math 310); config 5 1061 -> 785, 6 717 -> 476, 9 1050
+  // -> 780. Measured on the H100 (gemm_configs.py, int4 g128, best tile, us): M = 128
+  // 28672 x 8192 129.0 -> 118.8, 21504 x 14336 164.9 -> 154.0; M = 256 259.5 -> 240.2 and
+  // 330.5 -> 310.9; M = 16 50.5 -> 47.1; M = 32 alike (docs/bench/gemm_fetch.md).
   constexpr int kWTileChunks = kSegs * 32;  // one n-tile's chunks of a stage
   static_assert(kThreads % kWTileChunks == 0, "a thread's weight chunks lie in every j-th n-tile");
   constexpr int kWTileStep = kThreads / kWTileChunks;
   const int w_tile = tid / kWTileChunks, w_chunk = tid % kWTileChunks;
   const size_t w_tile_stride = static_cast<size_t>(ktiles) * 32 * kWTileStep;  // (uint4)
+  // Group scales (and zero points): 16 values = 2 chunks per (n-tile, group) of a stage,
+  // at most one chunk per thread; what a thread copies, relative to the unit's first
+  // n-tile and group, is fixed (tid < kSChunks: scales, then the zero points).
+  constexpr int kPerTile = kGroups > 0 ? kGroups * 2 : 1;  // (per-channel: never used; 1 keeps "/" defined)
+  constexpr int kSChunks = kGroups > 0 ? kTiles * kPerTile : 0;
+  static_assert(kSChunks * (ZEROS ? 2 : 1) <= kThreads, "one scale chunk per thread at most");
+  const bool s_copier = tid < kSChunks * (ZEROS ? 2 : 1);
+  const bool s_is_zero = tid >= kSChunks;
+  const int s_chunk = s_is_zero ? tid - kSChunks : tid;
+  const int s_tile = s_chunk / kPerTile, s_group = s_chunk % kPerTile / 2;
+  const T* s_src = (ZEROS && s_is_zero ? zeros : scales) + (static_cast<size_t>(s_tile) * p.groups_pad + s_group) * 16 + s_chunk % 2 * 8;
+  const uint32_t s_dst = Stage::kW + Stage::kX + (s_is_zero ? Stage::kS : 0) + s_chunk * 16;
   auto fetch_weights = [&](const UnitPos& u, int slot) {
     const int tile0 = u.col * kTiles, st = u.st;
     const uint32_t base = smem_addr + slot * Stage::kBytes;
@@ -359,18 +384,12 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       const bool valid = k_valid && j * kWTileStep < tiles_left;
       copy16_async(base + (tid + j * kThreads) * 16, valid ? src + j * w_tile_stride : p.w, valid);
     }
-    // group scales (and zeros): 16 values = 2 chunks per (n-tile, group)
+    // group scales (and zeros): threads tid < kSChunks (x 2 with zero points), one chunk each
     if constexpr (kGroups > 0) {
-      constexpr int kPerTile = kGroups > 0 ? kGroups * 2 : 1;  // (never 0: only to keep "%" quiet)
-      constexpr int kSChunks = kTiles * kPerTile;
-      const size_t s_unit = (static_cast<size_t>(tile0) * p.groups_pad + st * kGroups) * 16;
-      for (int c = tid; c < kSChunks * (ZEROS ? 2 : 1); c += kThreads) {
-        const bool is_zero = c >= kSChunks;
-        const int cs = is_zero ? c - kSChunks : c;
-        const int t = cs / kPerTile, r = cs % kPerTile;
-        const bool valid = tile0 + t < p.n_tiles && st * kGroups + r / 2 < p.groups_pad;
-        const T* src = (is_zero ? zeros : scales) + s_unit + (t * p.groups_pad + r / 2) * 16 + (r % 2) * 8;
-        copy16_async(base + Stage::kW + Stage::kX + (is_zero ? Stage::kS : 0) + cs * 16, valid ? src : scales, valid);
+      if (s_copier) {
+        const bool valid = tile0 + s_tile < p.n_tiles && st * kGroups + s_group < p.groups_pad;
+        const T* src = s_src + (static_cast<size_t>(tile0) * p.groups_pad + st * kGroups) * 16;
+        copy16_async(base + s_dst, valid ? src : scales, valid);
       }
     }
   };
@@ -385,19 +404,22 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
                              ? (x_chunk / 8) * BM * 128 + x_row * 128 + ((x_chunk % 8) ^ (x_row % 8)) * 16
                              : (x_row * XS + x_chunk * 8) * static_cast<uint32_t>(sizeof(T));
   constexpr uint32_t kXDstStep = Shape::kWgmma ? kXRowStep * 128 : kXRowStep * XS * sizeof(T);
+  const size_t x_thread = static_cast<size_t>(x_row) * p.K + x_chunk * 8;  // (elements, from the unit's first)
+  const size_t x_row_step = static_cast<size_t>(kXRowStep) * p.K;
   auto fetch_x = [&](const UnitPos& u, int slot) {
     const int m0 = u.mt * BM, k0 = u.st * SK;
     const uint32_t base = smem_addr + slot * Stage::kBytes + Stage::kW + x_dst;
     // activations: BM rows x SK / 8 chunks of 8 elements; rows past M and k past K zero-filled
     constexpr int kXChunks = BM * (SK / 8);
     static_assert(kXChunks % kThreads == 0, "whole x copies per thread");
-    const T* src = x + static_cast<size_t>(m0 + x_row) * p.K + k0 + x_chunk * 8;
+    const T* src = x + x_thread + (static_cast<size_t>(m0) * p.K + k0);
     const bool k_valid = k0 + x_chunk * 8 < p.K;
     const int rows_left = p.M - m0 - x_row;
 #pragma unroll
     for (int j = 0; j < kXChunks / kThreads; ++j) {
+      if (j > 0) src += x_row_step;  // (a pointer step: the j * K products cost ~20 instructions a copy)
       const bool valid = k_valid && j * kXRowStep < rows_left;
-      copy16_async(base + j * kXDstStep, valid ? src + static_cast<size_t>(j) * kXRowStep * p.K : x, valid);
+      copy16_async(base + j * kXDstStep, valid ? src : x, valid);
     }
   };
 
