@@ -103,8 +103,8 @@
 //    55.6 -> 54.7 and 67.4 -> 68.1, M = 128 141.3 -> 140.9 and 180.0 -> 177.8, M = 16
 //    50.5 -> 51.0 and 63.2 -> 63.2: the copies were most of what the ring had saved, and
 //    the two synchronizations now run alike within the noise between runs (config 8 at M
-//    = 128 took 133.4 in the first call). The ring stays: it is what a producer warp would
-//    build on, and the shipped measurements (kernels_msweep.md) are with it.
+//    = 128 took 133.4 in the first call). The ring stays: the shipped measurements
+//    (kernels_msweep.md) are with it, and the producer warpgroup below was built on it.
 // ncu with the ring barriers and the old copies, M = 32, config 5 (stalls per issued
 // instruction): "wait" (fixed-latency dependencies) 0.84, long scoreboard 0.40, dispatch
 // 0.33, math-pipe throttle 0.26, barrier 0.12; the tensor pipe active 26 % of the cycles
