@@ -353,6 +353,9 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // -> 780. Measured on the H100 (gemm_configs.py, int4 g128, best tile, us): M = 128
   // 28672 x 8192 129.0 -> 118.8, 21504 x 14336 164.9 -> 154.0; M = 256 259.5 -> 240.2 and
   // 330.5 -> 310.9; M = 16 50.5 -> 47.1; M = 32 alike (docs/bench/gemm_fetch.md).
+  // A zero-filled copy reads nothing (src-size 0), so its source is passed as computed,
+  // past the end of x or the weights, instead of selected to a valid address: the select
+  // was 2 instructions a copy (config 8's main loop: 519 -> 489; memcheck clean).
   constexpr int kWTileChunks = kSegs * 32;  // one n-tile's chunks of a stage
   static_assert(kThreads % kWTileChunks == 0, "a thread's weight chunks lie in every j-th n-tile");
   constexpr int kWTileStep = kThreads / kWTileChunks;
@@ -382,14 +385,14 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
 #pragma unroll
     for (int j = 0; j < kWChunks / kThreads; ++j) {
       const bool valid = k_valid && j * kWTileStep < tiles_left;
-      copy16_async(base + (tid + j * kThreads) * 16, valid ? src + j * w_tile_stride : p.w, valid);
+      copy16_async(base + (tid + j * kThreads) * 16, src + j * w_tile_stride, valid);
     }
     // group scales (and zeros): threads tid < kSChunks (x 2 with zero points), one chunk each
     if constexpr (kGroups > 0) {
       if (s_copier) {
         const bool valid = tile0 + s_tile < p.n_tiles && st * kGroups + s_group < p.groups_pad;
         const T* src = s_src + (static_cast<size_t>(tile0) * p.groups_pad + st * kGroups) * 16;
-        copy16_async(base + s_dst, valid ? src : scales, valid);
+        copy16_async(base + s_dst, src, valid);
       }
     }
   };
@@ -419,7 +422,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     for (int j = 0; j < kXChunks / kThreads; ++j) {
       if (j > 0) src += x_row_step;  // (a pointer step: the j * K products cost ~20 instructions a copy)
       const bool valid = k_valid && j * kXRowStep < rows_left;
-      copy16_async(base + j * kXDstStep, valid ? src : x, valid);
+      copy16_async(base + j * kXDstStep, src, valid);
     }
   };
 
@@ -586,6 +589,67 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     }
   };
 
+  // wgmma configurations: y in 16-byte stores. A thread's accumulators hold pairs of
+  // consecutive *rows* of one channel (the fragment layout above), so storing them one
+  // value at a time took ~18 instructions per value -- 2,300 per warp for config 8's 128,
+  // in straight-line code too long for the instruction cache: ncu (28672 x 8192, M = 128,
+  // config 8, one tile per block) put 14 % of the kernel's warp samples in that epilogue,
+  // two thirds of them waiting for instructions. Instead each warp transposes two n8
+  // blocks (16 rows x 16 channels) at a time through 512 bytes of shared memory of its
+  // own with stmatrix.trans, then each lane stores 8 channels of one row: 16 bytes. Needs
+  // rows of y 16-byte aligned (N % 8 == 0, y 16-byte aligned: checked below), else the
+  // value-at-a-time loop. With it (and the split-K partials as float4, below) that
+  // profile's epilogue fell to 3 % of the samples and the kernel from 120.8 to 112.3 us
+  // under ncu. Timed (gemm_configs.py, int4 g128, best tile and split, us, before -> after
+  // -> before again, one device call; docs/bench/gemm_epilogue.md): M = 64 28672 x 8192
+  // 74.4 -> 68.0 -> 75.1, 21504 x 14336 94.7 -> 86.8 -> 94.4; M = 128 117.6 -> 122.1 ->
+  // 119.0 (one tile per block, split 1: no gain in back-to-back launches; 116.6 -> 116.6
+  // in another call) and 157.1 -> 151.5 -> 157.2; M = 256 240.6 -> 223.9 -> 244.1 and
+  // 321.8 -> 296.9 -> 315.1.
+  __shared__ alignas(16) uint4 y_staging[Shape::kWgmma ? kGemmWarps * 32 : 1];
+  const bool y_by_16_bytes = p.N % 8 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  auto store_tile_staged = [&]() {
+    // 16 rows x 32 bytes; a row's two 16-byte halves swapped on rows 4-7 and 12-15, so the
+    // 8 rows of one stmatrix matrix (a half each) and the 8 lanes of one 128-byte phase of
+    // the read-back fall in 32 different banks.
+    auto staged = [&](int row, int half) {
+      return static_cast<uint32_t>(__cvta_generic_to_shared(y_staging + warp * 32)) + row * 32 + ((half ^ (row >> 2 & 1)) * 16);
+    };
+    // stmatrix.trans: lane 8 j + i addresses column i of matrix j -- activation row i of
+    // n8 block h + j / 2, its channel half j % 2 (8 channels, 16 bytes)
+    const int mat = lane >> 3;
+    const uint32_t st_addr = staged(8 * (mat >> 1) + (lane & 7), mat & 1);
+    const int row = lane >> 1, half = lane & 1;  // read-back: lane -> (row, 8 channels)
+    const uint32_t ld_addr = staged(row, half);
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int n_tile0 = 16 * (tile0 + Shape::n_tile(warp, nt));
+      float b_lo = 0.f, b_hi = 0.f;  // bias of channels gid and gid + 8 (added before rounding)
+      if (bias) {
+        if (n_tile0 + gid < p.N) b_lo = to_float(bias[n_tile0 + gid]);
+        if (n_tile0 + gid + 8 < p.N) b_hi = to_float(bias[n_tile0 + gid + 8]);
+      }
+      const int n = n_tile0 + 8 * half;
+#pragma unroll
+      for (int h = 0; h < MBW; h += 2) {
+        uint32_t r[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float* a = acc[nt][h + j / 2] + 2 * (j % 2);
+          const float b = j % 2 ? b_hi : b_lo;
+          r[j] = float2_to_pair<T>(a[0] + b, a[1] + b);
+        }
+        stmatrix_x4_trans(st_addr, r);
+        __syncwarp();
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(ld_addr) : "memory");
+        const int m = warp_row0 + 8 * h + row;
+        if (m < p.M && n < p.N) *reinterpret_cast<uint4*>(y + static_cast<size_t>(m) * p.N + n) = v;
+        __syncwarp();  // (read back before the next pair overwrites it)
+      }
+    }
+  };
+
   // The tile's output: per-channel scales on the fp32 sums; a block that computed only
   // some of the tile's stages leaves its partial in its workspace slot (0: the tile where
   // its run starts, 1: where it ends), and the tile's last contributor adds all of them.
@@ -608,18 +672,19 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       }
     }
     if (!whole) {
+      // Partials in fragment order, an n8 block's 4 accumulators as one float4 per thread
+      // (16-byte accesses, a warp's 512 contiguous bytes: a quarter of the instructions of
+      // one float at a time).
       constexpr int kTileFloats = BM * Shape::kBN;
-      auto idx = [&](int nt, int h, int i) { return (((warp * NTW + nt) * MBW + h) * 4 + i) * 32 + lane; };
+      auto idx = [&](int nt, int h) { return ((warp * NTW + nt) * MBW + h) * 32 + lane; };
       auto partials_of = [&](int b, int which) {
-        return p.workspace + (static_cast<size_t>(b) * 2 + which) * kTileFloats;
+        return reinterpret_cast<float4*>(p.workspace + (static_cast<size_t>(b) * 2 + which) * kTileFloats);
       };
-      float* ws = partials_of(blockIdx.x, first_of_run ? 0 : 1);
+      float4* ws = partials_of(blockIdx.x, first_of_run ? 0 : 1);
 #pragma unroll
       for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-        for (int h = 0; h < MBW; ++h)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) ws[idx(nt, h, i)] = acc[nt][h][i];
+        for (int h = 0; h < MBW; ++h) ws[idx(nt, h)] = make_float4(acc[nt][h][0], acc[nt][h][1], acc[nt][h][2], acc[nt][h][3]);
       const int tu0 = tile * p.nstages;
       const int b_first = part_of.owner(tu0), b_last = part_of.owner(tu0 + p.nstages - 1);
       __syncthreads();  // every partial written before thread 0 releases them
@@ -633,18 +698,28 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[nt][h][i] = 0.f;
       for (int b = b_first; b <= b_last; ++b) {  // block order: deterministic
-        const float* part = partials_of(b, part_of.begin(b) >= tu0 ? 0 : 1);
+        const float4* part = partials_of(b, part_of.begin(b) >= tu0 ? 0 : 1);
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-          for (int h = 0; h < MBW; ++h)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[nt][h][i] += __ldcg(part + idx(nt, h, i));
+          for (int h = 0; h < MBW; ++h) {
+            const float4 v = __ldcg(part + idx(nt, h));
+            acc[nt][h][0] += v.x;
+            acc[nt][h][1] += v.y;
+            acc[nt][h][2] += v.z;
+            acc[nt][h][3] += v.w;
+          }
       }
       if (tid == 0) p.counters[tile] = 0;  // re-arm for the next launch / graph replay
     }
     // Accumulator (nt, h, i) holds y[m][n]: m = warp_row0 + 8h + 2*t4 + (i & 1),
     // n = 16 * (n-tile) + gid + 8 * (i >> 1).
+    if constexpr (Shape::kWgmma) {
+      if (y_by_16_bytes) {
+        store_tile_staged();
+        return;
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
       const int n_lo = 16 * (tile0 + Shape::n_tile(warp, nt)) + gid;

@@ -136,6 +136,20 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// Two floats rounded to T each (as from_float), packed low then high.
+template <typename T>
+__device__ __forceinline__ uint32_t float2_to_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t float2_to_pair<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t float2_to_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 template <typename T>
 __device__ __forceinline__ float2 pair_to_float2(uint32_t u);
 template <>

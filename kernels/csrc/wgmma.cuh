@@ -97,6 +97,19 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
+// Four 8 x 8 matrices of 16-bit values, each given as mma's accumulator fragment (lane
+// holds elements (lane / 4, 2 (lane % 4)) and (lane / 4, 2 (lane % 4) + 1) of matrix j in
+// r[j]), stored transposed: lane 8 j + i gives the address that receives column i of
+// matrix j (16 bytes). The mixed GEMM's epilogue turns its accumulators -- consecutive
+// activation rows per register -- into 16-byte runs of output channels with it.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_addr, const uint32_t r[4]) {
+#if WOQ_SM90A
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
+
 // Descriptor of a K-major B tile in the 128-byte swizzle layout: rows (B's N index, here
 // activation rows) of 64 elements = 128 bytes, in atoms of 8 rows x 128 bytes (1024 B,
 // 1024-byte aligned) in which 16-byte chunk c of row r lies at chunk c ^ (r % 8) -- so the
