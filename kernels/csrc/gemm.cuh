@@ -641,8 +641,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
         }
         stmatrix_x4_trans(st_addr, r);
         __syncwarp();
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(ld_addr) : "memory");
+        const uint4 v = load16_shared(ld_addr);
         const int m = warp_row0 + 8 * h + row;
         if (m < p.M && n < p.N) *reinterpret_cast<uint4*>(y + static_cast<size_t>(m) * p.N + n) = v;
         __syncwarp();  // (read back before the next pair overwrites it)

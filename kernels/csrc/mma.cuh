@@ -87,6 +87,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
 #define WOQ_CP_ASYNC_CG "cp.async.cg.shared.global"
 #endif
 
+__device__ __forceinline__ uint4 load16_shared(uint32_t smem_addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem_addr)
+               : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void store16_shared(uint32_t smem_addr, const uint4& v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
