@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
 #   stages: env build test errors sanitize racecheck model e2e enginetests engine profile ablation prefill overhead pdlab serving bench msweep
-#           grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
+#           dequant grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -58,6 +58,7 @@ for stage in "$@"; do
       run racecheck bash -c "compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only && compute-sanitizer --tool synccheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only" ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
+    dequant) run dequant $PY benchmarks/dequant_bench.py --out "$OUT" ${DEQUANT_ARGS:-} ;;
     grid) run grid $PY benchmarks/kernels.py --grid-sweep ${GRID_ARGS:-} ;;
     gemmcfg) run gemmcfg $PY benchmarks/gemm_configs.py ${GEMMCFG_ARGS:-} ;;
     gemmtest) run gemmtest $PY -m pytest -q -x tests/test_gpu_kernels.py -k "mixed_gemm or smaller_gpus" ;;

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -306,6 +307,11 @@ def grid_sweep(shapes, ms) -> None:
 
 
 M_SWEEP = [1, 4, 16, 17, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096]
+# From this M on, cuBLAS fp16 is compute-bound and runs at the card's power cap (700 W on the
+# H100 SXM: the SM clock moves between ~1.1 and ~1.4 GHz within a second), so two timings taken
+# a few seconds apart differ by up to ~10 %. There the dispatched call and cuBLAS are also timed
+# in alternating rounds and compared round by round (docs/bench/dequant.md).
+PAIRED_FROM_M, PAIRED_ROUNDS = 512, 9
 
 
 def m_sweep(shapes, ms, out_dir: Path) -> dict:
@@ -322,25 +328,44 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
             crossover, gemv_reach = gws[0].max_kernel_m, gws[0].gemv_max_m
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                t = {}
+                calls = {}
                 if M <= ops.gemv_rows_limit(gws[0]):
-                    t["gemv"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                    calls["gemv"] = [lambda g=g: ops.gemv(x, g) for g in gws]
                 if M > min(ops.GEMV_MAX_M, gemv_reach) and ops.supports_mixed_gemm(gws[0]):
-                    t["mixed_gemm"] = time_calls([lambda g=g: ops.gemm(x, g) for g in gws])
-                t["dequant_cublas"] = time_calls([lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws])
+                    calls["mixed_gemm"] = [lambda g=g: ops.gemm(x, g) for g in gws]
+                calls["dequant_cublas"] = [lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws]
                 # what models/dispatch.py runs: the GEMV up to its measured reach, the mixed
                 # GEMM up to the crossover, dequantize + cuBLAS beyond
-                kernel = t.get("gemv") if M <= gemv_reach else t.get("mixed_gemm")
-                t["dispatched"] = kernel if (M <= crossover and kernel is not None) else t["dequant_cublas"]
+                kernel = "gemv" if M <= gemv_reach else "mixed_gemm"
+                served = kernel if (M <= crossover and kernel in calls) else "dequant_cublas"
+                rounds = None
+                if M < PAIRED_FROM_M:
+                    t = {path: time_calls(fns) for path, fns in calls.items()}
+                else:  # every path and cuBLAS fp16 in turn, round after round; each one's median
+                    calls["cublas_paired"] = [lambda W=W: F.linear(x, W) for W in peers.dense16]
+                    rounds = [{path: time_calls(fns) for path, fns in calls.items()} for _ in range(PAIRED_ROUNDS)]
+                    t = {path: statistics.median(r[path] for r in rounds) for path in calls}
+                    del t["cublas_paired"]
+                paths = [p for p in t if p in ("gemv", "mixed_gemm", "dequant_cublas")]
+                t["dispatched"] = t[served]
                 # Peers once per shape; beyond M = 256 (the issue's peer range) cuBLAS only:
                 # tinygemm alone takes milliseconds a call there.
                 if fmt == "int4_g128":
                     t.update(peers.timings(x, others=M <= 256))
-                for impl, us in t.items():
-                    rows.append(dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover,
-                                     gemv_max_m=gemv_reach))
+                cell = {impl: dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover, gemv_max_m=gemv_reach)
+                        for impl, us in t.items()}
+                rows += cell.values()
+                d = cell["dispatched"]  # how it compares with the fastest path (and cuBLAS)
+                if rounds is None:
+                    d["vs_fastest"] = t[served] / min(t[p] for p in paths)
+                else:
+                    d.update(rounds=rounds,
+                             vs_fastest=statistics.median(r[served] / min(r[p] for p in paths) for r in rounds),
+                             paired_speedup=statistics.median(r["cublas_paired"] / r[served] for r in rounds))
                 print(f"MSWEEP {N}x{K} {fmt} M={M} (GEMV to {gemv_reach}, crossover {crossover}): "
-                      + "  ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+                      + "  ".join(f"{k}={v:.1f}" for k, v in t.items()) + f"  dispatched / fastest {d['vs_fastest']:.3f}"
+                      + (f"  vs cuBLAS fp16 per round: " + " ".join(f"{r['cublas_paired'] / r[served]:.3f}" for r in rounds)
+                         if rounds else ""), flush=True)
             # what is measured so far survives a run cut short (the GPU machine's time limit)
             write_json(out_dir / "kernels_msweep.json", dict(info, rows=rows, complete=False))
         del peers, gws
@@ -359,22 +384,35 @@ def msweep_summary(result: dict) -> str:
     rows = result["rows"]
     head = ["N×K", "M", "int4 dispatched", "int4 GEMV", "int4 GEMM", "int4 deq+cuBLAS", "int8 dispatched", "int8 GEMV",
             "int8 GEMM", "int8 deq+cuBLAS", "cuBLAS fp16", "tinygemm", "gemlite w4", "gemlite w8", "bnb nf4",
-            "int4 vs cuBLAS", "int8 vs cuBLAS"]
+            "int4 vs cuBLAS", "int8 vs cuBLAS", "int4 ÷ fastest path", "int8 ÷ fastest path"]
     table = []
     margins = {}
     for N, K in sorted({(r["N"], r["K"]) for r in rows}, key=lambda s: -s[0] * s[1]):
         for M in sorted({r["M"] for r in rows}):
-            def g(fmt, impl):
+            def row(fmt, impl):
                 r = [x for x in rows if (x["N"], x["K"], x["M"], x["fmt"], x["impl"]) == (N, K, M, fmt, impl)]
-                return r[0]["us"] if r else "-"
-            cb = g("int4_g128", "cublas_fp16")
+                return r[0] if r else {}
+
+            def g(fmt, impl):
+                return row(fmt, impl).get("us", "-")
+
+            def vs_cublas(fmt):  # the paired rounds' median where measured, else one timing each
+                p = row(fmt, "dispatched").get("paired_speedup")
+                return f"{p:.2f}× ‡" if p else ratio(cb, g(fmt, "dispatched"))
+            def vs_fastest(fmt):  # (runs older than the field: from the paths' own timings)
+                d = row(fmt, "dispatched")
+                paths = [v for v in (g(fmt, p) for p in ("gemv", "mixed_gemm", "dequant_cublas")) if v != "-"]
+                v = d.get("vs_fastest") or (d["us"] / min(paths) if d and paths else None)
+                return f"{v:.3f}" + (" ‡" if "rounds" in d else "") if v else "-"
+            rounds = row("int4_g128", "dispatched").get("rounds")  # cuBLAS: the rounds' median where timed so
+            cb = statistics.median(r["cublas_paired"] for r in rounds) if rounds else g("int4_g128", "cublas_fp16")
             d4, d8 = g("int4_g128", "dispatched"), g("int8_channel", "dispatched")
             table.append([f"{N}×{K}", M, d4, g("int4_g128", "gemv"), g("int4_g128", "mixed_gemm"),
                           g("int4_g128", "dequant_cublas"), d8, g("int8_channel", "gemv"), g("int8_channel", "mixed_gemm"),
                           g("int8_channel", "dequant_cublas"), cb,
                           g("int4_g128", "tinygemm_int4_bf16"), g("int4_g128", "gemlite_w4_fp16"),
-                          g("int4_g128", "gemlite_w8_fp16"), g("int4_g128", "bnb_nf4_fp16"), ratio(cb, d4),
-                          ratio(cb, d8)])
+                          g("int4_g128", "gemlite_w8_fp16"), g("int4_g128", "bnb_nf4_fp16"), vs_cublas("int4_g128"),
+                          vs_cublas("int8_channel"), vs_fastest("int4_g128"), vs_fastest("int8_channel")])
             if 17 <= M <= 256:  # the issue's range for the peers
                 for ours_us, peer in [(d4, "tinygemm_int4_bf16"), (d4, "gemlite_w4_fp16"), (d4, "bnb_nf4_fp16"),
                                       (d8, "gemlite_w8_fp16")]:
@@ -388,21 +426,33 @@ def msweep_summary(result: dict) -> str:
         note = f"**Incomplete run** ({note or 'cut short'})."
     return ((note + "\n\n" if note else "") + f"GPU: {result['gpu']}, torch {result['torch']}. µs per call (CUDA graph of 20, weights rotated past L2), "
             f"fp16 activations. Measured crossovers: {notes}.\n\n" + markdown_table(head, table) + "\n"
+            + (f"\n‡ M ≥ {PAIRED_FROM_M}: cuBLAS fp16 runs at the card's power cap there and its clock drifts, so every "
+               f"path there and cuBLAS fp16 were timed in turn over {PAIRED_ROUNDS} rounds, once per format: µs are each "
+               "one's median (cuBLAS: int4's rounds), the ratios the median of the rounds' ratios (each round in the "
+               "JSON: rounds).\n"
+               if any("rounds" in r for r in rows) else "")
             + "\nAgainst the peers at M = 17..256 (dispatched int4 vs the int4 peers, int8 vs gemlite w8):\n\n"
             + peer_margins(margins))
 
 
 def merge_msweeps(paths: list[Path], out_dir: Path) -> dict:
-    """One M-sweep table from runs over disjoint shape groups (a device call is too short
-    for all five shapes), each run's JSON complete and from the same GPU."""
+    """One M-sweep table from several runs on the same GPU (a device call is too short for all
+    five shapes), each run's JSON complete. A later run's cells (N, K, M, format) replace an
+    earlier run's: a re-measured subset lands in the whole table."""
     runs = [json.loads(p.read_text()) for p in paths]
     for r, p in zip(runs, paths):
         assert r.get("complete") and r["gpu"] == runs[0]["gpu"], f"{p}: incomplete or another GPU"
-    groups = [",".join(sorted({f"{x['N']}x{x['K']}" for x in r["rows"]})) for r in runs]
-    note = (f"Measured in {len(runs)} back-to-back runs on {runs[0]['gpu']} (one device call per shape "
-            f"group: {'; '.join(groups)}; `MSWEEP_ARGS=\"--shapes ...\" bash benchmarks/gpu_check.sh build msweep`), "
-            "merged with `python benchmarks/kernels.py --merge-msweeps A.json B.json`.")
-    result = dict(runs[0], rows=[x for r in runs for x in r["rows"]], complete=True, note=note)
+    cell = lambda x: (x["N"], x["K"], x["M"], x["fmt"])  # noqa: E731
+    merged: dict[tuple, list] = {}
+    for r in runs:
+        for key in {cell(x) for x in r["rows"]}:
+            merged[key] = [x for x in r["rows"] if cell(x) == key]
+    groups = [",".join(sorted({f"{x['N']}x{x['K']}" for x in r["rows"]})) + " M=" + ",".join(
+        map(str, sorted({x["M"] for x in r["rows"]}))) for r in runs]
+    note = (f"Measured in {len(runs)} runs on {runs[0]['gpu']}, one device call each ({'; '.join(groups)}; "
+            "`MSWEEP_ARGS=\"--shapes ... [--ms ...]\" bash benchmarks/gpu_check.sh build msweep`; a later run's "
+            "cells replace an earlier one's), merged with `python benchmarks/kernels.py --merge-msweeps A.json B.json`.")
+    result = dict(runs[0], rows=[x for rows in merged.values() for x in rows], complete=True, note=note)
     write_json(out_dir / "kernels_msweep.json", result)
     (out_dir / "kernels_msweep.md").write_text(msweep_summary(result))
     plot_msweep(result, out_dir / "kernels_msweep.png")
