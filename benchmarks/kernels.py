@@ -307,10 +307,10 @@ def grid_sweep(shapes, ms) -> None:
 
 
 M_SWEEP = [1, 4, 16, 17, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096]
-# From this M on, cuBLAS fp16 is compute-bound and runs at the card's power cap (700 W on the
-# H100 SXM: the SM clock moves between ~1.1 and ~1.4 GHz within a second), so two timings taken
-# a few seconds apart differ by up to ~10 %. There the dispatched call and cuBLAS are also timed
-# in alternating rounds and compared round by round (docs/bench/dequant.md).
+# From this M on, the paths and cuBLAS fp16 are compute-bound and run at the card's power cap
+# (700 W on the H100 SXM; nvidia-smi read SM clocks from ~1.1 to ~1.4 GHz seconds apart), so two
+# timings taken seconds apart differ by up to ~10 %. There every path and cuBLAS fp16 are timed
+# in turn over rounds and compared round by round (docs/bench/dequant.md).
 PAIRED_FROM_M, PAIRED_ROUNDS = 512, 9
 
 
@@ -399,11 +399,13 @@ def msweep_summary(result: dict) -> str:
             def vs_cublas(fmt):  # the paired rounds' median where measured, else one timing each
                 p = row(fmt, "dispatched").get("paired_speedup")
                 return f"{p:.2f}× ‡" if p else ratio(cb, g(fmt, "dispatched"))
+
             def vs_fastest(fmt):  # (runs older than the field: from the paths' own timings)
                 d = row(fmt, "dispatched")
                 paths = [v for v in (g(fmt, p) for p in ("gemv", "mixed_gemm", "dequant_cublas")) if v != "-"]
                 v = d.get("vs_fastest") or (d["us"] / min(paths) if d and paths else None)
                 return f"{v:.3f}" + (" ‡" if "rounds" in d else "") if v else "-"
+
             rounds = row("int4_g128", "dispatched").get("rounds")  # cuBLAS: the rounds' median where timed so
             cb = statistics.median(r["cublas_paired"] for r in rounds) if rounds else g("int4_g128", "cublas_fp16")
             d4, d8 = g("int4_g128", "dispatched"), g("int8_channel", "dispatched")
