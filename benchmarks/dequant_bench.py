@@ -20,11 +20,9 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copies_to_defeat_l2, copy_bandwidth, gpu_info, markdown_table, time_calls, write_json  # noqa: E402
-from kernels import FORMATS  # noqa: E402
+from kernels import FORMATS, ours  # noqa: E402
 
 from woq.kernels import ops  # noqa: E402
-from woq.kernels.format import QuantSpec, quantize  # noqa: E402
-from woq.kernels.layout import pack_for_gpu  # noqa: E402
 
 
 def measure_shape(N: int, K: int, M: int, rounds: int, bw: float) -> list[dict]:
@@ -38,11 +36,8 @@ def measure_shape(N: int, K: int, M: int, rounds: int, bw: float) -> list[dict]:
     q8 = [torch.randint(-128, 127, (N, K), device="cuda", dtype=torch.int8) for _ in dense]
     cast = time_calls([lambda d=d, q=q: d.copy_(q) for d, q in zip(dense, q8)])
     del q8
-    weights = {}
-    for fmt, spec in FORMATS.items():
-        qw = quantize(w.float(), QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=torch.float16))
-        weights[fmt] = [ops.prepare(pack_for_gpu(qw, torch.float16), tune=False)
-                        for _ in range(copies_to_defeat_l2(N * K * spec.bits // 8))]
+    weights = {fmt: ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))[0]
+               for fmt, spec in FORMATS.items()}
     t: dict[str, list[float]] = {}
     for _ in range(rounds):  # alternate, so a drifting clock meets every variant alike
         t.setdefault("cublas", []).append(time_calls([lambda d=d: F.linear(x, d) for d in dense]))

@@ -355,15 +355,14 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                 cell = {impl: dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover, gemv_max_m=gemv_reach)
                         for impl, us in t.items()}
                 rows += cell.values()
-                d = cell["dispatched"]  # how it compares with the fastest path (and cuBLAS)
-                if rounds is None:
-                    d["vs_fastest"] = t[served] / min(t[p] for p in paths)
-                else:
-                    d.update(rounds=rounds,
-                             vs_fastest=statistics.median(r[served] / min(r[p] for p in paths) for r in rounds),
-                             paired_speedup=statistics.median(r["cublas_paired"] / r[served] for r in rounds))
+                vs_fastest = t[served] / min(t[p] for p in paths)  # (the summary derives it from the µs)
+                if rounds:  # round by round instead, kept with the dispatched row
+                    vs_fastest = statistics.median(r[served] / min(r[p] for p in paths) for r in rounds)
+                    cell["dispatched"].update(
+                        rounds=rounds, vs_fastest=vs_fastest,
+                        paired_speedup=statistics.median(r["cublas_paired"] / r[served] for r in rounds))
                 print(f"MSWEEP {N}x{K} {fmt} M={M} (GEMV to {gemv_reach}, crossover {crossover}): "
-                      + "  ".join(f"{k}={v:.1f}" for k, v in t.items()) + f"  dispatched / fastest {d['vs_fastest']:.3f}"
+                      + "  ".join(f"{k}={v:.1f}" for k, v in t.items()) + f"  dispatched / fastest {vs_fastest:.3f}"
                       + (f"  vs cuBLAS fp16 per round: " + " ".join(f"{r['cublas_paired'] / r[served]:.3f}" for r in rounds)
                          if rounds else ""), flush=True)
             # what is measured so far survives a run cut short (the GPU machine's time limit)
@@ -400,7 +399,7 @@ def msweep_summary(result: dict) -> str:
                 p = row(fmt, "dispatched").get("paired_speedup")
                 return f"{p:.2f}× ‡" if p else ratio(cb, g(fmt, "dispatched"))
 
-            def vs_fastest(fmt):  # (runs older than the field: from the paths' own timings)
+            def vs_fastest(fmt):  # stored where timed in rounds, else from the paths' own timings
                 d = row(fmt, "dispatched")
                 paths = [v for v in (g(fmt, p) for p in ("gemv", "mixed_gemm", "dequant_cublas")) if v != "-"]
                 v = d.get("vs_fastest") or (d["us"] / min(paths) if d and paths else None)
