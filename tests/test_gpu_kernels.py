@@ -98,6 +98,37 @@ def test_register_stream_gemv_matches_fp64_for_every_grid(N, K, bits, group, sym
                 assert torch.equal(again, y), f"{case}: not deterministic"
 
 
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (4, None, True), (8, None, True), (8, 64, False)])
+def test_register_stream_gemv_keeps_bf16_range(bits, group, sym):
+    """bf16's range, which fp16 lacks, through every stream launch: rows far outside fp16's
+    range (1e6, 1e-9), a row of spikes 3e4x its other elements, and a row of zeros must come
+    out as bf16 cuBLAS on the dequantized weight does, row by row (a kernel that computed in
+    fp16 -- as a trial of running bf16 through the fp16 converter did, with x rescaled --
+    must keep this; docs/bench/gemv_bf16_gap.md)."""
+    N, K, dtype = 1000, 4096, torch.bfloat16
+    qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=bits + (group or 0))
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    x = torch.randn(5, K, device="cuda", generator=g)
+    x[0] *= 1e6  # fp16 overflows at 65504
+    x[1] *= 1e-9  # fp16's smallest subnormal is 6e-8
+    x[2, ::97] *= 3e4
+    x[3] = 0
+    x = x.to(dtype)
+    ref = x.double() @ w64.T
+    cublas = F.linear(x, w64.to(dtype))
+    for k_warps in (0, *ops.STREAM_K_WARPS):
+        columns = ops.gemv_stream_columns(N, max(k_warps, 1))
+        for blocks in (0, 3 * columns):
+            _poison_next_alloc(5 * N, dtype)
+            y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
+            case = f"k_warps={k_warps} blocks={blocks}"
+            assert torch.isfinite(y).all(), f"{case}: non-finite output"
+            assert torch.equal(y[3], torch.zeros_like(y[3])), f"{case}: a zero row gave non-zeros"
+            for m in (0, 1, 2, 4):
+                err, err_cublas = _rel(y[m], ref[m]), _rel(cublas[m], ref[m])
+                assert err <= 2 * err_cublas + 1e-6, f"{case} row {m}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
+
+
 def test_register_stream_gemv_refuses_what_it_does_not_take():
     dtype = torch.float16
     qw, _, _ = _case(256, 512, 4, 128, False, dtype, seed=5)

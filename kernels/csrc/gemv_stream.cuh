@@ -25,9 +25,9 @@
 //   * the KW warps of a tile add their fp32 sums in shared memory (fixed order); with
 //     splits > 1 the blocks of a column leave partial sums in the workspace and the
 //     last to finish adds them in split order (deterministic) and re-arms the counter.
-// Under a programmatic launch (launch.cuh) each warp's first chunk and the per-channel
-// scales are in flight before griddepcontrol.wait; at 4096 x 4096 with 8 k-warps that is
-// a warp's whole share.
+// Under a programmatic launch (launch.cuh) each warp's first two chunks and the
+// per-channel scales are in flight before griddepcontrol.wait (WOQ_STREAM_HOIST); at
+// 4096 x 4096 with 8 k-warps that is a warp's whole share.
 //
 // M <= 8 (one 8-row B operand). The tuner (kernels/tuning.py) measures this pipeline
 // against the ring per shape and M and keeps the faster. H100, best launch of each, us
@@ -42,6 +42,21 @@
 #include "gemv.cuh"
 
 namespace woq {
+
+// 1: a warp's second chunk is loaded before the programmatic wait too, not once x is
+// staged, so two chunks of the weight stream are in flight across the wait and the x
+// staging (0: the first build, for A/B). H100, benchmarks/gemv_variants.py, two
+// alternating rounds each, best launch, us, 0 -> 1: int4 14336 x 4096 M = 1 fp16
+// 12.9 / 12.7 -> 12.3 / 12.2, bf16 13.8 / 13.7 -> 12.6 / 12.4; M = 4 bf16 14.2 / 14.1 ->
+// 13.1 / 13.0; 4096 x 14336 M = 1 bf16 14.2 / 13.8 -> 13.7 / 13.3; 6144 x 4096 M = 1 fp16
+// 7.2 / 7.4 -> 7.2 / 6.9. bf16 gains more (its chunk takes longer to convert, so the
+// one chunk in flight hid less of the stream's start); it now sits within 0.5-4 % of
+// fp16 there. Slower: 4096 x 4096 M = 1 fp16 4.7 / 4.9 -> 5.3 / 5.2 -- one chunk per
+// warp there, so the same loads in the same order; what differs is the compiled code
+// (docs/bench/gemv_bf16_gap.md).
+#ifndef WOQ_STREAM_HOIST
+#define WOQ_STREAM_HOIST 1
+#endif
 
 // Segments (16-byte lane loads) per chunk. Build-time so that benchmarks/gemv_variants.py
 // can time others (WOQ_NVCC_FLAGS="-DWOQ_STREAM_CHUNK=4").
@@ -156,6 +171,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   }
   Chunk buf[2];
   if (c_begin < c_end) load(c_begin, buf[0]);
+  if (WOQ_STREAM_HOIST && c_begin + 1 < c_end) load(c_begin + 1, buf[1]);
   wait_for_prior_grid();
 
   // x: the block's K range of every row, columns past K zero (the padded weights there
@@ -224,7 +240,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
 
   // The pipeline, unrolled by two so that the buffers keep compile-time names.
   for (int c = c_begin; c < c_end; c += 2) {
-    if (c + 1 < c_end) load(c + 1, buf[1]);
+    if (c + 1 < c_end && !(WOQ_STREAM_HOIST && c == c_begin)) load(c + 1, buf[1]);
     compute(c, buf[0]);
     if (c + 1 >= c_end) break;
     if (c + 2 < c_end) load(c + 2, buf[0]);
