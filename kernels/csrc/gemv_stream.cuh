@@ -49,9 +49,9 @@ namespace woq {
 // alternating rounds each, best launch, us, 0 -> 1: int4 14336 x 4096 M = 1 fp16
 // 12.9 / 12.7 -> 12.3 / 12.2, bf16 13.8 / 13.7 -> 12.6 / 12.4; M = 4 bf16 14.2 / 14.1 ->
 // 13.1 / 13.0; 4096 x 14336 M = 1 bf16 14.2 / 13.8 -> 13.7 / 13.3; 6144 x 4096 M = 1 fp16
-// 7.2 / 7.4 -> 7.2 / 6.9. bf16 gains more (its chunk takes longer to convert, so the
-// one chunk in flight hid less of the stream's start); it now sits within 0.5-4 % of
-// fp16 there. Slower: 4096 x 4096 M = 1 fp16 4.7 / 4.9 -> 5.3 / 5.2 -- one chunk per
+// 7.2 / 7.4 -> 7.2 / 6.9. bf16 gains more (likely: its chunk takes longer to convert,
+// so one chunk in flight hid less of the stream's start -- not profiled); it now sits
+// within 0.5-4 % of fp16 there. Slower: 4096 x 4096 M = 1 fp16 4.7 / 4.9 -> 5.3 / 5.2 -- one chunk per
 // warp there, so the same loads in the same order; what differs is the compiled code
 // (docs/bench/gemv_bf16_gap.md).
 #ifndef WOQ_STREAM_HOIST
