@@ -28,7 +28,8 @@ assert ops.available()
 gw = ops.prepare(pack_for_gpu(quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 64, False)), torch.float16))
 x = torch.randn(65, 128, device="cuda", dtype=torch.float16)
 try:
-    torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, None, 4, 64, 64, 128, 0, ops.scratch(x.device).workspace, ops.scratch(x.device).counters)
+    torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, None, 4, 64, 64, 128, 0, 0, 0, False,
+                       ops.scratch(x.device).workspace, ops.scratch(x.device).counters)
 except Exception as e:
     print("woq op raised", type(e).__name__ + ":", str(e).splitlines()[0])
 '''

@@ -232,7 +232,8 @@ def _without(part: str):
                  "attention": (decode_attention, "rope_cache_attention")}
     stand_ins = {
         "norm": lambda x, residual, weight, eps: (x, x if residual is None else residual),
-        "silu": lambda gate_up: gate_up.reshape(-1)[: gate_up.shape[-1] // 2].view(*gate_up.shape[:-1], -1),
+        "silu": lambda gate_up, interleaved=False: gate_up.reshape(-1)[: gate_up.shape[-1] // 2].view(
+            *gate_up.shape[:-1], -1),
         "attention": lambda qkv, positions, slots, lengths, cos, sin, k, v, heads, head_dim, splits=None:
             qkv.reshape(-1)[: heads * head_dim].view(1, heads, head_dim),
     }
@@ -261,8 +262,27 @@ def _attention_with(**options):
         decode_attention.rope_cache_attention = original
 
 
+@contextlib.contextmanager
+def _swiglu_kernel():
+    """SwiGLU's activation as its own kernel after the gate/up GEMV, as before the GEMV's
+    epilogue took it (``ops.gemv(..., swiglu=True)``): what that fusion saves."""
+    from woq.kernels import fused, ops
+
+    original = ops.run_path
+
+    def separate(path, x, gw, bias, swiglu=False):
+        y = original(path, x, gw, bias)
+        return fused.silu_mul(y, interleaved=gw.swiglu_rows) if swiglu else y
+
+    ops.run_path = separate
+    try:
+        yield
+    finally:
+        ops.run_path = original
+
+
 ABLATIONS = {"full step": contextlib.nullcontext, "no add + RMSNorm": lambda: _without("norm"),
-             "no SiLU * up": lambda: _without("silu"), "no attention": lambda: _without("attention"),
+             "SiLU * up as its own kernel": _swiglu_kernel, "no attention": lambda: _without("attention"),
              "GEMVs, embedding, LM head only": lambda: _without("norm+silu+attention"),
              "attention, tiles of 128 tokens, 1 stage": lambda: _attention_with(block=128, stages=1),
              "attention, tiles of 64 tokens, 3 stages": lambda: _attention_with(block=64, stages=3),
@@ -304,7 +324,7 @@ def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tu
 def ablation_summary(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}, torch {result['torch']}. int4 g128 random weights, decode at the batch and "
              "position shown; graph step: median µs of 200 CUDA-graph replays (programmatic launches), each variant captured "
-             "afresh, the variants alternating over 3 rounds (median of the rounds). \"no X\": that kind of kernel "
+             f"afresh, the variants alternating over {result.get('rounds', 3)} rounds (median of the rounds). \"no X\": that kind of kernel "
              "replaced by a view of its input, so \"saved\" is what it costs in place, its launch and the wait "
              "between the GEMVs around it included (batch 1 only). `python benchmarks/profile_decode.py --ablation`\n"]
     for m in result["models"]:
@@ -350,11 +370,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16", help="batch sizes of the ablation")
     ap.add_argument("--variants", default="", help="comma-separated parts of the ablation variants' labels to run "
                                                    "(default: all)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the ablation's alternating variants")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ablation:
         only = tuple(v for v in args.variants.split(",") if v)
-        result = dict(gpu_info(), models=[ablation(name, int(p), int(b), only=only) for name in args.models.split(",")
+        result = dict(gpu_info(), rounds=args.rounds, models=[ablation(name, int(p), int(b), rounds=args.rounds, only=only) for name in args.models.split(",")
                                           for b in args.batches.split(",") for p in args.positions.split(",")])
         write_json(args.out / "decode_ablation.json", result)
         (args.out / "decode_ablation.md").write_text(ablation_summary(result))

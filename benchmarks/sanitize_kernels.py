@@ -1,6 +1,7 @@
 """A few kernel launches for compute-sanitizer (memcheck): odd shapes, every format,
 columns cut between blocks or not, 1, 2 or 4 k-warps, M = 1..32 (1 to 4 row blocks); the register-stream GEMV
-(M <= 8) at 1, 2, 4, 8 k-warps with K whole or cut between blocks; the mixed GEMM's mma tile
+(M <= 8) at 1, 2, 4, 8 k-warps with K whole or cut between blocks; both with the SwiGLU
+epilogue; the mixed GEMM's mma tile
 configurations and, where built (an H100's sm_90a), its wgmma ones, with and without split-K,
 tiles cut between blocks, M tails; shallower rings under smaller GPUs' shared memory.
 Run by benchmarks/gpu_check.sh under the sanitizer.
@@ -50,6 +51,14 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     for M, blocks, k_warps in [(1, 0, 0), (8, 0, 8), (3, 7, 1), (5, 1000, 4), (2, 3, 2), (1, 1000, 8)]:
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
+    # the SwiGLU epilogue (a gate/up weight: rows interleaved in eights, 2 x 504 of them)
+    spec = QuantSpec(bits, group, sym, scale_dtype=dtype)
+    gate_up = ops.prepare(pack_for_gpu(quantize(torch.randn(1008, K, device="cuda"), spec), dtype, gate_up=True))
+    for M, blocks, k_warps, pipeline in [(1, 0, 0, ops.GEMV_RING), (16, 5, 4, ops.GEMV_RING), (7, 3, 2, ops.GEMV_RING),
+                                         (1, 0, 0, ops.GEMV_STREAM), (5, 1000, 4, ops.GEMV_STREAM),
+                                         (8, 0, 8, ops.GEMV_STREAM)]:
+        ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gate_up, torch.randn(1008, device="cuda", dtype=dtype),
+                 max_blocks=blocks, k_warps=k_warps, pipeline=pipeline, swiglu=True)
     run_gemm_launches(gw, N, K, dtype)
     ops.dequantize(gw)
     # the shallower rings of GPUs with less shared memory (3 and 2 stages: a T4, an RTX 30/40)

@@ -283,3 +283,28 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         in_features=first.in_features,
         out_features=sum(p.out_features for p in parts),
     )
+
+
+# SwiGLU's gate and up projections, fused into one weight [gate; up] (2I rows), are
+# interleaved in blocks of this many rows for the GPU kernels: gate rows 8j..8j+7, then up
+# rows 8j..8j+7, for j = 0..I/8-1. One 16-row tile of the GPU layout then holds gate and
+# up of the same 8 channels, in the rows g and g + 8 that one mma lane accumulates, so the
+# GEMV can write silu(gate) * up itself (csrc/gemv.cuh, swiglu_column).
+GATE_UP_BLOCK = 8
+
+
+def gate_up_row_order(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Source row of each row of the interleaved gate/up weight (``rows`` = 2I, I % 8 == 0)."""
+    if rows % (2 * GATE_UP_BLOCK):
+        raise ValueError(f"gate/up interleaving needs 2I rows with I % {GATE_UP_BLOCK} == 0, got {rows}")
+    half = rows // 2
+    j = torch.arange(half // GATE_UP_BLOCK, device=device)[:, None, None] * GATE_UP_BLOCK
+    r = torch.arange(GATE_UP_BLOCK, device=device)[None, None, :]
+    return (j + r + torch.tensor([0, half], device=device)[None, :, None]).reshape(-1)
+
+
+def interleave_gate_up(qw: QuantizedWeight) -> QuantizedWeight:
+    """The fused ``[gate; up]`` weight with its rows in ``gate_up_row_order``."""
+    order = gate_up_row_order(qw.out_features, qw.packed.device)
+    return replace(qw, packed=qw.packed[order], scales=qw.scales[order],
+                   zeros=None if qw.zeros is None else qw.zeros[order])

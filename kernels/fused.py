@@ -10,7 +10,8 @@ however small, which made SmolLM2's decode step ~3.4 ms for ~0.1 ms of weights. 
 * ``rope_and_cache``: RoPE on q and k, k and v stored in the KV cache, q written out (a
   prefill's tokens; a decode step does this inside its attention kernel,
   ``decode_attention.rope_cache_attention``, with ``rope_rotate`` below);
-* ``silu_mul``: SwiGLU's ``silu(gate) * up``.
+* ``silu_mul``: SwiGLU's ``silu(gate) * up`` where the GEMM or cuBLAS computed gate/up (a
+  decode GEMV applies it in its epilogue: ``ops.gemv(..., swiglu=True)``, csrc/gemv.cuh).
 
 Numerics follow the torch code they replace (``models/llama.py``, the CPU path): fp32
 math, with the roundings to fp16/bf16 that change results visibly -- the residual sum is
@@ -150,24 +151,34 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
+                     PDL: tl.constexpr):
     programmatic_prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gu + N + cols, mask=mask, other=0.0)
+    if INTERLEAVED:  # gate rows 8j..8j+7, then up rows 8j..8j+7 (format.gate_up_row_order)
+        gate_cols = (cols // 8) * 16 + cols % 8
+        up_cols = gate_cols + 8
+    else:
+        gate_cols = cols
+        up_cols = N + cols
+    g = tl.load(GU + row * stride_gu + gate_cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_gu + up_cols, mask=mask, other=0.0)
     silu = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds its result
     tl.store(Y + row * stride_y + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` ``[..., 2 I]`` (gate first); ``[..., I]``."""
+def silu_mul(gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[..., 2 I]``: gate first, or (``interleaved``) their
+    rows in blocks of eight (``format.gate_up_row_order``, the GPU layout's order); ``[..., I]``.
+    (A decode GEMV does this in its epilogue: ``ops.gemv(..., swiglu=True)``.)"""
     shape = gate_up.shape
     gu = gate_up.reshape(-1, shape[-1])
     n = shape[-1] // 2
     y = torch.empty(gu.shape[0], n, dtype=gu.dtype, device=gu.device)
     block = min(2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, y, gu.stride(0), y.stride(0), n, BLOCK=block,
-                                                           num_warps=_warps(block), **pdl.triton_kwargs(gu.device))
+                                                           INTERLEAVED=interleaved, num_warps=_warps(block),
+                                                           **pdl.triton_kwargs(gu.device))
     return y.view(*shape[:-1], n)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .format import QuantizedWeight, midpoint
+from .format import QuantizedWeight, interleave_gate_up, midpoint
 
 LAYOUT_VERSION = 1
 TILE_N = 16
@@ -95,6 +95,9 @@ class GpuWeight:
     # Largest M the GEMV serves: 16, or 8 or up to 32 as measured against the mixed GEMM
     # (tuning._gemv_reach; per-channel, g64 and g128 weights).
     gemv_max_m: int = 16
+    # Rows are a SwiGLU gate/up pair interleaved in eights (format.interleave_gate_up): every
+    # path's output comes in that order, and the GEMV can write silu(gate) * up itself.
+    swiglu_rows: bool = False
 
     @property
     def n_tiles(self) -> int:
@@ -176,10 +179,13 @@ def _tile_groups(t: torch.Tensor, N_pad: int, groups_pad: int, fill: float, dtyp
     return out.reshape(N_pad // 16, 16, groups_pad)[:, order].permute(0, 2, 1).contiguous()
 
 
-def pack_for_gpu(qw: QuantizedWeight, act_dtype: torch.dtype) -> GpuWeight:
-    """Repack a logical weight into the GPU layout (on the weight's device)."""
+def pack_for_gpu(qw: QuantizedWeight, act_dtype: torch.dtype, gate_up: bool = False) -> GpuWeight:
+    """Repack a logical weight into the GPU layout (on the weight's device); ``gate_up``: a
+    fused ``[gate; up]`` SwiGLU weight, whose rows are interleaved (``swiglu_rows``)."""
     if act_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the GPU kernels take float16 or bfloat16 activations, got {act_dtype}")
+    if gate_up:
+        qw = interleave_gate_up(qw)
     codes, N_pad, K_pad, G, groups_pad = padded_codes(qw)
     scales = qw.scales if G == qw.group_size else qw.scales[:, :1]
     zeros = None
@@ -196,4 +202,5 @@ def pack_for_gpu(qw: QuantizedWeight, act_dtype: torch.dtype) -> GpuWeight:
         K_pad=K_pad,
         group_size=G,
         dtype=act_dtype,
+        swiglu_rows=gate_up,
     )

@@ -143,9 +143,9 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("woq::gemv")
-    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, pipeline, workspace,
-                   counters):
-        return x.new_empty(x.shape[0], n)
+    def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, pipeline, swiglu,
+                   workspace, counters):
+        return x.new_empty(x.shape[0], n // 2 if swiglu else n)
 
     @torch.library.register_fake("woq::gemm")
     def _gemm_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, config, splits, workspace, counters):
@@ -294,11 +294,14 @@ def _check_x(x: torch.Tensor, gw: GpuWeight, limit: int) -> None:
 
 
 def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
-         k_warps: int | None = None, pipeline: int | None = None) -> torch.Tensor:
+         k_warps: int | None = None, pipeline: int | None = None, swiglu: bool = False) -> torch.Tensor:
     """The GEMV kernel (M <= 16; <= 32 for the weights ``gemv_rows_limit`` allows).
     Without overrides, the measured launch. ``pipeline`` (GEMV_RING, GEMV_STREAM; GEMV_RING
     when only a grid is given), ``max_blocks`` and ``k_warps`` override it (0: the kernel's
-    own choice; the measured values fill in those not given where its pipeline matches)."""
+    own choice; the measured values fill in those not given where its pipeline matches).
+    ``swiglu`` (a ``swiglu_rows`` weight): ``silu(gate) * up``, ``[M, N / 2]``, instead of ``y``."""
+    if swiglu and not gw.swiglu_rows:
+        raise ValueError("the SwiGLU epilogue needs a gate/up weight packed with pack_for_gpu(..., gate_up=True)")
     limit = gemv_rows_limit(gw)
     if x.dim() == 2 and x.shape[0] > limit:
         raise ValueError(f"the GEMV takes 1 to {limit} rows for this weight (up to {GEMV_WIDE_MAX_M} for per-channel, "
@@ -313,7 +316,7 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_b
     k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
-                              blocks, k_warps, pipeline, s.workspace, s.counters)
+                              blocks, k_warps, pipeline, swiglu, s.workspace, s.counters)
 
 
 def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:
@@ -353,16 +356,28 @@ def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     return out.view(gw.N, gw.K)
 
 
-def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None,
+             swiglu: bool = False) -> torch.Tensor:
+    """``y = x @ W.T + bias`` through ``path`` (rows in the weight's order: a ``swiglu_rows``
+    weight's interleaved); with ``swiglu``, SwiGLU's ``silu(gate) * up`` of it, ``[M, N / 2]``:
+    in the GEMV's epilogue where the rows allow, else by ``fused.silu_mul``."""
     if x.dtype != gw.dtype:
         raise TypeError(f"activations are {x.dtype}, the weight was packed for {gw.dtype}")
     x = x.contiguous()
     if x.data_ptr() % 16:  # a view into the middle of a row; the kernels copy 16-byte units
         x = x.clone()
+    if path == GEMV and (gw.swiglu_rows or not swiglu):
+        return gemv(x, gw, bias, swiglu=swiglu)
     if path == GEMV:
-        return gemv(x, gw, bias)
-    if path == MIXED_GEMM:
-        return gemm(x, gw, bias)
-    if path == DEQUANT_CUBLAS:
-        return F.linear(x, dequantize(gw), bias)
-    raise ValueError(f"unknown kernel path {path!r}")
+        y = gemv(x, gw, bias)
+    elif path == MIXED_GEMM:
+        y = gemm(x, gw, bias)
+    elif path == DEQUANT_CUBLAS:
+        y = F.linear(x, dequantize(gw), bias)
+    else:
+        raise ValueError(f"unknown kernel path {path!r}")
+    if not swiglu:
+        return y
+    from .fused import silu_mul
+
+    return silu_mul(y, interleaved=gw.swiglu_rows)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .format import QuantizedWeight, _grouped
+from .format import GATE_UP_BLOCK, QuantizedWeight, _grouped
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -31,3 +31,19 @@ def linear(
     """
     w = weight if weight is not None else dequantize(qw, x.dtype)
     return F.linear(x, w, bias)
+
+
+def gate_and_up(gate_up: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A SwiGLU layer's output ``[..., 2 I]`` split into gate and up ``[..., I]``: gate then up,
+    or (``interleaved``) their rows in blocks of eight (``format.gate_up_row_order``)."""
+    if not interleaved:
+        return gate_up.chunk(2, dim=-1)
+    blocks = gate_up.unflatten(-1, (-1, 2, GATE_UP_BLOCK))  # [..., I / 8, (gate, up), 8]
+    return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+
+
+def silu_mul(gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up`` (``gate_and_up``'s orders); ``[..., I]``."""
+    gate, up = gate_and_up(gate_up, interleaved)
+    # (contiguous: torch's CPU SiLU can round a strided view differently in the last bit)
+    return F.silu(gate.contiguous()) * up.contiguous()

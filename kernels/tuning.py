@@ -113,7 +113,9 @@ def _time_us(fn, copies: list[GpuWeight]) -> float:
 
 def _decode_neighbour(x: torch.Tensor):
     """A small dependent kernel to run before each timed decode GEMV (M <= 16): in a decode
-    step every GEMV follows one (RMSNorm, attention or SiLU*up) and precedes another.
+    step every GEMV follows one (RMSNorm, attention) and precedes another -- except down,
+    which since the SwiGLU epilogue follows the gate/up GEMV itself (its launches were
+    measured with this neighbour before that, and not again).
     Timed back to back alone, GEMVs overlap their successors through programmatic launches
     and reward grids that leave an SM room for the next call's blocks, which a decode step
     never runs (H100, Llama-3-8B int4, batch-16 graph step: 4078 us with the grids chosen

@@ -75,8 +75,8 @@ class Dispatchable(Protocol):
     def kernel_max_rows(self) -> int:
         """Largest M the layer's kernels serve before dequantize + cuBLAS is faster."""
 
-    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
-        """Compute the layer through ``path``."""
+    def run(self, path: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """Compute the layer through ``path`` (with ``swiglu``: SwiGLU's ``silu(gate) * up`` of it)."""
 
 
 def choose_path(x: torch.Tensor, layer: Dispatchable) -> str:
@@ -108,21 +108,21 @@ class _Timing:
             end.synchronize()
             self.observer.record(call, start.elapsed_time(end) / 1e3)
 
-    def run(self, call: KernelCall, layer: Dispatchable, x: torch.Tensor) -> torch.Tensor:
+    def run(self, call: KernelCall, layer: Dispatchable, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
         self.count += 1
         if self.count % self.sample_every:
             self.observer.record(call, None)
-            return layer.run(call.path, x)
+            return layer.run(call.path, x, swiglu)
         if x.is_cuda:
             self.drain()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            y = layer.run(call.path, x)
+            y = layer.run(call.path, x, swiglu)
             end.record()
             self.pending.append((call, start, end))
             return y
         t0 = time.perf_counter()
-        y = layer.run(call.path, x)
+        y = layer.run(call.path, x, swiglu)
         self.observer.record(call, time.perf_counter() - t0)
         return y
 
@@ -142,11 +142,12 @@ def flush_observer() -> None:
         _timing.drain(wait=True)
 
 
-def linear(x: torch.Tensor, layer: Dispatchable) -> torch.Tensor:
-    """``y = layer(x)`` for 2-D ``x``, through the path chosen for this call."""
+def linear(x: torch.Tensor, layer: Dispatchable, swiglu: bool = False) -> torch.Tensor:
+    """``y = layer(x)`` for 2-D ``x``, through the path chosen for this call; with ``swiglu``
+    (a SwiGLU MLP's fused gate/up layer) ``silu(gate) * up`` of it, which the timing includes."""
     path = choose_path(x, layer)
     timing = _timing
     if timing is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return layer.run(path, x)
+        return layer.run(path, x, swiglu)
     call = KernelCall(path, layer.layer_kind, layer.bits, x.shape[0], layer.out_features, layer.in_features)
-    return timing.run(call, layer, x)
+    return timing.run(call, layer, x, swiglu)

@@ -3,7 +3,9 @@
 RMSNorm, RoPE (the config's theta and scaling), grouped-query attention, SwiGLU MLP,
 optional attention bias, tied embeddings. q/k/v and gate/up are fused into one linear
 each (one weight read and one kernel launch instead of three or two); quantization is
-per output row, so fusing does not change the quantized values.
+per output row, so fusing does not change the quantized values. On the GPU the gate/up
+weight's rows are interleaved so that the decode GEMV applies SwiGLU's activation itself
+(``kernels/format.py``, ``interleave_gate_up``).
 
 The residual stream is carried beside each layer's output (vLLM style) so that the
 residual add and the next RMSNorm are one operation. On CUDA, that operation, RoPE with
@@ -262,11 +264,9 @@ class MLP(nn.Module):
         self.gate_up, self.down = gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        fused = fused_ops(gate_up)
-        if fused is not None:
-            return self.down(fused.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        if fused_ops(x) is not None:  # the activation in the decode GEMV's epilogue, else one Triton kernel
+            return self.down(self.gate_up(x, swiglu=True))
+        gate, up = self.gate_up.gate_and_up(self.gate_up(x))
         return self.down(F.silu(gate) * up)
 
 

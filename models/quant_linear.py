@@ -11,13 +11,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import reference
-from ..kernels.format import QuantizedWeight, QuantSpec, quantize
+from ..kernels.format import GATE_UP_BLOCK, QuantizedWeight, QuantSpec, quantize
 from . import dispatch
 
 
-def _forward(layer: dispatch.Dispatchable, x: torch.Tensor) -> torch.Tensor:
-    y = dispatch.linear(x.reshape(-1, x.shape[-1]), layer)
+def _forward(layer: dispatch.Dispatchable, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    y = dispatch.linear(x.reshape(-1, x.shape[-1]), layer, swiglu)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a layer's plain ``[gate, up]`` output: the fused Triton kernel on CUDA, else
+    the torch ops."""
+    if gate_up.is_cuda:
+        try:
+            from ..kernels import fused
+        except ImportError:  # no Triton
+            pass
+        else:
+            return fused.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)
 
 
 class DenseLinear(nn.Module):
@@ -39,11 +52,18 @@ class DenseLinear(nn.Module):
     def kernel_max_rows(self) -> int:
         return 0
 
-    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def run(self, path: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return _silu_mul(y) if swiglu else y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _forward(self, x)
+    def gate_and_up(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A SwiGLU layer's output split into its gate and up projections."""
+        return reference.gate_and_up(y)
+
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """``x @ W.T + b``, or with ``swiglu`` (the fused gate/up layer of a SwiGLU MLP)
+        ``silu(gate) * up`` of it."""
+        return _forward(self, x, swiglu)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -71,6 +91,7 @@ class WeightOnlyLinear(nn.Module):
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
         self.gpu = None  # kernels.layout.GpuWeight once prepared for CUDA
+        self.gpu_bias = None  # the bias in the GPU weight's row order
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec, layer_kind: str, **kw):
@@ -107,9 +128,16 @@ class WeightOnlyLinear(nn.Module):
 
         if not (self.packed.is_cuda and ops.available()):
             return False
+        from ..kernels.format import gate_up_row_order
         from ..kernels.layout import pack_for_gpu
 
-        self.gpu = ops.prepare(pack_for_gpu(self.qweight, act_dtype), tune=tune)
+        # A SwiGLU gate/up weight gets its rows interleaved (kernels/format.py), so that the
+        # decode GEMV writes silu(gate) * up itself: one kernel less per layer and step.
+        gate_up = self.layer_kind == "gate_up" and self.out_features % (2 * GATE_UP_BLOCK) == 0
+        self.gpu = ops.prepare(pack_for_gpu(self.qweight, act_dtype, gate_up=gate_up), tune=tune)
+        self.gpu_bias = self.bias
+        if gate_up and self.bias is not None:
+            self.gpu_bias = self.bias[gate_up_row_order(self.out_features, self.bias.device)].contiguous()
         return True
 
     # -- paths -------------------------------------------------------------------------
@@ -120,14 +148,22 @@ class WeightOnlyLinear(nn.Module):
             self._dequantized = reference.dequantize(self.qweight, dtype)
         return self._dequantized
 
-    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
+    def run(self, path: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         if path == dispatch.CPU_REFERENCE:
-            return reference.linear(x, self.qweight, self.bias, weight=self._cpu_weight(x.dtype))
+            y = reference.linear(x, self.qweight, self.bias, weight=self._cpu_weight(x.dtype))
+            return _silu_mul(y) if swiglu else y
         from ..kernels import ops
 
-        return ops.run_path(path, x, self.gpu, self.bias)
+        return ops.run_path(path, x, self.gpu, self.gpu_bias, swiglu)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_and_up(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A SwiGLU layer's output split into its gate and up projections (a CUDA output of
+        the GPU kernels comes in their interleaved row order)."""
+        return reference.gate_and_up(y, interleaved=y.is_cuda and self.gpu is not None and self.gpu.swiglu_rows)
+
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """``x @ W.T + b``, or with ``swiglu`` (the fused gate/up layer of a SwiGLU MLP)
+        ``silu(gate) * up`` of it."""
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
-        return _forward(self, x)
+        return _forward(self, x, swiglu)

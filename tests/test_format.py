@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from woq.kernels import reference
-from woq.kernels.format import QuantizedWeight, QuantSpec, pack_codes, quantize, unpack_codes
+from woq.kernels.format import (QuantizedWeight, QuantSpec, gate_up_row_order, interleave_gate_up, pack_codes, quantize,
+                               unpack_codes)
 
 SPECS = [QuantSpec(b, g, s) for b, g, s in itertools.product((8, 4), (None, 32, 64, 128), (True, False))]
 
@@ -101,3 +102,24 @@ def test_clip_search_never_does_worse_than_min_max(spec):
 
     searched, plain = err(clip_search_params(w, spec)), err(quantize_params(w, spec))
     assert (searched <= plain * (1 + 1e-6)).all() and searched.sum() < plain.sum()
+
+
+def test_gate_up_interleave_pairs_each_gate_row_with_its_up_row():
+    """The GPU layout's gate/up order (kernels/format.py): a permutation whose 16-row tiles
+    hold gate rows 8j..8j+7 over up rows 8j..8j+7; the interleaved weight dequantizes to
+    the permuted rows, and SwiGLU over the permuted output equals it over the plain one."""
+    import torch.nn.functional as F
+
+    inter, K = 40, 96
+    qw = quantize(torch.randn(2 * inter, K), QuantSpec(4, 32, False))
+    order = gate_up_row_order(2 * inter)
+    assert sorted(order.tolist()) == list(range(2 * inter))
+    tiles = order.view(-1, 2, 8)  # [tile, (gate, up), row]
+    assert torch.equal(tiles[:, 0].reshape(-1), torch.arange(inter))
+    assert torch.equal(tiles[:, 1] - tiles[:, 0], torch.full((inter // 8, 8), inter))
+    assert torch.equal(reference.dequantize(interleave_gate_up(qw)), reference.dequantize(qw)[order])
+    y = reference.linear(torch.randn(5, K), qw)
+    torch.testing.assert_close(reference.silu_mul(y), F.silu(y[:, :inter]) * y[:, inter:], rtol=1e-6, atol=0)
+    assert torch.equal(reference.silu_mul(y[:, order], interleaved=True), reference.silu_mul(y))
+    with pytest.raises(ValueError, match="I % 8"):
+        gate_up_row_order(2 * 20)

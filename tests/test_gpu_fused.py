@@ -53,14 +53,61 @@ def test_add_rms_norm(dtype, rows, n, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 14336), (16, 1000)])
-def test_silu_mul(dtype, rows, inter):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_silu_mul(dtype, rows, inter, interleaved):
+    from woq.kernels.format import gate_up_row_order
     from woq.kernels.fused import silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(inter)
     gate_up = (2 * torch.randn(rows, 2 * inter, device="cuda", generator=g)).to(dtype)
     gate, up = gate_up.chunk(2, -1)
     exact = F.silu(gate.double()) * up.double()
-    assert_same_rounding(silu_mul(gate_up), F.silu(gate) * up, exact)
+    stored = gate_up[:, gate_up_row_order(2 * inter, "cuda")] if interleaved else gate_up  # the GPU layout's order
+    assert_same_rounding(silu_mul(stored, interleaved), F.silu(gate) * up, exact)
+
+
+SWIGLU_FORMATS = [(4, 128, False), (4, None, True), (8, None, True), (8, 64, False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits,group,sym", SWIGLU_FORMATS)
+@pytest.mark.parametrize("inter,K", [(1000, 576), (1536, 4096), (24, 128)])
+def test_gemv_swiglu_epilogue(inter, K, bits, group, sym, dtype):
+    """The GEMV's SwiGLU epilogue (gate/up rows interleaved in eights) for every launch the
+    GEMV has at M = 1..16 -- both pipelines, each k-warp count, K whole per block or split
+    (partials added by a column's last block) -- against the same launch's plain output
+    activated by the torch ops (same sums: at most the last-bit differences of an fp32
+    exp) and against fp64; a poisoned output must be wholly overwritten."""
+    from woq.kernels import ops, reference
+    from woq.kernels.format import QuantSpec, gate_up_row_order, quantize
+    from woq.kernels.layout import pack_for_gpu
+
+    assert ops.available(), "the CUDA kernels failed to build"
+    g = torch.Generator(device="cuda").manual_seed(inter + K + bits)
+    qw = quantize(torch.randn(2 * inter, K, device="cuda", generator=g) * 0.05, QuantSpec(bits, group, sym, scale_dtype=dtype))
+    w64 = reference.dequantize(qw, torch.float64)
+    gw = ops.prepare(pack_for_gpu(qw, dtype, gate_up=True))
+    assert gw.swiglu_rows
+    order = gate_up_row_order(2 * inter, "cuda")
+    for M in range(1, 17):
+        x = (2 * torch.randn(M, K, device="cuda", generator=g)).to(dtype)
+        bias = torch.randn(2 * inter, device="cuda", generator=g).to(dtype) if M % 2 else None
+        gate_up = x.double() @ w64.T + (bias.double() if bias is not None else 0)
+        exact = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        bias_rows = None if bias is None else bias[order]
+        launches = [(ops.GEMV_RING, kw, b) for kw in ops.gemv_k_warps(M) for b in (0, ops.gemv_columns(2 * inter, kw, M))]
+        if M <= ops.STREAM_MAX_M:
+            launches += [(ops.GEMV_STREAM, kw, b) for kw in ops.STREAM_K_WARPS
+                         for b in (0, ops.gemv_stream_columns(2 * inter, kw), 3 * ops.gemv_stream_columns(2 * inter, kw))]
+        for pipeline, kw, blocks in launches:
+            case = f"M={M} pipeline={pipeline} k_warps={kw} blocks={blocks}"
+            launch = dict(max_blocks=blocks, k_warps=kw, pipeline=pipeline)
+            plain = ops.gemv(x, gw, bias_rows, **launch)  # [M, 2 I], interleaved rows
+            t = torch.full((M * inter,), float("nan"), dtype=dtype, device="cuda")  # (poison the next output)
+            del t
+            out = ops.gemv(x, gw, bias_rows, swiglu=True, **launch)
+            assert out.shape == (M, inter) and torch.isfinite(out).all(), f"{case}: unwritten output"
+            assert_same_rounding(out, reference.silu_mul(plain, interleaved=True), exact)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

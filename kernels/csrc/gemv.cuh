@@ -188,6 +188,21 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
   return old;
 }
 
+// The SwiGLU epilogue (GemvEpilogue::kSwiGLU). The weight's rows come interleaved in
+// eights -- n-tile j is gate rows 8j..8j+7 over up rows 8j..8j+7 -- so an mma accumulator
+// pair (i, i + 2), rows gid and gid + 8 of a tile, holds gate and up of one intermediate
+// channel, 8j + gid: the thread finishes it alone. swiglu_column maps a gate row to it.
+__host__ __device__ __forceinline__ int swiglu_column(int gate_row) { return (gate_row >> 4) * 8 + (gate_row & 7); }
+
+// silu(gate) * up from fp32 sums, rounded where kernels/fused.py's silu_mul (and torch's
+// F.silu(gate) * up) round: the projections to T, SiLU to T, then the product.
+template <typename T>
+__device__ __forceinline__ T swiglu(float gate, float up) {
+  const float g = to_float(from_float<T>(gate)), u = to_float(from_float<T>(up));
+  const float s = to_float(from_float<T>(g / (1.f + __expf(-g))));
+  return from_float<T>(s * u);
+}
+
 // Groups whose scales/zeros one stage needs per n-tile (per-channel: none, applied at the end).
 template <int BITS, int KW, int GROUP>
 __host__ __device__ constexpr int groups_per_stage() {
@@ -573,7 +588,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
         const int nt = c * kTiles + tile0 + t;
         if (nt >= p.n_tiles) break;
 #pragma unroll
-        for (int h = 0; h < MB; ++h)
+        for (int h = 0; h < MB; ++h) {
+          if (p.swiglu) {  // (i, i + 2): gate and up of channel 8 nt + gid (swiglu_column)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int m = 8 * h + 2 * t4 + i, n = 16 * nt + gid;
+              if (m < p.M) {
+                const float bg = bias ? to_float(bias[n]) : 0.f, bu = bias ? to_float(bias[n + 8]) : 0.f;
+                y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n)] =
+                    swiglu<T>(acc[t][h][i] + bg, acc[t][h][i + 2] + bu);
+              }
+            }
+            continue;
+          }
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int m = 8 * h + 2 * t4 + (i & 1), n = 16 * nt + gid + 8 * (i >> 1);
@@ -582,6 +609,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
               y[static_cast<size_t>(m) * p.N + n] = from_float<T>(acc[t][h][i] + b);
             }
           }
+        }
       }
       return;
     }
@@ -609,11 +637,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
     // Four adjacent channels per thread and pass (16-byte loads: a column's 32 rows of 256
     // channels are 8 passes instead of 32 of dependent scalar loads, and this block's own
     // next column waits for them).
-    static_assert(kCols % 4 == 0, "whole float4 of a row");
-    for (int i4 = tid; i4 < p.M * (kCols / 4); i4 += kThreads) {
-      const int m = i4 / (kCols / 4), n0 = c * kCols + (i4 % (kCols / 4)) * 4;
-      if (n0 >= p.N) continue;
-      float sum[4];
+    static_assert(kCols % 16 == 0, "whole float4 of a row, whole n-tiles (SwiGLU pairs quads 8 apart)");
+    // The fixed-order sum of one float4 of partials (quad i4 of the column's M x kCols).
+    auto column_sum = [&](int i4, int n0, float (&sum)[4]) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) sum[e] = bias && n0 + e < p.N ? to_float(bias[n0 + e]) : 0.f;
       for (int b = b_first; b <= b_last; ++b) {  // fixed order: deterministic
@@ -625,6 +651,21 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
         sum[2] += v.z;
         sum[3] += v.w;
       }
+    };
+    for (int i4 = tid; i4 < p.M * (kCols / 4); i4 += kThreads) {
+      const int m = i4 / (kCols / 4), n0 = c * kCols + (i4 % (kCols / 4)) * 4;
+      if (n0 >= p.N) continue;
+      float sum[4];
+      if (p.swiglu) {  // a gate quad (first half of its n-tile) with its up quad, 8 rows on
+        if (n0 & 8) continue;
+        float up[4];
+        column_sum(i4, n0, sum);
+        column_sum(i4 + 2, n0 + 8, up);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n0 + e)] = swiglu<T>(sum[e], up[e]);
+        continue;
+      }
+      column_sum(i4, n0, sum);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (n0 + e < p.N) y[static_cast<size_t>(m) * p.N + n0 + e] = from_float<T>(sum[e]);

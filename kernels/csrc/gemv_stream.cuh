@@ -272,7 +272,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   // Accumulator i holds y[m][n], m = 2 * t4 + (i & 1), n = 16 * tile + gid + 8 * (i >> 1).
   constexpr int kCols = 16 * TPB;
   if (p.splits == 1) {
-    if (kw == 0 && tile_ok) {
+    if (kw == 0 && tile_ok && p.swiglu) {  // (i, i + 2): gate and up of channel 8 tile + gid (swiglu_column)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int m = 2 * t4 + i, n = 16 * tile + gid;
+        if (m < p.M) {
+          const float bg = bias ? to_float(bias[n]) : 0.f, bu = bias ? to_float(bias[n + 8]) : 0.f;
+          y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n)] = swiglu<T>(acc[i] + bg, acc[i + 2] + bu);
+        }
+      }
+    } else if (kw == 0 && tile_ok) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int m = 2 * t4 + (i & 1), n = 16 * tile + gid + 8 * (i >> 1);
@@ -297,12 +306,20 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   __syncthreads();
   if (!is_last_contributor) return;
   const float* first = p.workspace + static_cast<size_t>(column) * p.splits * p.M * kCols;
+  auto column_sum = [&](int o, int n) {
+    float sum = bias ? to_float(bias[n]) : 0.f;
+    for (int s = 0; s < p.splits; ++s) sum += __ldcg(first + static_cast<size_t>(s) * p.M * kCols + o);  // fixed order
+    return sum;
+  };
   for (int o = tid; o < p.M * kCols; o += kThreads) {
     const int m = o / kCols, n = column * kCols + o % kCols;
     if (n >= p.N) continue;
-    float sum = bias ? to_float(bias[n]) : 0.f;
-    for (int s = 0; s < p.splits; ++s) sum += __ldcg(first + static_cast<size_t>(s) * p.M * kCols + o);  // fixed order
-    y[static_cast<size_t>(m) * p.N + n] = from_float<T>(sum);
+    if (p.swiglu) {  // a gate row (first half of its n-tile) with its up row, 8 on
+      if (n & 8) continue;
+      y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n)] = swiglu<T>(column_sum(o, n), column_sum(o + 8, n + 8));
+      continue;
+    }
+    y[static_cast<size_t>(m) * p.N + n] = from_float<T>(column_sum(o, n));
   }
   if (tid == 0) p.counters[column] = 0;  // re-arm for the next launch / graph replay
 }

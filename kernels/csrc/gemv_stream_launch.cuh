@@ -22,6 +22,7 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   auto kernel = gemv_stream_kernel<T, BITS, TPB, GROUP, ZEROS>;
   GemvStreamParams p;
   set_operands(p, a);
+  p.swiglu = a.epilogue == GemvEpilogue::kSwiGLU;
   p.ktiles = a.weight.K_pad / TileShape<BITS>::kK;
   p.chunks = (p.ktiles + CH - 1) / CH;
   const int columns = (p.n_tiles + TPB - 1) / TPB;

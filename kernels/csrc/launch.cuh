@@ -54,6 +54,7 @@ struct KernelOperands {
   int* counters;        // zero-initialised, re-armed by the kernel
   int M, N, K, K_pad;
   int n_tiles, groups_pad;
+  bool swiglu;          // GEMV only: y = silu(gate) * up, [M, N / 2] (gemv.cuh, swiglu_column)
 };
 
 // Fill the shared operands from a GemvArgs or GemmArgs.
@@ -74,6 +75,7 @@ void set_operands(KernelOperands& p, const Args& a) {
   p.K_pad = w.K_pad;
   p.n_tiles = (w.N + 15) / 16;
   p.groups_pad = w.groups_pad;
+  p.swiglu = false;
 }
 
 // The kernel's static shared memory (its __shared__ variables, a few bytes here). The CUDA

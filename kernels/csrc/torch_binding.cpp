@@ -74,8 +74,9 @@ void check_activations(const at::Tensor& x, const at::Tensor& scales, const std:
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
-                at::Tensor& workspace, at::Tensor& counters) {
+                bool swiglu, at::Tensor& workspace, at::Tensor& counters) {
   check_activations(x, scales, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
+  check(!swiglu || n % 16 == 0, "the SwiGLU epilogue takes gate and up rows interleaved in eights: n a multiple of 16, got " + str(n));
   check(pipeline == 0 || pipeline == 1, "pipeline must be 0 (shared-memory ring) or 1 (register stream), got " + str(pipeline));
   const bool stream = pipeline == 1;
   if (stream) {
@@ -98,8 +99,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   }
   a.x = x.data_ptr();
   a.bias = bias ? bias->data_ptr() : nullptr;
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  at::Tensor y = at::empty({x.size(0), swiglu ? n / 2 : n}, x.options());
   a.y = y.data_ptr();
+  a.epilogue = swiglu ? woq::GemvEpilogue::kSwiGLU : woq::GemvEpilogue::kNone;
   a.M = static_cast<int>(x.size(0));
   check(max_blocks >= 0 && max_blocks <= (1 << 30), "max_blocks must be 0 (by shape) or a grid size, got " + str(max_blocks));
   a.max_blocks = static_cast<int>(max_blocks);
@@ -193,7 +195,7 @@ void set_shared_memory_limit(int64_t bytes) {
 TORCH_LIBRARY(woq, m) {
   m.def(
       "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
-      "int k, int max_blocks, int k_warps, int pipeline, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+      "int k, int max_blocks, int k_warps, int pipeline, bool swiglu, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
   m.def(
       "gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
       "int k, int config, int splits, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");

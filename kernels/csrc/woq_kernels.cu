@@ -281,6 +281,7 @@ cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (a.pipeline == GemvPipeline::kRegisterStream && a.M > kGemvStreamMaxRows) return cudaErrorInvalidValue;
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
+  if (a.epilogue == GemvEpilogue::kSwiGLU && a.weight.N % 16 != 0) return cudaErrorInvalidValue;  // whole n-tiles
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);
 }
 

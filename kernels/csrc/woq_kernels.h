@@ -31,11 +31,18 @@ constexpr int kGemvMaxRows = 32;
 enum class GemvPipeline : int { kSharedRing = 0, kRegisterStream = 1 };
 constexpr int kGemvStreamMaxRows = 8;
 
+// What the GEMV writes. kSwiGLU: the weight is a SwiGLU MLP's fused gate and up
+// projections with their rows interleaved in eights (gate rows 8j..8j+7, then up rows
+// 8j..8j+7: kernels/format.py, interleave_gate_up), N a multiple of 16, and y is
+// silu(gate) * up, [M, N / 2] -- so that gate[j] and up[j] land in the same thread's
+// accumulators and the activation needs no kernel of its own.
+enum class GemvEpilogue : int { kNone = 0, kSwiGLU = 1 };
+
 struct GemvArgs {
   PackedWeight weight;
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
   const void* bias;  // [N] or nullptr
-  void* y;           // [M, N]
+  void* y;           // [M, N] ([M, N / 2] with the SwiGLU epilogue)
   int M;                   // 1..32 (17..32: per-channel, g64 and g128 weights only; register stream: 1..8)
   int max_blocks;          // grid size; 0 = one resident wave (ring) / about 2 blocks per SM (stream)
   int k_warps;             // warps splitting each n-tile's K: ring 1, 2, 4 (M > 16: 1, 2); stream 1, 2, 4, 8; 0 = by shape
@@ -45,6 +52,7 @@ struct GemvArgs {
   long long workspace_floats;
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
+  GemvEpilogue epilogue;   // kSwiGLU: y is [M, N / 2]
 };
 
 // The mixed GEMM (any M; per-channel, g64 and g128 weights; sm_80+).
