@@ -228,12 +228,9 @@ def _without(part: str):
     puts between two GEMVs included. Batch 1 only (the views assume one row)."""
     from woq.kernels import decode_attention, fused
 
-    originals = {"norm": (fused, "add_rms_norm"), "silu": (fused, "silu_mul"),
-                 "attention": (decode_attention, "rope_cache_attention")}
+    originals = {"norm": (fused, "add_rms_norm"), "attention": (decode_attention, "rope_cache_attention")}
     stand_ins = {
         "norm": lambda x, residual, weight, eps: (x, x if residual is None else residual),
-        "silu": lambda gate_up, interleaved=False: gate_up.reshape(-1)[: gate_up.shape[-1] // 2].view(
-            *gate_up.shape[:-1], -1),
         "attention": lambda qkv, positions, slots, lengths, cos, sin, k, v, heads, head_dim, splits=None:
             qkv.reshape(-1)[: heads * head_dim].view(1, heads, head_dim),
     }
@@ -283,7 +280,7 @@ def _swiglu_kernel():
 
 ABLATIONS = {"full step": contextlib.nullcontext, "no add + RMSNorm": lambda: _without("norm"),
              "SiLU * up as its own kernel": _swiglu_kernel, "no attention": lambda: _without("attention"),
-             "GEMVs, embedding, LM head only": lambda: _without("norm+silu+attention"),
+             "GEMVs, embedding, LM head only": lambda: _without("norm+attention")  # (SiLU: in the gate/up GEMV),
              "attention, tiles of 128 tokens, 1 stage": lambda: _attention_with(block=128, stages=1),
              "attention, tiles of 64 tokens, 3 stages": lambda: _attention_with(block=64, stages=3),
              "attention, tiles of 256 tokens, 1 stage": lambda: _attention_with(block=256, stages=1),

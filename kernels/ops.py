@@ -366,10 +366,11 @@ def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | Non
     x = x.contiguous()
     if x.data_ptr() % 16:  # a view into the middle of a row; the kernels copy 16-byte units
         x = x.clone()
-    if path == GEMV and (gw.swiglu_rows or not swiglu):
-        return gemv(x, gw, bias, swiglu=swiglu)
     if path == GEMV:
-        y = gemv(x, gw, bias)
+        epilogue = swiglu and gw.swiglu_rows
+        y = gemv(x, gw, bias, swiglu=epilogue)
+        if epilogue:
+            return y
     elif path == MIXED_GEMM:
         y = gemm(x, gw, bias)
     elif path == DEQUANT_CUBLAS:

@@ -3,6 +3,7 @@ replace (``models/llama.py``, the CPU path) and an fp64 reference (skipped witho
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_poison import poison_next_alloc
 
 from woq.models import llama
 from woq.models.kv_cache import KVCache
@@ -103,8 +104,7 @@ def test_gemv_swiglu_epilogue(inter, K, bits, group, sym, dtype):
             case = f"M={M} pipeline={pipeline} k_warps={kw} blocks={blocks}"
             launch = dict(max_blocks=blocks, k_warps=kw, pipeline=pipeline)
             plain = ops.gemv(x, gw, bias_rows, **launch)  # [M, 2 I], interleaved rows
-            t = torch.full((M * inter,), float("nan"), dtype=dtype, device="cuda")  # (poison the next output)
-            del t
+            poison_next_alloc(M * inter, dtype)
             out = ops.gemv(x, gw, bias_rows, swiglu=True, **launch)
             assert out.shape == (M, inter) and torch.isfinite(out).all(), f"{case}: unwritten output"
             assert_same_rounding(out, reference.silu_mul(plain, interleaved=True), exact)

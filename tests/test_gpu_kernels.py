@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_poison import poison_next_alloc
 from woq.kernels import reference
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
@@ -23,13 +24,6 @@ FORMATS = list(itertools.product([4, 8], [None, 64, 128], [True, False]))
 @pytest.fixture(scope="module", autouse=True)
 def kernels_built():
     assert ops.available(), "the CUDA kernels failed to build"
-
-
-def _poison_next_alloc(numel: int, dtype) -> None:
-    """Leave a NaN-filled block in the caching allocator: the next output of this size
-    reuses it, so an element the kernel forgets to write stays NaN."""
-    t = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
-    del t
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -59,7 +53,7 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
         cublas = F.linear(x, w_lowp, bias)
         err_cublas = _rel(cublas, ref)
         for k_warps in (None, *ops.gemv_k_warps(M)):  # the kernel's own choice, then each split of K
-            _poison_next_alloc(M * N, dtype)
+            poison_next_alloc(M * N, dtype)
             y = ops.gemv(x, gw, bias, k_warps=k_warps)
             assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: unwritten output"
             err = _rel(y, ref)
@@ -87,13 +81,13 @@ def test_register_stream_gemv_matches_fp64_for_every_grid(N, K, bits, group, sym
         for k_warps in (0, *ops.STREAM_K_WARPS):
             columns = ops.gemv_stream_columns(N, max(k_warps, 1))
             for blocks in (0, columns, 3 * columns, 1000 * columns):  # (the launcher cuts to whole chunks)
-                _poison_next_alloc(M * N, dtype)
+                poison_next_alloc(M * N, dtype)
                 y = ops.gemv(x, gw, bias, max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
                 case = f"M={M} k_warps={k_warps} blocks={blocks}"
                 assert y.shape == (M, N) and torch.isfinite(y).all(), f"{case}: unwritten output"
                 err = _rel(y, ref)
                 assert err <= 2 * err_cublas + 1e-6, f"{case}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
-                _poison_next_alloc(M * N, dtype)
+                poison_next_alloc(M * N, dtype)
                 again = ops.gemv(x, gw, bias, max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
                 assert torch.equal(again, y), f"{case}: not deterministic"
 
@@ -119,7 +113,7 @@ def test_register_stream_gemv_keeps_bf16_range(bits, group, sym):
     for k_warps in (0, *ops.STREAM_K_WARPS):
         columns = ops.gemv_stream_columns(N, max(k_warps, 1))
         for blocks in (0, 3 * columns):
-            _poison_next_alloc(5 * N, dtype)
+            poison_next_alloc(5 * N, dtype)
             y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
             case = f"k_warps={k_warps} blocks={blocks}"
             assert torch.isfinite(y).all(), f"{case}: non-finite output"
@@ -195,7 +189,7 @@ def test_mixed_gemm_matches_fp64_beyond_the_gemv(N, K, bits, group, sym, dtype):
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         err_cublas = _rel(F.linear(x, w_lowp, bias), ref)
         for config in (None, *ops.gemm_configs()):  # the measured launch, then each tile shape
-            _poison_next_alloc(M * N, dtype)
+            poison_next_alloc(M * N, dtype)
             y = ops.gemm(x, gw, bias, config=config)
             assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} config={config}: unwritten output"
             err = _rel(y, ref)
@@ -237,7 +231,7 @@ def test_mixed_gemm_split_k_is_deterministic(bits, group, config, dtype):
         first = ops.gemm(x, gw, config=config, splits=splits)
         assert _rel(first, ref) <= 2 * err_cublas + 1e-6, f"splits={splits}"
         for _ in range(3):
-            _poison_next_alloc(70 * 700, dtype)
+            poison_next_alloc(70 * 700, dtype)
             assert torch.equal(ops.gemm(x, gw, config=config, splits=splits), first), f"splits={splits}"
 
 
@@ -263,7 +257,7 @@ def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, 
             x = torch.randn(M, 1536, device="cuda", generator=g).to(dtype)
             ref = x.double() @ w64.T
             for k_warps in (None, *ops.gemv_k_warps(M)):
-                _poison_next_alloc(M * 1000, dtype)
+                poison_next_alloc(M * 1000, dtype)
                 try:
                     y = ops.gemv(x, gw, k_warps=k_warps)
                 except ValueError as e:
@@ -276,7 +270,7 @@ def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, 
             ref = x.double() @ w64.T
             # (the mma configurations: GPUs this small have no wgmma)
             for config in (-1, *(c for c in ops.gemm_configs() if c not in ops.GEMM_WGMMA_CONFIGS)):
-                _poison_next_alloc(M * 1000, dtype)
+                poison_next_alloc(M * 1000, dtype)
                 try:
                     y = ops.gemm(x, gw, config=config, splits=0)
                 except ValueError as e:
@@ -337,7 +331,7 @@ def test_any_grid_gives_the_same_bits(m, bits, group, k_warps, dtype):
     assert _rel(whole, ref) < 2e-3
     for blocks in (1, 2, 7, 50, 200, 1000, 0):
         for _ in range(3):  # counters must be re-armed by each column's last contributor
-            _poison_next_alloc(m * 3000, dtype)
+            poison_next_alloc(m * 3000, dtype)
             y = ops.gemv(x, gw, max_blocks=blocks, k_warps=k_warps)
             assert torch.isfinite(y).all()
             assert _rel(y, ref) < 2e-3, f"max_blocks={blocks}"

@@ -203,6 +203,17 @@ __device__ __forceinline__ T swiglu(float gate, float up) {
   return from_float<T>(s * u);
 }
 
+// Row m's output for gate row n (n % 16 < 8) and its up row n + 8, from their fp32 sums
+// (plus their bias, where not already in the sums): y is [M, N / 2].
+template <typename T>
+__device__ __forceinline__ void store_swiglu(T* y, int N, int m, int n, float gate, float up, const T* bias) {
+  if (bias) {
+    gate += to_float(bias[n]);
+    up += to_float(bias[n + 8]);
+  }
+  y[static_cast<size_t>(m) * (N / 2) + swiglu_column(n)] = swiglu<T>(gate, up);
+}
+
 // Groups whose scales/zeros one stage needs per n-tile (per-channel: none, applied at the end).
 template <int BITS, int KW, int GROUP>
 __host__ __device__ constexpr int groups_per_stage() {
@@ -592,12 +603,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
           if (p.swiglu) {  // (i, i + 2): gate and up of channel 8 nt + gid (swiglu_column)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-              const int m = 8 * h + 2 * t4 + i, n = 16 * nt + gid;
-              if (m < p.M) {
-                const float bg = bias ? to_float(bias[n]) : 0.f, bu = bias ? to_float(bias[n + 8]) : 0.f;
-                y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n)] =
-                    swiglu<T>(acc[t][h][i] + bg, acc[t][h][i + 2] + bu);
-              }
+              const int m = 8 * h + 2 * t4 + i;
+              if (m < p.M) store_swiglu(y, p.N, m, 16 * nt + gid, acc[t][h][i], acc[t][h][i + 2], bias);
             }
             continue;
           }
@@ -662,7 +669,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
         column_sum(i4, n0, sum);
         column_sum(i4 + 2, n0 + 8, up);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n0 + e)] = swiglu<T>(sum[e], up[e]);
+        for (int e = 0; e < 4; ++e) store_swiglu<T>(y, p.N, m, n0 + e, sum[e], up[e], nullptr);  // (bias in the sums)
         continue;
       }
       column_sum(i4, n0, sum);

@@ -275,11 +275,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
     if (kw == 0 && tile_ok && p.swiglu) {  // (i, i + 2): gate and up of channel 8 tile + gid (swiglu_column)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int m = 2 * t4 + i, n = 16 * tile + gid;
-        if (m < p.M) {
-          const float bg = bias ? to_float(bias[n]) : 0.f, bu = bias ? to_float(bias[n + 8]) : 0.f;
-          y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n)] = swiglu<T>(acc[i] + bg, acc[i + 2] + bu);
-        }
+        const int m = 2 * t4 + i;
+        if (m < p.M) store_swiglu(y, p.N, m, 16 * tile + gid, acc[i], acc[i + 2], bias);
       }
     } else if (kw == 0 && tile_ok) {
 #pragma unroll
@@ -316,7 +313,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
     if (n >= p.N) continue;
     if (p.swiglu) {  // a gate row (first half of its n-tile) with its up row, 8 on
       if (n & 8) continue;
-      y[static_cast<size_t>(m) * (p.N / 2) + swiglu_column(n)] = swiglu<T>(column_sum(o, n), column_sum(o + 8, n + 8));
+      store_swiglu<T>(y, p.N, m, n, column_sum(o, n), column_sum(o + 8, n + 8), nullptr);  // (bias in the sums)
       continue;
     }
     y[static_cast<size_t>(m) * p.N + n] = from_float<T>(column_sum(o, n));
