@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile ablation prefill overhead pdlab serving bench msweep
+#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline ablation prefill overhead pdlab serving bench msweep
 #           dequant grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,7 @@ for stage in "$@"; do
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
+    timeline) run timeline $PY benchmarks/decode_timeline.py --out "$OUT" --variants "${TIMELINE_VARIANTS:-full step}" ;;  # its own build (block trace)
     ablation) run ablation $PY benchmarks/profile_decode.py --ablation --models "${ABLATION_MODELS:-llama3-8b}" --out "$OUT" ${ABLATION_ARGS:-} ;;
     prefill) run prefill $PY benchmarks/prefill_host.py --out "$OUT" ${PREFILL_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ${OVERHEAD_ARGS:-} ;;

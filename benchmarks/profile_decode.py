@@ -230,8 +230,8 @@ def _without(part: str):
 
     originals = {"norm": (fused, "add_rms_norm"), "attention": (decode_attention, "rope_cache_attention")}
     stand_ins = {
-        "norm": lambda x, residual, weight, eps: (x, x if residual is None else residual),
-        "attention": lambda qkv, positions, slots, lengths, cos, sin, k, v, heads, head_dim, splits=None:
+        "norm": lambda x, residual, weight, eps, launch_next="start": (x, x if residual is None else residual),
+        "attention": lambda qkv, positions, slots, lengths, cos, sin, k, v, heads, head_dim, **options:
             qkv.reshape(-1)[: heads * head_dim].view(1, heads, head_dim),
     }
     parts = [p for p in part.split("+") if p]
@@ -278,13 +278,40 @@ def _swiglu_kernel():
         ops.run_path = original
 
 
-ABLATIONS = {"full step": contextlib.nullcontext, "no add + RMSNorm": lambda: _without("norm"),
-             "SiLU * up as its own kernel": _swiglu_kernel, "no attention": lambda: _without("attention"),
-             "GEMVs, embedding, LM head only": lambda: _without("norm+attention")  # (SiLU: in the gate/up GEMV),
-             "attention, tiles of 128 tokens, 1 stage": lambda: _attention_with(block=128, stages=1),
-             "attention, tiles of 64 tokens, 3 stages": lambda: _attention_with(block=64, stages=3),
-             "attention, tiles of 256 tokens, 1 stage": lambda: _attention_with(block=256, stages=1),
-             "attention, 8 shares": lambda: _attention_with(splits=8)}
+@contextlib.contextmanager
+def _norms_launching(model, input_norm: str | None = None, post_norm: str | None = None):
+    """The add + RMSNorm kernels letting the next GEMV launch at their start, after their
+    inputs are in, or at their end (fused.LAUNCH_NEXT): before the qkv projection
+    (``input_norm``) and before gate/up (``post_norm``); None keeps the model's choice."""
+    saved = [(layer.input_norm.launch_next, layer.post_norm.launch_next) for layer in model.layers]
+    for layer in model.layers:
+        layer.input_norm.launch_next = input_norm or layer.input_norm.launch_next
+        layer.post_norm.launch_next = post_norm or layer.post_norm.launch_next
+    try:
+        yield
+    finally:
+        for layer, (i, p) in zip(model.layers, saved):
+            layer.input_norm.launch_next, layer.post_norm.launch_next = i, p
+
+
+ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
+             "no add + RMSNorm": lambda model: _without("norm"),
+             "SiLU * up as its own kernel": lambda model: _swiglu_kernel(),
+             "no attention": lambda model: _without("attention"),
+             "GEMVs, embedding, LM head only": lambda model: _without("norm+attention"),  # (SiLU: in the gate/up GEMV)
+             "attention, tiles of 128 tokens, 1 stage": lambda model: _attention_with(block=128, stages=1),
+             "attention, tiles of 64 tokens, 3 stages": lambda model: _attention_with(block=64, stages=3),
+             "attention, tiles of 256 tokens, 1 stage": lambda model: _attention_with(block=256, stages=1),
+             "attention, 8 shares": lambda model: _attention_with(splits=8),
+             # (the model's own: the post-attention norm lets gate/up launch after its inputs, the
+             # input norm and attention let the next kernel launch at their start; models/llama.py)
+             "launch: post-attention norm lets gate/up launch at its start":
+                 lambda model: _norms_launching(model, post_norm="start"),
+             "launch: post-attention norm lets gate/up launch at its end":
+                 lambda model: _norms_launching(model, post_norm="end"),
+             "launch: input norm lets qkv launch after its inputs": lambda model: _norms_launching(model, input_norm="inputs"),
+             "launch: attention lets o launch after its q": lambda model: _attention_with(launch_next="inputs"),
+             "launch: attention lets o launch at its end": lambda model: _attention_with(launch_next="end")}
 TAKEN_OUT = ("no ", "GEMVs")  # the variants that replace kernels by views of one row: batch 1 only
 
 
@@ -307,7 +334,7 @@ def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tu
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         for label, variant in variants.items():
-            with variant():
+            with variant(model):
                 times[label].append(graph_step_us(model, cache, ids, pos, slots))
             print(f"{name} b{batch} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
     del model, cache

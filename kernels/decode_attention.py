@@ -38,6 +38,16 @@ programs waiting) to 2445, what attention costs in place (against the step witho
 from 361 to 195 µs; at position 1024 it costs 264 µs of a 2503 µs step. The RMSNorm's
 weight is loaded early too (``fused.py``). At batch 1, tiles of 64 tokens with 3
 stages, tiles of 256, or 8 shares were each slower at one of the two positions or both.
+
+It lets the o projection launch at its start (``launch_next``), which buys little: the
+block timeline (docs/bench/decode_timeline.md) shows its 8-warp programs (176 registers a
+thread) fitting no SM that still holds a qkv block, so all of them, the idle ones too, get
+SMs only as qkv's blocks leave, and o's blocks come later still (~9.5 µs from qkv's last
+block to o's first returned wait). Letting o launch at attention's end was 37-173 µs
+faster on its own, but o then starts cold, and next to the post-attention norm's later
+launch (models/llama.py) it was slower; after the q loads, 47-83 µs slower at position
+1024; 4 warps (255 registers: fits beside one qkv block) slower, 16 no better
+(docs/bench/launch_order_ab.md).
 """
 from __future__ import annotations
 
@@ -49,7 +59,7 @@ import triton.language as tl
 
 from . import pdl
 from .device import sm_count
-from .fused import rope_rotate
+from .fused import LAUNCH_NEXT, rope_rotate
 
 
 @triton.jit
@@ -58,10 +68,10 @@ def _decode_attention_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
     stride_ob, stride_oh, stride_rope, scale,
     HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, LAUNCH: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // HKV
-    if PDL:
+    if PDL and LAUNCH == 0:  # when the next kernel may launch: fused.LAUNCH_NEXT
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -123,6 +133,8 @@ def _decode_attention_kernel(
 
         # online softmax over the share: the first tile (loaded above), then the rest
         s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], fp32
+        if PDL and LAUNCH == 1:  # (q is in)
+            tl.extra.cuda.gdc_launch_dependents()
         s = tl.where((t < end)[None, :], s, float("-inf"))
         m_i = tl.max(s, 1)
         p = tl.exp(s - m_i[:, None])
@@ -173,6 +185,8 @@ def _decode_attention_kernel(
                     total += part * w[:, None]
                     weight += w
                 tl.store(out_ptrs, (total / weight[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
+        if PDL and LAUNCH == 2:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 def tiles(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
@@ -210,7 +224,8 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
             lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None, block: int | None,
-            stages: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            stages: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            launch_next: str = "start") -> torch.Tensor:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
@@ -230,7 +245,7 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), 1.0 / math.sqrt(D),
         HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, SPLITS=splits,
-        ROPE=rope is not None, num_warps=min(16, max(4, block * D // 2048)), num_stages=stages,
+        ROPE=rope is not None, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=min(16, max(4, block * D // 2048)), num_stages=stages,
         **pdl.triton_kwargs(q_src.device),
     )
     return out
@@ -255,7 +270,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          heads: int, head_dim: int, splits: int | None = None, block: int | None = None,
-                         stages: int | None = None) -> torch.Tensor:
+                         stages: int | None = None, launch_next: str = "start") -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
     ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
@@ -263,4 +278,4 @@ def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
     positions; ``[B, H, D]``."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
     return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits, block,
-                   stages, (positions, cos, sin))
+                   stages, (positions, cos, sin), launch_next)

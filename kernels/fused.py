@@ -45,15 +45,24 @@ def programmatic_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+# When a kernel lets the next one launch (``launch_next``; the kernels' LAUNCH constexpr):
+# at its start, once its own inputs are in, or at its end. The next GEMV's blocks put their
+# first weight chunks in flight as soon as they start, and reads this kernel issues just
+# after are served behind them (docs/bench/decode_timeline.md, launch_order_ab.md).
+LAUNCH_AT_START, LAUNCH_AFTER_INPUTS, LAUNCH_AT_END = 0, 1, 2
+LAUNCH_NEXT = {"start": LAUNCH_AT_START, "inputs": LAUNCH_AFTER_INPUTS, "end": LAUNCH_AT_END}
+
+
 @triton.jit
 def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_rout, N, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         LAUNCH: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    if PDL:  # the norm's weight before the wait (no kernel writes it): its DRAM latency off the chain
+    if PDL and LAUNCH == 0:
         tl.extra.cuda.gdc_launch_dependents()
-    w = tl.load(W + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0)  # (before the wait: no kernel writes it)
     if PDL:
         tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -63,14 +72,19 @@ def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_
         tl.store(ROUT + row * stride_rout + cols, x, mask=mask)
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    if PDL and LAUNCH == 1:  # (after the sum: x is in)
+        tl.extra.cuda.gdc_launch_dependents()
     h = h.to(X.dtype.element_ty)  # the reference casts back before the weight
     tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * h.to(tl.float32)).to(X.dtype.element_ty), mask=mask)
+    if PDL and LAUNCH == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, launch_next: str = "start") -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; without ``residual``, ``x`` itself
-    is the residual stream (``x`` and ``residual``: ``[..., N]``)."""
+    is the residual stream (``x`` and ``residual``: ``[..., N]``). ``launch_next``: when the
+    next kernel may launch programmatically ("start", "inputs", "end": ``LAUNCH_NEXT``)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n = x2.shape[1]
@@ -83,7 +97,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, y, rout, x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl.triton_kwargs(x.device),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=_warps(block),
+        **pdl.triton_kwargs(x.device),
     )
     return y.view(shape), (x if residual is None else rout.view(shape))
 

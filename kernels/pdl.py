@@ -8,7 +8,11 @@ kernel's blocks start once every block of the previous kernel has executed
 (``griddepcontrol.wait``) only before touching what the previous kernel writes. The woq
 GEMV and GEMM stream their weights in meanwhile (``csrc/launch.cuh``); the Triton kernels
 of the decoder (``fused.py``, ``decode_attention.py``) wait at their start, which hides
-their launch and lets the next GEMV start early.
+their launch and lets the next GEMV start early -- except the norm before gate/up, which
+lets it launch once it has read its inputs: a GEMV's early blocks put their first weight
+chunks in flight at once (~15 MB for gate/up), and a small kernel's reads issued right
+after are served behind them (``fused.LAUNCH_NEXT``, models/llama.py,
+docs/bench/decode_timeline.md).
 
 One switch for all of them: ``WOQ_PDL=0`` in the environment, or ``set_enabled(False)``
 (the benchmarks time both).

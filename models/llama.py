@@ -64,6 +64,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.launch_next = "start"  # the fused kernel's programmatic launch of the next (fused.LAUNCH_NEXT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the weight, as the reference does.
@@ -75,7 +76,7 @@ class RMSNorm(nn.Module):
         """``(norm(x + residual), x + residual)``; with no residual yet, ``x`` starts the stream."""
         fused = fused_ops(x)
         if fused is not None:
-            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return fused.add_rms_norm(x, residual, self.weight, self.eps, self.launch_next)
         if residual is not None:
             x = x + residual
         return self(x), x
@@ -275,6 +276,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
+        # The norm between o and gate/up lets gate/up launch (programmatically) only once it
+        # has read its inputs: launched at its start, gate/up's blocks take the SMs o's
+        # blocks leave and put ~15 MB of weight loads in flight exactly as o ends, and the
+        # norm's own reads wait behind them (H100, Llama-3-8B-shaped int4, batch-1 step:
+        # gate/up's wait returned ~5.5 us after o's last block, 2.7 us so; graph step 133-173
+        # us faster at position 128, 38-73 at 1024 over four runs: docs/bench/
+        # decode_timeline.md, launch_order_ab.md).
+        # The input norm keeps the early launch: qkv's loads then overlap down's long tail.
+        post_norm.launch_next = "inputs"
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rotary, batch: Batch,
                 cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:

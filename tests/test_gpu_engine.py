@@ -83,6 +83,10 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
             ref = _attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n])
             err = ((out[b].double() - ref).norm() / ref.norm()).item()
             assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, b, err)
+        for launch_next in ("inputs", "end"):  # (the same cache writes again: k and v stay as checked)
+            again = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim,
+                                         splits=splits, block=block, stages=stages, launch_next=launch_next)
+            assert torch.equal(again, out), (step, launch_next)
 
 
 @pytest.fixture(scope="module")

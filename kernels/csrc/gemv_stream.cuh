@@ -40,6 +40,7 @@
 #include <cstdint>
 
 #include "gemv.cuh"
+#include "trace.cuh"
 
 namespace woq {
 
@@ -109,6 +110,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   constexpr int kThreads = kGemvWarps * 32;
   static_assert(kChunkK % (GROUP == 0 ? 1 : GROUP) == 0, "a chunk holds whole groups");
 
+  BlockTrace trace(p.trace, p.w);  // (nothing unless built with WOQ_TRACE)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int column = blockIdx.x / p.splits, split = blockIdx.x % p.splits;
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   if (c_begin < c_end) load(c_begin, buf[0]);
   if (WOQ_STREAM_HOIST && c_begin + 1 < c_end) load(c_begin + 1, buf[1]);
   wait_for_prior_grid();
+  trace.waited();
 
   // x: the block's K range of every row, columns past K zero (the padded weights there
   // are zero, but 0 * uninitialised shared memory could be NaN). Loads before stores,

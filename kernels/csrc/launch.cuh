@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "trace.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
@@ -55,6 +56,7 @@ struct KernelOperands {
   int M, N, K, K_pad;
   int n_tiles, groups_pad;
   bool swiglu;          // GEMV only: y = silu(gate) * up, [M, N / 2] (gemv.cuh, swiglu_column)
+  TraceTarget trace;    // WOQ_TRACE builds only (trace.cuh); null otherwise
 };
 
 // Fill the shared operands from a GemvArgs or GemmArgs.
@@ -76,6 +78,7 @@ void set_operands(KernelOperands& p, const Args& a) {
   p.n_tiles = (w.N + 15) / 16;
   p.groups_pad = w.groups_pad;
   p.swiglu = false;
+  p.trace = WOQ_TRACE ? trace_target() : TraceTarget{nullptr, 0};
 }
 
 // The kernel's static shared memory (its __shared__ variables, a few bytes here). The CUDA

@@ -183,6 +183,17 @@ bool wgmma_available() { return woq::wgmma_available(); }
 // Process-wide: whether the GEMV and GEMM launch programmatically on sm_90+ (launch.cuh).
 void set_programmatic_launch(bool enabled) { woq::set_programmatic_launch(enabled); }
 
+// Process-wide: where a WOQ_TRACE build's GEMV blocks write their timeline (trace.cuh):
+// an int64 CUDA tensor of 1 + 8 * records words, word 0 zeroed by the caller; None stops.
+// False in a build without WOQ_TRACE.
+bool set_trace_buffer(const std::optional<at::Tensor>& buffer) {
+  if (!buffer) return woq::set_trace_buffer(nullptr, 0);
+  check(buffer->is_cuda() && buffer->is_contiguous() && buffer->scalar_type() == at::kLong && buffer->numel() > 8,
+        "the trace buffer is a contiguous int64 CUDA tensor of 1 + 8 * records words");
+  return woq::set_trace_buffer(reinterpret_cast<unsigned long long*>(buffer->data_ptr<int64_t>()),
+                               (buffer->numel() - 1) / woq::kTraceWordsPerRecord);
+}
+
 // Process-wide: a cap on the shared memory the launchers plan rings with (0: none), so
 // that a test on a large GPU runs the shallower rings of a smaller one (woq_kernels.h).
 void set_shared_memory_limit(int64_t bytes) {
@@ -205,6 +216,7 @@ TORCH_LIBRARY(woq, m) {
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
+  m.def("set_trace_buffer(Tensor? buffer) -> bool", &set_trace_buffer);
 }
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {

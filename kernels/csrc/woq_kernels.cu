@@ -241,6 +241,18 @@ void set_programmatic_launch(bool enabled) { programmatic_launch_enabled = enabl
 bool programmatic_launch() { return programmatic_launch_enabled; }
 
 namespace {
+TraceTarget trace_target_{nullptr, 0};
+}  // namespace
+
+bool set_trace_buffer(unsigned long long* data, long long capacity) {
+  if (!WOQ_TRACE) return false;
+  trace_target_ = {data, data == nullptr ? 0 : capacity};
+  return true;
+}
+
+TraceTarget trace_target() { return trace_target_; }
+
+namespace {
 std::atomic<int> shared_memory_limit{0};
 std::atomic<int> shared_memory_generation_{0};
 }  // namespace

@@ -106,6 +106,12 @@ int shared_memory_generation();
 void set_programmatic_launch(bool enabled);
 bool programmatic_launch();
 
+// Where the GEMV blocks of a WOQ_TRACE build write their timeline (trace.cuh): `data`
+// holds a record count, then `capacity` records; null stops tracing. False (and nothing
+// set) in a build without WOQ_TRACE.
+constexpr int kTraceWordsPerRecord = 8;
+bool set_trace_buffer(unsigned long long* data, long long capacity);
+
 // Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
 // M, alignment, bf16 below sm_80), else the launch status.
 cudaError_t launch_gemv(const GemvArgs& args, cudaStream_t stream);
