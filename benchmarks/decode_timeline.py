@@ -35,26 +35,21 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa: E402
-from engine import CONTEXT, PROMPT, configs, random_state  # noqa: E402
-from profile_decode import ABLATIONS, step_inputs  # noqa: E402
+from engine import CONTEXT, configs, random_state  # noqa: E402
+from profile_decode import ABLATIONS, LINEAR_KINDS, decoder_linears, linear_chain, step_inputs  # noqa: E402
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from woq.kernels import ops  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
 
-KINDS = ("qkv", "o", "gate_up", "down")
 RECORDS = 1 << 17
 FIELDS = ("weight", "block", "sm", "grid", "start", "waited", "end")
 
 
 def linears_of(model) -> dict[int, tuple[str, int, int]]:
     """{packed weight address: (kind, layer, bytes)} of the decoder's GEMV weights."""
-    out = {}
-    for i, layer in enumerate(model.layers):
-        for kind, linear in zip(KINDS, (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)):
-            out[linear.gpu.qweight.data_ptr()] = (kind, i, linear.gpu.nbytes())
-    return out
+    return {lin.gpu.qweight.data_ptr(): (kind, i, lin.gpu.nbytes()) for kind, i, lin in decoder_linears(model)}
 
 
 def traced(capture, replays: int) -> list[list[dict]]:
@@ -103,7 +98,7 @@ def launches(records: list[dict], weights: dict[int, tuple[str, int, int]]) -> l
 
 def boundaries(launch_list: list[dict], bw: float) -> dict[str, dict]:
     """Per kind, medians over the layers of each launch set against the GEMV before it."""
-    rows: dict[str, list[dict]] = {k: [] for k in KINDS}
+    rows: dict[str, list[dict]] = {k: [] for k in LINEAR_KINDS}
     for prev, cur in zip(launch_list, launch_list[1:]):
         rows[cur["kind"]].append({
             "span_us": (cur["last_end"] - prev["last_end"]) / 1e3,
@@ -135,10 +130,7 @@ def measure(variants: list[str], bw: float, replays: int) -> list[dict]:
         return lambda: graphs.run(ids, pos, slots)
 
     def chain_graph():
-        linears = [lin for layer in model.layers
-                   for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
-        inputs = {k: torch.randn(1, k, device="cuda", dtype=model.dtype) for k in {lin.in_features for lin in linears}}
-        run = lambda: [lin(inputs[lin.in_features]) for lin in linears]  # noqa: E731
+        run = linear_chain(model, [lin for _, _, lin in decoder_linears(model)])
         run()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

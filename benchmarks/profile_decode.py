@@ -21,6 +21,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -127,6 +128,22 @@ def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
     return statistics.median(times)
 
 
+LINEAR_KINDS = ("qkv", "o", "gate_up", "down")
+
+
+def decoder_linears(model) -> list[tuple[str, int, torch.nn.Module]]:
+    """(kind, layer index, linear) of every decoder layer's projections, in step order."""
+    return [(kind, i, linear) for i, layer in enumerate(model.layers)
+            for kind, linear in zip(LINEAR_KINDS, (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down))]
+
+
+def linear_chain(model, linears) -> Callable[[], list]:
+    """One call of each of ``linears`` in turn, on fixed random one-row inputs (none
+    depends on another: the chain of a step's linear layers without the rest)."""
+    inputs = {k: torch.randn(1, k, device=model.device, dtype=model.dtype) for k in {lin.in_features for lin in linears}}
+    return lambda: [lin(inputs[lin.in_features]) for lin in linears]
+
+
 @torch.inference_mode()
 def linears_alone_us(model) -> dict[str, float]:
     """The batch-1 step's linear layers without the rest of the decoder: every layer's
@@ -134,18 +151,13 @@ def linears_alone_us(model) -> dict[str, float]:
     replayed as one graph (each kind alone too). Against the whole graph step, what the
     norms, attention, SiLU and their dependencies add; against the weight bytes, what the
     GEMVs lose to the roofline."""
-    kinds = {"qkv": [], "o": [], "gate_up": [], "down": []}
-    for layer in model.layers:
-        for kind, linear in zip(kinds, (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)):
-            kinds[kind].append(linear)
-    in_order = [linear for four in zip(*kinds.values()) for linear in four] + [model.lm_head]
-    inputs = {k: torch.randn(1, k, device=model.device, dtype=model.dtype) for k in {linear.in_features for linear in in_order}}
+    in_order = [linear for _, _, linear in decoder_linears(model)]
 
     def replay_us(linears) -> float:  # one graph of the chain, replayed
-        return graph_time_us([lambda: [linear(inputs[linear.in_features]) for linear in linears]], calls=1, reps=200)
+        return graph_time_us([linear_chain(model, linears)], calls=1, reps=200)
 
-    out = {"all": replay_us(in_order), "lm_head": replay_us([model.lm_head])}
-    out.update({kind: replay_us(linears) for kind, linears in kinds.items()})
+    out = {"all": replay_us(in_order + [model.lm_head]), "lm_head": replay_us([model.lm_head])}
+    out.update({kind: replay_us([lin for k, _, lin in decoder_linears(model) if k == kind]) for kind in LINEAR_KINDS})
     return out
 
 

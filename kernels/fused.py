@@ -49,8 +49,7 @@ def programmatic_prologue(PDL: tl.constexpr):
 # at its start, once its own inputs are in, or at its end. The next GEMV's blocks put their
 # first weight chunks in flight as soon as they start, and reads this kernel issues just
 # after are served behind them (docs/bench/decode_timeline.md, launch_order_ab.md).
-LAUNCH_AT_START, LAUNCH_AFTER_INPUTS, LAUNCH_AT_END = 0, 1, 2
-LAUNCH_NEXT = {"start": LAUNCH_AT_START, "inputs": LAUNCH_AFTER_INPUTS, "end": LAUNCH_AT_END}
+LAUNCH_NEXT = {"start": 0, "inputs": 1, "end": 2}
 
 
 @triton.jit
