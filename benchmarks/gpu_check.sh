@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline ablation prefill overhead pdlab serving bench msweep
+#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline chaincost ablation prefill overhead pdlab serving bench msweep
 #           dequant grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,7 @@ for stage in "$@"; do
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
     timeline) run timeline $PY benchmarks/decode_timeline.py --out "$OUT" --variants "${TIMELINE_VARIANTS:-full step}" ;;  # its own build (block trace)
+    chaincost) run chaincost $PY benchmarks/gemv_chain_cost.py --out "$OUT" ;;
     ablation) run ablation $PY benchmarks/profile_decode.py --ablation --models "${ABLATION_MODELS:-llama3-8b}" --out "$OUT" ${ABLATION_ARGS:-} ;;
     prefill) run prefill $PY benchmarks/prefill_host.py --out "$OUT" ${PREFILL_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ${OVERHEAD_ARGS:-} ;;

@@ -306,6 +306,41 @@ def _norms_launching(model, input_norm: str | None = None, post_norm: str | None
             layer.input_norm.launch_next, layer.post_norm.launch_next = i, p
 
 
+@contextlib.contextmanager
+def _gemv_grids(model, grids: dict[str, tuple[int, int]], m: int = 1):
+    """Every layer's GEMVs of the kinds in ``grids`` launched at ``m`` rows with the register
+    stream at (k-warps, blocks; 0: the kernel's own count) instead of their tuned launch."""
+    weights = [(lin.gpu, grids[kind]) for kind, _, lin in decoder_linears(model) if kind in grids]
+    saved = [gw.grids.get(m) for gw, _ in weights]
+    for gw, (k_warps, blocks) in weights:
+        gw.grids[m] = (k_warps, blocks, 1)
+    try:
+        yield
+    finally:
+        for (gw, _), g in zip(weights, saved):
+            gw.grids[m] = g
+
+
+@contextlib.contextmanager
+def _with(*variants):
+    """Several variants at once."""
+    with contextlib.ExitStack() as stack:
+        for v in variants:
+            stack.enter_context(v)
+        yield
+
+
+# Other GEMV grids in the step than the tuner's (measured alone, after an add + RMSNorm:
+# kernels/tuning.py), as (label, kind, k-warps, blocks); H100 results in
+# docs/bench/decode_step_tried.md.
+GRID_VARIANTS = [("o 4 k-warps, 128 blocks", "o", 4, 0), ("o 2 k-warps, 128 blocks", "o", 2, 128),
+                 ("o 1 k-warp, 128 blocks", "o", 1, 128), ("o 2 k-warps, 256 blocks", "o", 2, 256),
+                 ("qkv 2 k-warps, 96 blocks", "qkv", 2, 96), ("qkv 8 k-warps, 384 blocks", "qkv", 8, 0),
+                 ("gate/up 1 k-warp, 448 blocks", "gate_up", 1, 448), ("gate/up 4 k-warps, 896 blocks", "gate_up", 4, 0),
+                 ("gate/up 8 k-warps, 1792 blocks", "gate_up", 8, 0), ("down 1 k-warp, 256 blocks", "down", 1, 256),
+                 ("down 2 k-warps, 128 blocks", "down", 2, 128), ("down 4 k-warps, 256 blocks", "down", 4, 0),
+                 ("down 8 k-warps, 256 blocks (no split-K)", "down", 8, 0)]
+
 ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
              "no add + RMSNorm": lambda model: _without("norm"),
              "SiLU * up as its own kernel": lambda model: _swiglu_kernel(),
@@ -323,7 +358,20 @@ ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
                  lambda model: _norms_launching(model, post_norm="end"),
              "launch: input norm lets qkv launch after its inputs": lambda model: _norms_launching(model, input_norm="inputs"),
              "launch: attention lets o launch after its q": lambda model: _attention_with(launch_next="inputs"),
-             "launch: attention lets o launch at its end": lambda model: _attention_with(launch_next="end")}
+             "launch: attention lets o launch at its end": lambda model: _attention_with(launch_next="end"),
+             # attention's programs small enough to share an SM with a GEMV block (Triton's maxnreg)
+             "regs: attention 8 warps, <= 128 registers": lambda model: _attention_with(max_registers=128),
+             "regs: attention 4 warps, <= 128 registers": lambda model: _attention_with(warps=4, max_registers=128),
+             "regs: attention 4 warps, <= 128 registers, tiles of 64":
+                 lambda model: _attention_with(warps=4, max_registers=128, block=64, stages=1),
+             "regs: attention 4 warps, <= 64 registers, tiles of 64":
+                 lambda model: _attention_with(warps=4, max_registers=64, block=64, stages=1),
+             "regs: attention 8 warps, <= 128 registers + o 4 k-warps, 128 blocks":
+                 lambda model: _with(_attention_with(max_registers=128), _gemv_grids(model, {"o": (4, 0)})),
+             "grid: o 4 k-warps, 128 blocks + down 8 k-warps, 256 blocks":
+                 lambda model: _gemv_grids(model, {"o": (4, 0), "down": (8, 0)}),
+             **{f"grid: {label}": (lambda model, kind=kind, grid=(kw, blocks): _gemv_grids(model, {kind: grid}))
+                for label, kind, kw, blocks in GRID_VARIANTS}}
 TAKEN_OUT = ("no ", "GEMVs")  # the variants that replace kernels by views of one row: batch 1 only
 
 

@@ -47,7 +47,10 @@ block to o's first returned wait). Letting o launch at attention's end was 37-17
 faster on its own, but o then starts cold, and next to the post-attention norm's later
 launch (models/llama.py) it was slower; after the q loads, 47-83 µs slower at position
 1024; 4 warps (255 registers: fits beside one qkv block) slower, 16 no better
-(docs/bench/launch_order_ab.md).
+(docs/bench/launch_order_ab.md). Nor did fitting beside a GEMV block help: held to 128
+registers (Triton's maxnreg; 8 warps spill 2 bytes, 4 warps 130) or to 4 warps of 128 on
+tiles of 64 (no spills), the step was 10-799 µs slower at positions 128 and 1024 over
+two runs (docs/bench/decode_step_tried.md).
 """
 from __future__ import annotations
 
@@ -225,7 +228,7 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
             lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None, block: int | None,
             stages: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-            launch_next: str = "start") -> torch.Tensor:
+            launch_next: str = "start", warps: int | None = None, max_registers: int | None = None) -> torch.Tensor:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
@@ -245,8 +248,8 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), 1.0 / math.sqrt(D),
         HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, SPLITS=splits,
-        ROPE=rope is not None, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=min(16, max(4, block * D // 2048)), num_stages=stages,
-        **pdl.triton_kwargs(q_src.device),
+        ROPE=rope is not None, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=warps or min(16, max(4, block * D // 2048)),
+        num_stages=stages, **({"maxnreg": max_registers} if max_registers else {}), **pdl.triton_kwargs(q_src.device),
     )
     return out
 
@@ -270,12 +273,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          heads: int, head_dim: int, splits: int | None = None, block: int | None = None,
-                         stages: int | None = None, launch_next: str = "start") -> torch.Tensor:
+                         stages: int | None = None, launch_next: str = "start", warps: int | None = None,
+                         max_registers: int | None = None) -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
     ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
     ``slots[b]``, then ``decode_attention`` of q over ``lengths[b]`` (> ``positions[b]``)
-    positions; ``[B, H, D]``."""
+    positions; ``[B, H, D]``. ``warps`` and ``max_registers`` (Triton's ``num_warps`` and
+    ``maxnreg``) override the launch's own choice, for benchmarks/profile_decode.py."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
     return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits, block,
-                   stages, (positions, cos, sin), launch_next)
+                   stages, (positions, cos, sin), launch_next, warps, max_registers)

@@ -79,14 +79,23 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
                                    block=block, stages=stages)
         for ours, ref in ((k, ref_k), (v, ref_v)):
             assert ((ours == ref) | (ours.isnan() & ref.isnan())).all(), step
-        for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-            ref = _attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n])
-            err = ((out[b].double() - ref).norm() / ref.norm()).item()
-            assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, b, err)
+        refs = [_attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n])
+                for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist()))]
+
+        def check_attends(got, label):
+            for b, ref in enumerate(refs):
+                err = ((got[b].double() - ref).norm() / ref.norm()).item()
+                assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, label, b, err)
+
+        check_attends(out, "default")
         for launch_next in ("inputs", "end"):  # (the same cache writes again: k and v stay as checked)
             again = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim,
                                          splits=splits, block=block, stages=stages, launch_next=launch_next)
             assert torch.equal(again, out), (step, launch_next)
+        if splits is None and block is None:  # the ablation's launches (benchmarks/profile_decode.py): 4 warps,
+            for options in ({"warps": 4}, {"max_registers": 128}):  # registers capped (spilling)
+                check_attends(rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads,
+                                                   dim, **options), str(options))
 
 
 @pytest.fixture(scope="module")
