@@ -310,15 +310,20 @@ def _norms_launching(model, input_norm: str | None = None, post_norm: str | None
 def _gemv_grids(model, grids: dict[str, tuple[int, int]], m: int = 1):
     """Every layer's GEMVs of the kinds in ``grids`` launched at ``m`` rows with the register
     stream at (k-warps, blocks; 0: the kernel's own count) instead of their tuned launch."""
+    from woq.kernels import ops
+
     weights = [(lin.gpu, grids[kind]) for kind, _, lin in decoder_linears(model) if kind in grids]
     saved = [gw.grids.get(m) for gw, _ in weights]
     for gw, (k_warps, blocks) in weights:
-        gw.grids[m] = (k_warps, blocks, 1)
+        gw.grids[m] = (k_warps, blocks, ops.GEMV_STREAM)
     try:
         yield
     finally:
         for (gw, _), g in zip(weights, saved):
-            gw.grids[m] = g
+            if g is None:  # (no tuned launch at m: the kernel's own choice again)
+                gw.grids.pop(m, None)
+            else:
+                gw.grids[m] = g
 
 
 @contextlib.contextmanager
