@@ -251,10 +251,24 @@ def _without(part: str):
     for p in parts:
         setattr(*originals[p], stand_ins[p])
     try:
-        yield
+        with _attention_in_o(False) if "attention" in parts else contextlib.nullcontext():
+            yield
     finally:
         for p in parts:
             setattr(*originals[p], saved[p])
+
+
+@contextlib.contextmanager
+def _attention_in_o(enabled: bool):
+    """The decode attention done by the o GEMV's grid (kernels/csrc/attention.cuh), or as its
+    own kernel before it (decode_attention.py): models/llama.py, ``Attention.attention_in_o``."""
+    from woq.models.llama import Attention
+
+    saved, Attention.attention_in_o = Attention.attention_in_o, enabled
+    try:
+        yield
+    finally:
+        Attention.attention_in_o = saved
 
 
 @contextlib.contextmanager
@@ -266,7 +280,8 @@ def _attention_with(**options):
     original = decode_attention.rope_cache_attention
     decode_attention.rope_cache_attention = lambda *a, **kw: original(*a, **{**kw, **options})
     try:
-        yield
+        with _attention_in_o(False):
+            yield
     finally:
         decode_attention.rope_cache_attention = original
 
@@ -350,6 +365,7 @@ ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
              "no add + RMSNorm": lambda model: _without("norm"),
              "SiLU * up as its own kernel": lambda model: _swiglu_kernel(),
              "no attention": lambda model: _without("attention"),
+             "attention done by o's GEMV grid": lambda model: _attention_in_o(True),
              "GEMVs, embedding, LM head only": lambda model: _without("norm+attention"),  # (SiLU: in the gate/up GEMV)
              "attention, tiles of 128 tokens, 1 stage": lambda model: _attention_with(block=128, stages=1),
              "attention, tiles of 64 tokens, 3 stages": lambda model: _attention_with(block=64, stages=3),

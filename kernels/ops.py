@@ -147,6 +147,12 @@ def _register_fakes() -> None:
                    workspace, counters):
         return x.new_empty(x.shape[0], n // 2 if swiglu else n)
 
+    @torch.library.register_fake("woq::attention_gemv")
+    def _attention_gemv_fake(qkv, positions, slots, lengths, cos, sin, k_cache, v_cache, heads, head_dim, part, lse,
+                             merge_counters, flags, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks,
+                             k_warps, workspace, counters):
+        return qkv.new_empty(qkv.shape[0], n)
+
     @torch.library.register_fake("woq::gemm")
     def _gemm_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, config, splits, workspace, counters):
         return x.new_empty(x.shape[0], n)
@@ -177,6 +183,8 @@ class _Scratch:
         floats = max(4 * sms * 2 * GEMV_WIDE_MAX_M * GEMV_WARPS * 16, 2 * sms * GEMM_TILE_FLOATS)
         self.workspace = torch.empty(floats, dtype=torch.float32, device=device)
         self.counters = torch.zeros(2 * sms, dtype=torch.int32, device=device)
+        # attention_gemv: its 2 flags, then one merge counter per (sequence, KV head)
+        self.attention_counters = torch.zeros(2 + ATTENTION_MAX_PAIRS, dtype=torch.int32, device=device)
         self.dense: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, gw: GpuWeight) -> None:
@@ -317,6 +325,55 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_b
     s = scratch(x.device)
     return torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
                               blocks, k_warps, pipeline, swiglu, s.workspace, s.counters)
+
+
+# The GEMV that does a decode step's attention first (csrc/attention.cuh): its shares per
+# (sequence, KV head) -- at most; the launcher fits them to the grid --, the (sequence, KV
+# head) pairs its counters cover, and the weight formats it is built for.
+ATTENTION_MAX_SPLITS = 16
+ATTENTION_MAX_PAIRS = 4096
+ATTENTION_MAX_GROUP = 8  # query heads per KV head
+ATTENTION_MAX_GROUP_DIMS = 2048  # query heads per KV head x head_dim
+
+
+def attention_gemv_supported(gw: GpuWeight, batch: int, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether ``attention_gemv`` takes this o projection at this batch: the register-stream
+    GEMV's rows, a per-channel or g128 weight, a head shape its roles take."""
+    group = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 0
+    return (1 <= batch <= STREAM_MAX_M and batch * kv_heads <= ATTENTION_MAX_PAIRS and (gw.per_channel or gw.group_size == 128)
+            and 1 <= group <= ATTENTION_MAX_GROUP and head_dim % 16 == 0 and group * head_dim <= ATTENTION_MAX_GROUP_DIMS
+            and heads * head_dim == gw.K and not gw.swiglu_rows)
+
+
+def attention_gemv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                   head_dim: int, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int | None = None,
+                   k_warps: int | None = None) -> torch.Tensor:
+    """A decode step's attention and the o projection ``gw`` of its output in one GEMV launch
+    (csrc/attention.cuh): ``qkv`` ``[B, (heads + 2 kv_heads) head_dim]``, q and k rotated at
+    ``positions`` ``[B]`` (``cos``/``sin``: fp32 ``[max_len, head_dim]``), k and v stored at
+    that position of slot ``slots[b]`` of ``k_cache``/``v_cache`` ``[S, kv_heads, T, head_dim]``,
+    attention over ``lengths[b]`` positions; ``[B, N]``. The measured register-stream launch
+    of ``gw`` at B rows where there is one, else the kernel's own grid; ``max_blocks`` and
+    ``k_warps`` override it (as ``gemv``'s; tests)."""
+    B = qkv.shape[0]
+    if not attention_gemv_supported(gw, B, heads, k_cache.shape[1], head_dim):
+        raise ValueError("attention_gemv takes per-channel or g128 o projections at 1 to "
+                         f"{STREAM_MAX_M} rows and at most {ATTENTION_MAX_GROUP} query heads per KV head")
+    if qkv.dtype != gw.dtype:
+        raise TypeError(f"activations are {qkv.dtype}, the weight was packed for {gw.dtype}")
+    tuned_k_warps, tuned_blocks, pipeline = gemv_tuned_grid(gw, B)
+    if pipeline != GEMV_STREAM:
+        tuned_k_warps = tuned_blocks = 0
+    blocks = tuned_blocks if max_blocks is None else max_blocks
+    k_warps = tuned_k_warps if k_warps is None else k_warps
+    s = scratch(qkv.device)
+    part = torch.empty(B, ATTENTION_MAX_SPLITS, heads, head_dim, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(B, ATTENTION_MAX_SPLITS, heads, dtype=torch.float32, device=qkv.device)
+    flags, merge = s.attention_counters[:2], s.attention_counters[2:]
+    return torch.ops.woq.attention_gemv(qkv, positions, slots, lengths, cos, sin, k_cache, v_cache, heads, head_dim,
+                                        part, lse, merge, flags, gw.qweight, gw.scales, gw.zeros, bias, gw.bits,
+                                        gw.group_size, gw.N, gw.K, blocks, k_warps, s.workspace, s.counters)
 
 
 def gemm_launch(m: int, gw: GpuWeight) -> tuple[int, int]:

@@ -5,7 +5,10 @@ CPU_REFERENCE = "cpu_reference"  # quantized, off CUDA (or no compiled kernels):
 GEMV = "gemv"  # CUDA, M <= 16 (8 to 32 as measured per shape): weight-only GEMV kernel
 MIXED_GEMM = "mixed_gemm"  # CUDA, mid M: tensor-core GEMM with fused dequantization
 DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buffer + cuBLAS
-PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS)
+# CUDA decode step, o projection: the register-stream GEMV whose grid computes the step's
+# attention first (kernels/csrc/attention.cuh); its time includes the attention's
+ATTENTION_GEMV = "attention_gemv"
+PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS, ATTENTION_GEMV)
 
 GEMV_MAX_M = 16  # rows the GEMV path takes, any weight (row blocks MB = 1, 2), unless the
 # tuner gives 9..16 to the mixed GEMM (GpuWeight.gemv_max_m = 8; tuning._gemv_reach).

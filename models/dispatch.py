@@ -13,6 +13,8 @@ path               when
 ``mixed_gemm``     CUDA, from there to the measured crossover: the tensor-core GEMM
                    with fused dequantization
 ``dequant_cublas`` CUDA, larger M (prefill): dequantize to a scratch buffer + cuBLAS
+``attention_gemv`` CUDA decode step, the o projection: the GEMV whose grid does the
+                   step's attention first (``attention_linear``; the model asks)
 =================  ===========================================================
 
 The decision is observable: an observer (the service's Prometheus metrics) receives a
@@ -26,11 +28,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from ..kernels.paths import CPU_REFERENCE, DENSE, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS  # noqa: F401
+from ..kernels.paths import (  # noqa: F401
+    ATTENTION_GEMV, CPU_REFERENCE, DENSE, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS,
+)
 
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -108,21 +112,21 @@ class _Timing:
             end.synchronize()
             self.observer.record(call, start.elapsed_time(end) / 1e3)
 
-    def run(self, call: KernelCall, layer: Dispatchable, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    def run(self, call: KernelCall, compute: Callable[[], torch.Tensor], on_cuda: bool) -> torch.Tensor:
         self.count += 1
         if self.count % self.sample_every:
             self.observer.record(call, None)
-            return layer.run(call.path, x, swiglu)
-        if x.is_cuda:
+            return compute()
+        if on_cuda:
             self.drain()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            y = layer.run(call.path, x, swiglu)
+            y = compute()
             end.record()
             self.pending.append((call, start, end))
             return y
         t0 = time.perf_counter()
-        y = layer.run(call.path, x, swiglu)
+        y = compute()
         self.observer.record(call, time.perf_counter() - t0)
         return y
 
@@ -150,4 +154,14 @@ def linear(x: torch.Tensor, layer: Dispatchable, swiglu: bool = False) -> torch.
     if timing is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return layer.run(path, x, swiglu)
     call = KernelCall(path, layer.layer_kind, layer.bits, x.shape[0], layer.out_features, layer.in_features)
-    return timing.run(call, layer, x, swiglu)
+    return timing.run(call, lambda: layer.run(path, x, swiglu), x.is_cuda)
+
+
+def attention_linear(layer: Dispatchable, m: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The o projection ``layer`` of ``m`` rows computed by ``compute()`` together with the
+    decode step's attention (path ``attention_gemv``), observed like ``linear``'s calls."""
+    timing = _timing
+    if timing is None or torch.cuda.is_current_stream_capturing():
+        return compute()
+    call = KernelCall(ATTENTION_GEMV, layer.layer_kind, layer.bits, m, layer.out_features, layer.in_features)
+    return timing.run(call, compute, True)

@@ -168,6 +168,13 @@ class Batch:
 
 
 class Attention(nn.Module):
+    # True: a CUDA decode step's attention is done by the o projection's GEMV grid where that
+    # layer can (WeightOnlyLinear.attends, kernels/csrc/attention.cuh): one kernel and one
+    # wait fewer between qkv and o. Off: so far it is slower than the attention kernel apart
+    # (H100, Llama-3-8B int4 batch-1 graph step: +156 us at position 128, +289 at 1024;
+    # docs/bench/attention_in_o.md), its roles' attention being slower than the Triton kernel's.
+    attention_in_o = False
+
     def __init__(self, cfg: ArchConfig, qkv: nn.Module, o: nn.Module, layer_idx: int):
         super().__init__()
         self.qkv, self.o = qkv, o
@@ -185,10 +192,15 @@ class Attention(nn.Module):
             return self.o(self._padded_prompt(qkv.view(T, -1), rope, batch, cache, fused)[None])
         if fused is not None and cache is not None and batch.lengths is not None and T == 1:
             # CUDA decode step: RoPE, the cache write and live-token attention in one kernel
+            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            if self.attention_in_o and getattr(self.o, "attends", None) and self.o.attends(B, H, Hkv, D):
+                y = self.o.attend_and_project(qkv.view(B, -1), batch.positions.view(B), batch.slots, batch.lengths,
+                                              rope.cos, rope.sin, k_cache, v_cache, H, D)
+                return y.view(B, T, -1)
             from ..kernels.decode_attention import rope_cache_attention
 
             out = rope_cache_attention(qkv.view(B, -1), batch.positions.view(B), batch.slots, batch.lengths, rope.cos,
-                                       rope.sin, cache.k[self.layer_idx], cache.v[self.layer_idx], H, D)
+                                       rope.sin, k_cache, v_cache, H, D)
             return self.o(out.view(B, T, H * D))
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = rope(q.view(B, T, H, D).transpose(1, 2), batch.positions)

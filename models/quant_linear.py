@@ -156,6 +156,29 @@ class WeightOnlyLinear(nn.Module):
 
         return ops.run_path(path, x, self.gpu, self.gpu_bias, swiglu)
 
+    def attends(self, batch: int, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether, as a decode step's o projection, this layer's GEMV can do the step's
+        attention too (``attend_and_project``) at this batch."""
+        if self.gpu is None or self.in_perm is not None:
+            return False
+        from ..kernels import ops
+
+        return ops.attention_gemv_supported(self.gpu, batch, heads, kv_heads, head_dim)
+
+    def attend_and_project(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                           lengths: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """The decode step's attention from ``qkv`` ``[B, (H + 2 Hkv) D]`` (RoPE, the cache
+        write, live tokens only) and this o projection of it, in one kernel: ``[B, N]``
+        (``kernels.ops.attention_gemv``; where ``attends``)."""
+        from ..kernels import ops
+
+        def compute() -> torch.Tensor:
+            return ops.attention_gemv(qkv, positions, slots, lengths, cos, sin, k_cache, v_cache, heads, head_dim,
+                                      self.gpu, self.gpu_bias)
+
+        return dispatch.attention_linear(self, qkv.shape[0], compute)
+
     def gate_and_up(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A SwiGLU layer's output split into its gate and up projections (a CUDA output of
         the GPU kernels comes in their interleaved row order)."""

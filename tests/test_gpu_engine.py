@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from gpu_poison import poison_next_alloc
 
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
@@ -40,6 +41,19 @@ def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype,
         assert err < (3e-3 if dtype == torch.float16 else 2e-2), (b, err)
 
 
+def _decode_step_case(g, S, T, heads, kv_heads, dim, dtype, slots, lengths):
+    """Random caches ``[S, kv_heads, T, dim]`` poisoned (NaN) from each slot's new position on,
+    the step's lengths and positions, and a qkv row per sequence."""
+    k = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.tensor(lengths, device="cuda")
+    for s, n in zip(slots.tolist(), lengths.tolist()):
+        k[s, :, n - 1:] = float("nan")
+        v[s, :, n - 1:] = float("nan")
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
+    return k, v, lengths, lengths - 1, qkv
+
+
 def _attention_fp64(q, k, v):
     """One token's attention in fp64: q ``[H, D]`` over k, v ``[Hkv, n, D]`` (GQA)."""
     group = q.shape[0] // k.shape[0]
@@ -65,14 +79,7 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
     rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
     slots = torch.tensor([5, 0, 3, 6], device="cuda")
     for step, lengths in enumerate(([1, 64, 333, 700], [2, 129, 334, 64])):
-        k = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
-        v = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
-        lengths = torch.tensor(lengths, device="cuda")
-        positions = lengths - 1
-        for s, n in zip(slots.tolist(), lengths.tolist()):  # poison: the new position and past it
-            k[s, :, n - 1:] = float("nan")
-            v[s, :, n - 1:] = float("nan")
-        qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
+        k, v, lengths, positions, qkv = _decode_step_case(g, S, T, heads, kv_heads, dim, dtype, slots, lengths)
         ref_k, ref_v = k.clone(), v.clone()
         q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ref_k, ref_v, heads, kv_heads, dim)
         out = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim, splits=splits,
@@ -96,6 +103,58 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
             for options in ({"warps": 4}, {"max_registers": 128}):  # registers capped (spilling)
                 check_attends(rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads,
                                                    dim, **options), str(options))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (8, None, True), (4, None, False), (8, 128, True)])
+def test_attention_in_the_o_projection_matches_fp64(heads, kv_heads, dim, dtype, bits, group, sym):
+    """The o projection's GEMV doing the decode attention first (kernels/csrc/attention.cuh):
+    the cache written exactly as torch's RoPE (the model's Rotary) and indexing write it, nothing else touched, and
+    o(attention) like fp64's over that cache, at every GEMV split of K (1 to 8 k-warps), on
+    a grid of 32 blocks too (fewer shares), launch after launch (its counters re-arm)."""
+    from woq.kernels import ops, reference
+    from woq.kernels.format import QuantSpec, quantize
+    from woq.kernels.layout import pack_for_gpu
+    from woq.models.llama import Rotary
+
+    assert ops.available(), "the CUDA kernels failed to build"
+    g = torch.Generator(device="cuda").manual_seed(heads + dim + bits)
+    S, T, N = 7, 700, 1000  # (N: not a multiple of 64)
+    qw = quantize(torch.randn(N, heads * dim, device="cuda", generator=g) * 0.05,
+                  QuantSpec(bits, group, sym, scale_dtype=dtype))
+    gw = ops.prepare(pack_for_gpu(qw, dtype))
+    w64 = reference.dequantize(qw, torch.float64)
+    bias = torch.randn(N, device="cuda", generator=g).to(dtype)
+    rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
+    slots = torch.tensor([5, 0, 3, 6], device="cuda")
+    for step, lengths in enumerate(([1, 64, 333, 700], [2, 129, 334, 64])):
+        k, v, lengths, positions, qkv = _decode_step_case(g, S, T, heads, kv_heads, dim, dtype, slots, lengths)
+        # the reference: torch's RoPE (models/llama.py Rotary, the CPU path's), rows written by indexing
+        q_all, k_new, v_new = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q = rope(q_all.view(4, 1, heads, dim).transpose(1, 2), positions[:, None]).view(4, heads, dim)
+        k_new = rope(k_new.view(4, 1, kv_heads, dim).transpose(1, 2), positions[:, None]).view(4, kv_heads, dim)
+        ref_k, ref_v = k.clone(), v.clone()
+        ref_k[slots, :, positions] = k_new
+        ref_v[slots, :, positions] = v_new.view(4, kv_heads, dim)
+        attended = torch.stack([_attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n]).reshape(-1)
+                                for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist()))])
+        ref = attended @ w64.T + bias.double()
+        for rows in (4, 1):
+            first = None
+            for k_warps, blocks in ((None, None), (1, 0), (2, 0), (4, 0), (8, 0), (8, 32)):
+                poison_next_alloc(rows * N, dtype)
+                y = ops.attention_gemv(qkv[:rows], positions[:rows], slots[:rows], lengths[:rows], rope.cos, rope.sin,
+                                       k, v, heads, dim, gw, bias, max_blocks=blocks, k_warps=k_warps)
+                for ours, theirs in ((k, ref_k), (v, ref_v)):  # (rows 1: the first slot's row written again)
+                    assert ((ours == theirs) | (ours.isnan() & theirs.isnan())).all(), (step, rows, k_warps)
+                err = ((y.double() - ref[:rows]).norm() / ref[:rows].norm()).item()
+                assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, rows, k_warps, blocks, err)
+                if first is None:
+                    first = y
+                    again = ops.attention_gemv(qkv[:rows], positions[:rows], slots[:rows], lengths[:rows], rope.cos,
+                                               rope.sin, k, v, heads, dim, gw, bias, max_blocks=blocks, k_warps=k_warps)
+                    assert torch.equal(again, y), (step, rows)
 
 
 @pytest.fixture(scope="module")

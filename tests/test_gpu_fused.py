@@ -157,14 +157,21 @@ def test_rope_and_cache_writes_only_its_positions(dtype, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_model_decode_fused_equals_torch_ops(dtype):
+@pytest.mark.parametrize("attention_in_o", [False, True])
+def test_model_decode_fused_equals_torch_ops(dtype, attention_in_o, monkeypatch):
     """A whole model: a packed prefill of two prompts, then decode steps, through the fused
     kernels give the logits of the torch ops within rounding (both fed the same tokens: the
-    fused run's greedy ones, so that a near-tie cannot send the two runs apart)."""
+    fused run's greedy ones, so that a near-tie cannot send the two runs apart); with the
+    attention done by the o GEMV's grid too (``Attention.attention_in_o``)."""
     from conftest import random_llama
-    from woq.models.llama import Batch
+    from woq.models.llama import Attention, Batch
+
+    monkeypatch.setattr(Attention, "attention_in_o", attention_in_o)
 
     model = random_llama(dtype, "cuda", 64)
+    if attention_in_o:  # (the path taken: this model's o projections can do it at batch 2)
+        cfg = model.cfg
+        assert model.layers[0].attn.o.attends(2, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     prompt = torch.randint(0, 512, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     logits, fed = {}, [prompt[:, -1:]]
     for fused in (True, False):

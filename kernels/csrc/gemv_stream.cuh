@@ -28,6 +28,9 @@
 // Under a programmatic launch (launch.cuh) each warp's first two chunks and the
 // per-channel scales are in flight before griddepcontrol.wait (WOQ_STREAM_HOIST); at
 // 4096 x 4096 with 8 k-warps that is a warp's whole share.
+// As the o projection of a decode step, the grid can do the step's attention first
+// (GemvArgs::attention, attention.cuh): its first blocks compute it, and every block waits
+// for its output on a flag after the weights are in flight.
 //
 // M <= 8 (one 8-row B operand). The tuner (kernels/tuning.py) measures this pipeline
 // against the ring per shape and M and keeps the faster. H100, best launch of each, us
@@ -39,6 +42,7 @@
 
 #include <cstdint>
 
+#include "attention.cuh"
 #include "gemv.cuh"
 #include "trace.cuh"
 
@@ -79,6 +83,8 @@ struct GemvStreamParams : KernelOperands {  // workspace: [gridDim.x, M, 16 * TP
   int chunks;       // chunks per n-tile, the last one possibly partial
   int warp_chunks;  // chunks per warp share
   int splits;       // blocks per column (runs of K)
+  DecodeAttention attention;  // batch 0: none; else x is its output, blocks 0..roles-1 do it first
+  int attention_roles;        // batch * kv_heads * attention.splits
 };
 
 // Shared memory: M rows of the block's x range (+16 bytes per row: conflict-free
@@ -97,7 +103,9 @@ struct StreamSmem {
 
 // TPB: n-tiles per block (1, 2, 4, 8), i.e. 8, 4, 2, 1 k-warps per tile.
 // GROUP: group size in k, or 0 for per-channel scales.
-template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
+// ATTENTION: x is a decode attention's output, which the grid computes first (attention.cuh;
+// a separate instantiation: its code would cost the plain GEMV registers).
+template <typename T, int BITS, int TPB, int GROUP, bool ZEROS, bool ATTENTION = false>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const GemvStreamParams p) {
   using Smem = StreamSmem<T, BITS, TPB, GROUP>;
   constexpr int KW = Smem::kKW;
@@ -158,6 +166,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   };
 
   allow_dependent_launch();
+  // The attention's roles (attention.cuh) first. A role that works loads its o weights only
+  // afterwards, so it asks for them into L2 now (one request per 128-byte line).
+  if (ATTENTION && static_cast<int>(blockIdx.x) < p.attention_roles) {
+    if ((lane & 7) == 0) {
+      for (int seg = c_begin * CH; seg < min(c_end * CH, p.ktiles); ++seg)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w_lane + static_cast<size_t>(seg) * 32));
+    }
+    attend_share<T>(p.attention, blockIdx.x);
+  }
   // Before the wait: what does not depend on the previous kernel.
   const float bz = zero_point_bias(BITS);
   ZeroConsts<T, BITS> zc(bz, bz);  // symmetric: fixed; else per group or per channel
@@ -175,6 +192,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   if (c_begin < c_end) load(c_begin, buf[0]);
   if (WOQ_STREAM_HOIST && c_begin + 1 < c_end) load(c_begin + 1, buf[1]);
   wait_for_prior_grid();
+  if constexpr (ATTENTION) wait_for_attention(p.attention);
   trace.waited();
 
   // x: the block's K range of every row, columns past K zero (the padded weights there

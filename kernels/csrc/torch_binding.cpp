@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -71,10 +72,12 @@ void check_activations(const at::Tensor& x, const at::Tensor& scales, const std:
   if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
-                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
-                bool swiglu, at::Tensor& workspace, at::Tensor& counters) {
+// The GEMV, and (attention set) the decode attention whose output x is, done by its grid.
+at::Tensor run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
+                    int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
+                    bool swiglu, at::Tensor& workspace, at::Tensor& counters,
+                    const woq::DecodeAttention* attention = nullptr) {
   check_activations(x, scales, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
   check(!swiglu || n % 16 == 0, "the SwiGLU epilogue takes gate and up rows interleaved in eights: n a multiple of 16, got " + str(n));
   check(pipeline == 0 || pipeline == 1, "pipeline must be 0 (shared-memory ring) or 1 (register stream), got " + str(pipeline));
@@ -118,7 +121,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.workspace = workspace.data_ptr<float>();
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
+  a.attention = attention;
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
+  check(err != cudaErrorCooperativeLaunchTooLarge,
+        "gemv launch failed: a GEMV doing the attention needs a grid of one resident wave and at least one block "
+        "per (sequence, KV head)");
   check(!stream || err != cudaErrorInvalidConfiguration,
         "gemv launch failed: the register stream's x rows do not fit this GPU's shared memory at M=" + str(a.M));
   check(!stream || err != cudaErrorInvalidValue,
@@ -129,6 +136,89 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                          : "at M=" + str(a.M) + " fits this GPU's shared memory at any k-warp count (fewer rows would)"));
   check(err == cudaSuccess, std::string("gemv launch failed: ") + cudaGetErrorString(err));
   return y;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
+                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
+                bool swiglu, at::Tensor& workspace, at::Tensor& counters) {
+  return run_gemv(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, pipeline, swiglu,
+                  workspace, counters);
+}
+
+// A decode step's attention and the o projection of its output in one register-stream GEMV
+// launch (attention.cuh): q, k, v from `qkv` [B, (heads + 2 kv_heads) head_dim], RoPE at
+// `positions`, k and v cached at that position of slot `slots[b]`, attention over
+// `lengths[b]` positions; `part` [B, splits, heads, head_dim] and `lse` [B, splits, heads]
+// (float32) hold the shares' partial results, `merge_counters` (>= B * kv_heads) and
+// `flags` (2) are int32 zeros the kernel leaves zero. Returns o's output [B, n].
+at::Tensor attention_gemv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slots,
+                          const at::Tensor& lengths, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads, int64_t head_dim, at::Tensor& part,
+                          at::Tensor& lse, at::Tensor& merge_counters, at::Tensor& flags, const at::Tensor& qweight,
+                          const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                          const std::optional<at::Tensor>& bias, int64_t bits, int64_t group_size, int64_t n, int64_t k,
+                          int64_t max_blocks, int64_t k_warps, at::Tensor& workspace, at::Tensor& counters) {
+  check(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a 2-D CUDA tensor with contiguous rows");
+  const int64_t B = qkv.size(0);
+  check(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+            k_cache.stride(3) == 1 && k_cache.scalar_type() == qkv.scalar_type() &&
+            v_cache.scalar_type() == qkv.scalar_type() && k_cache.device() == qkv.device(),
+        "k_cache and v_cache must be [slots, kv_heads, positions, head_dim] of qkv's dtype, alike, rows contiguous");
+  const int64_t kv_heads = k_cache.size(1);
+  check(heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= woq::kAttentionMaxGroup,
+        "heads must be a multiple of the cache's " + str(kv_heads) + " KV heads, at most " +
+            str(woq::kAttentionMaxGroup) + " per KV head");
+  check(head_dim == k_cache.size(3) && head_dim % 16 == 0 && heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
+        "head_dim must match the cache, be a multiple of 16, and query heads per KV head x head_dim at most " +
+            str(woq::kAttentionMaxGroupDims));
+  check(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv rows must be (heads + 2 kv_heads) * head_dim long");
+  check(heads * head_dim == k, "the o projection takes heads * head_dim = " + str(heads * head_dim) + " inputs, not " + str(k));
+  for (const at::Tensor* t : {&positions, &slots, &lengths})
+    check(t->is_cuda() && t->scalar_type() == at::kLong && t->numel() == B && t->is_contiguous(),
+          "positions, slots and lengths must be contiguous int64 CUDA tensors of one element per row of qkv");
+  check(cos.is_cuda() && cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == head_dim &&
+            cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.strides() == cos.strides() &&
+            sin.scalar_type() == at::kFloat,
+        "cos and sin must be float32 [positions, head_dim] tables, rows contiguous");
+  check(part.is_cuda() && part.scalar_type() == at::kFloat && part.is_contiguous() && part.dim() == 4 &&
+            part.size(0) == B && part.size(2) == heads && part.size(3) == head_dim,
+        "part must be a contiguous float32 [B, splits, heads, head_dim] CUDA tensor");
+  check(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+            lse.sizes() == at::IntArrayRef({B, part.size(1), heads}),
+        "lse must be a contiguous float32 [B, splits, heads] CUDA tensor");
+  check(merge_counters.is_cuda() && merge_counters.scalar_type() == at::kInt && merge_counters.numel() >= B * kv_heads,
+        "merge_counters must be an int32 CUDA tensor of at least B * kv_heads elements");
+  check(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.numel() >= 2, "flags must be 2 int32 CUDA zeros");
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  at::Tensor out = at::empty({B, heads * head_dim}, qkv.options());
+  woq::DecodeAttention a;
+  a.qkv = qkv.data_ptr();
+  a.qkv_stride = qkv.stride(0);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.cache_slot_stride = k_cache.stride(0);
+  a.cache_head_stride = k_cache.stride(1);
+  a.cache_pos_stride = k_cache.stride(2);
+  a.slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());  // (int64_t: long here)
+  a.lengths = reinterpret_cast<const long long*>(lengths.data_ptr<int64_t>());  // (int64_t: long here)
+  a.positions = reinterpret_cast<const long long*>(positions.data_ptr<int64_t>());  // (int64_t: long here)
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.rope_stride = cos.stride(0);
+  a.part = part.data_ptr<float>();
+  a.lse = lse.data_ptr<float>();
+  a.merge_counters = merge_counters.data_ptr<int>();
+  a.flags = flags.data_ptr<int>();
+  a.out = out.data_ptr();
+  a.batch = static_cast<int>(B);
+  a.heads = static_cast<int>(heads);
+  a.kv_heads = static_cast<int>(kv_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  a.splits = static_cast<int>(part.size(1));
+  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  return run_gemv(out, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, 1, false, workspace,
+                  counters, &a);
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -213,6 +303,12 @@ TORCH_LIBRARY(woq, m) {
   m.def(
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");
+  m.def(
+      "attention_gemv(Tensor qkv, Tensor positions, Tensor slots, Tensor lengths, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, int head_dim, Tensor(c!) part, Tensor(d!) lse, "
+      "Tensor(e!) merge_counters, Tensor(f!) flags, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
+      "int bits, int group_size, int n, int k, int max_blocks, int k_warps, Tensor(g!) workspace, "
+      "Tensor(h!) counters) -> Tensor");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
@@ -221,6 +317,7 @@ TORCH_LIBRARY(woq, m) {
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {
   m.impl("gemv", &gemv);
+  m.impl("attention_gemv", &attention_gemv);
   m.impl("gemm", &gemm);
   m.impl("dequantize", &dequantize);
 }

@@ -12,7 +12,7 @@ namespace woq {
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemv_stream_launch.cuh, instantiated in gemv_stream_{fp16,bf16}_int{4,8}.cu.
-template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
+template <typename T, int BITS, int TPB, int GROUP, bool ZEROS, bool ATTENTION>
 cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..9}.cu.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
@@ -95,16 +95,24 @@ cudaError_t gemv_by_m(const GemvArgs& a, cudaStream_t stream) {
 template <typename T, int BITS, int TPB>
 cudaError_t gemv_stream_by_group(const GemvArgs& a, cudaStream_t stream) {
   const bool z = a.weight.zeros != nullptr;
-  switch (a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size) {
-#define WOQ_CASE(G)                                                                 \
-  case G:                                                                           \
-    return z ? gemv_stream_launch<T, BITS, TPB, G, true>(a, stream)                 \
-             : gemv_stream_launch<T, BITS, TPB, G, false>(a, stream);
-    WOQ_CASE(0)
-    WOQ_CASE(32)
-    WOQ_CASE(64)
-    WOQ_CASE(128)
-    WOQ_CASE(256)
+  const int group = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
+#define WOQ_CASE(G, ATTENTION)                                                   \
+  case G:                                                                        \
+    return z ? gemv_stream_launch<T, BITS, TPB, G, true, ATTENTION>(a, stream)   \
+             : gemv_stream_launch<T, BITS, TPB, G, false, ATTENTION>(a, stream);
+  if (a.attention != nullptr) {  // (instantiated for per-channel and g128 weights: gemv_stream_launch.cuh)
+    switch (group) {
+      WOQ_CASE(0, true)
+      WOQ_CASE(128, true)
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (group) {
+    WOQ_CASE(0, false)
+    WOQ_CASE(32, false)
+    WOQ_CASE(64, false)
+    WOQ_CASE(128, false)
+    WOQ_CASE(256, false)
 #undef WOQ_CASE
     default: return cudaErrorInvalidValue;
   }
@@ -294,6 +302,14 @@ cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   if (a.epilogue == GemvEpilogue::kSwiGLU && a.weight.N % 16 != 0) return cudaErrorInvalidValue;  // whole n-tiles
+  if (a.attention != nullptr) {  // the register stream only; what attention.cuh's roles take
+    const DecodeAttention& at = *a.attention;
+    if (a.pipeline != GemvPipeline::kRegisterStream || a.epilogue != GemvEpilogue::kNone) return cudaErrorInvalidValue;
+    if (at.kv_heads < 1 || at.heads % at.kv_heads != 0 || at.heads / at.kv_heads > kAttentionMaxGroup ||
+        at.head_dim < 16 || at.head_dim % 16 != 0 || at.heads / at.kv_heads * at.head_dim > kAttentionMaxGroupDims ||
+        at.heads * at.head_dim != a.weight.K || at.out != a.x || at.splits < 1 || at.splits > kAttentionMaxSplits)
+      return cudaErrorInvalidValue;
+  }
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);
 }
 

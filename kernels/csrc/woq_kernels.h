@@ -38,6 +38,36 @@ constexpr int kGemvStreamMaxRows = 8;
 // accumulators and the activation needs no kernel of its own.
 enum class GemvEpilogue : int { kNone = 0, kSwiGLU = 1 };
 
+// A decode step's attention, done by the first blocks of the o projection's register-stream
+// GEMV (attention.cuh), whose x is then `out`. One query token per sequence.
+// What its roles take: up to 8 query heads per KV head (a warp each for the softmax), and
+// query heads x head_dim of a KV head up to 2048 (accumulators of 256 threads).
+constexpr int kAttentionMaxGroup = 8;
+constexpr int kAttentionMaxGroupDims = 2048;
+constexpr int kAttentionMaxSplits = 16;  // shares per (sequence, KV head)
+struct DecodeAttention {
+  const void* qkv;            // [batch, (heads + 2 kv_heads) head_dim] the qkv projection's rows
+  long long qkv_stride;       // elements between rows
+  void* k_cache;              // [slots, kv_heads, positions, head_dim], rows contiguous
+  void* v_cache;              // same strides as k_cache
+  long long cache_slot_stride, cache_head_stride, cache_pos_stride;  // elements
+  const long long* slots;     // [batch] each sequence's cache slot
+  const long long* lengths;   // [batch] live positions, the new one included
+  const long long* positions; // [batch] the new token's position (RoPE row, cache row)
+  const float* cos;           // [max positions, head_dim] RoPE tables
+  const float* sin;
+  long long rope_stride;
+  float* part;                // [batch, splits, heads, head_dim] partial outputs of the shares
+  float* lse;                 // [batch, splits, heads] their log-sum-exps
+  int* merge_counters;        // [batch * kv_heads], zero, re-armed
+  int* flags;                 // [2], zero, re-armed: heads written, blocks past the wait
+  void* out;                  // [batch, heads * head_dim]: the attention output, the GEMV's x
+  int batch, heads, kv_heads, head_dim;
+  int splits;                 // shares per (sequence, KV head): at most this (part's size); the
+                              // launcher takes the largest power of two the grid holds
+  float scale;                // softmax scale, 1 / sqrt(head_dim)
+};
+
 struct GemvArgs {
   PackedWeight weight;
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned
@@ -53,6 +83,10 @@ struct GemvArgs {
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
   GemvEpilogue epilogue;   // kSwiGLU: y is [M, N / 2]
+  // Register stream only: the attention whose output is x, done by the grid's first blocks
+  // (M = batch). The launch fails with cudaErrorCooperativeLaunchTooLarge where the grid is
+  // more than one resident wave or holds fewer blocks than batch * kv_heads.
+  const DecodeAttention* attention = nullptr;
 };
 
 // The mixed GEMM (any M; per-channel, g64 and g128 weights; sm_80+).
