@@ -272,6 +272,22 @@ def _attention_in_o(enabled: bool):
 
 
 @contextlib.contextmanager
+def _persistent_decode(skip: int = 0):
+    """Every decoder layer of a batch-1 step in one persistent kernel (kernels/decode_step.py):
+    models/llama.py, ``CausalLM.persistent_decode``; ``skip``: parts it leaves out, for
+    timing only (``DecodeStep.skip``)."""
+    from woq.kernels.decode_step import DecodeStep
+    from woq.models.llama import CausalLM
+
+    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, True
+    saved_skip, DecodeStep.skip = DecodeStep.skip, skip
+    try:
+        yield
+    finally:
+        CausalLM.persistent_decode, DecodeStep.skip = saved, saved_skip
+
+
+@contextlib.contextmanager
 def _attention_with(**options):
     """Decode attention with other shares (``splits``), tiles (``block``) or pipeline
     ``stages`` than its defaults (``decode_attention.tiles``)."""
@@ -366,6 +382,13 @@ ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
              "SiLU * up as its own kernel": lambda model: _swiglu_kernel(),
              "no attention": lambda model: _without("attention"),
              "attention done by o's GEMV grid": lambda model: _attention_in_o(True),
+             "persistent step: every layer in one kernel": lambda model: _persistent_decode(),
+             # (timing only: the parts of the persistent step, left out; its results are then wrong)
+             "persistent step without its attention": lambda model: _persistent_decode(skip=1),
+             "persistent step without its GEMV arithmetic": lambda model: _persistent_decode(skip=2),
+             "persistent step without waits (blocks run free)": lambda model: _persistent_decode(skip=4),
+             "persistent step streaming only (no attention, arithmetic, waits)":
+                 lambda model: _persistent_decode(skip=7),
              "GEMVs, embedding, LM head only": lambda model: _without("norm+attention"),  # (SiLU: in the gate/up GEMV)
              "attention, tiles of 128 tokens, 1 stage": lambda model: _attention_with(block=128, stages=1),
              "attention, tiles of 64 tokens, 3 stages": lambda model: _attention_with(block=64, stages=3),
@@ -393,7 +416,7 @@ ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
                  lambda model: _gemv_grids(model, {"o": (4, 0), "down": (8, 0)}),
              **{f"grid: {label}": (lambda model, kind=kind, grid=(kw, blocks): _gemv_grids(model, {kind: grid}))
                 for label, kind, kw, blocks in GRID_VARIANTS}}
-TAKEN_OUT = ("no ", "GEMVs")  # the variants that replace kernels by views of one row: batch 1 only
+TAKEN_OUT = ("no ", "GEMVs", "persistent")  # batch 1 only: views of one row, the one-sequence kernel
 
 
 def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tuple[str, ...] = ()) -> dict:

@@ -315,6 +315,13 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The decoder with its embedding and LM head. Built by ``models.builder``."""
 
+    # True: a CUDA decode step of one sequence runs every decoder layer in one persistent
+    # kernel (kernels/decode_step.py, csrc/decode_step.cuh) where the model qualifies:
+    # int4 g128 weights on an sm_90 GPU, no biases. Off: so far slower than the kernel-per-op
+    # step (H100, Llama-3-8B int4 batch-1 graph step: +136 us at position 128, +300 at 1024),
+    # its in-grid attention costing ~11 us a layer (docs/bench/decode_step_persistent.md).
+    persistent_decode = False
+
     def __init__(self, cfg: ArchConfig, embed: nn.Embedding, layers: list[DecoderLayer], norm: RMSNorm,
                  lm_head: nn.Module, rope: Rotary):
         super().__init__()
@@ -324,6 +331,32 @@ class CausalLM(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rope = rope
+        self._decode_steps: dict[tuple[int, int], object] = {}  # per KV cache: DecodeStep, or None
+
+    def _persistent_step(self, cache: KVCache):
+        """The persistent decode step for this cache, built on first use; None where the
+        model does not qualify."""
+        key = (cache.k.data_ptr(), cache.v.data_ptr())
+        if key in self._decode_steps:
+            return self._decode_steps[key]
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the persistent decode step is built on its first use; run a step eagerly before "
+                               "capturing one")
+        from ..kernels.decode_step import DecodeStep
+
+        step, linears = None, []
+        for layer in self.layers:
+            linears += [layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down]
+        gpu = [getattr(m, "gpu", None) for m in linears]
+        weights = [tuple(gpu[4 * i:4 * i + 4]) for i in range(len(self.layers))]
+        if (all(w is not None for w in gpu) and all(getattr(m, "gpu_bias", 0) is None for m in linears)
+                and DecodeStep.supported(weights, self.device)):
+            cfg = self.cfg
+            layers = [(*w, layer.input_norm.weight, layer.post_norm.weight) for w, layer in zip(weights, self.layers)]
+            step = DecodeStep(layers, list(cache.k), list(cache.v), self.rope.cos, self.rope.sin, cfg.num_heads,
+                              cfg.head_dim, self.layers[0].input_norm.eps)
+        self._decode_steps[key] = step
+        return step
 
     @property
     def dtype(self) -> torch.dtype:
@@ -340,6 +373,12 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
+        if (self.persistent_decode and cache is not None and batch.lengths is not None and input_ids.shape == (1, 1)
+                and fused_ops(x) is not None):
+            step = self._persistent_step(cache)
+            if step is not None:  # every layer in one kernel; x becomes the residual stream
+                step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths)
+                return self.norm.add_forward(x, None)[0]
         # the SDPA backends of a prefill, chosen once for all layers (the switch costs host time)
         with sdpa_kernel(_PREFILL_ATTENTION) if batch.is_prefill or batch.is_padded_prompt else contextlib.nullcontext():
             for layer in self.layers:

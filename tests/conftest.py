@@ -36,9 +36,11 @@ def tiny_hf_checkpoint(tmp: Path, model_type: str = "llama", **overrides) -> Pat
     return out
 
 
-def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str = "int4", **overrides):
+def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str = "int4",
+                 symmetric: bool | None = None, **overrides):
     """Our ``CausalLM`` for a random-weight Llama config (no files, no tokenizer): for GPU
-    tests that need real shapes rather than a real model."""
+    tests that need real shapes rather than a real model. ``symmetric``: the quantization's
+    (None: the mode's default)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from woq.models.builder import QuantConfig, build_model
@@ -52,7 +54,8 @@ def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str =
     g = torch.Generator().manual_seed(0)
     state = {k: torch.ones(s) if k.endswith("norm.weight") else 0.08 * torch.randn(s, generator=g)
              for k, s in shapes.items()}
-    return build_model(config, state, QuantConfig(quant), dtype, device, max_seq_len, progress=False)
+    return build_model(config, state, QuantConfig(quant, symmetric=symmetric), dtype, device, max_seq_len,
+                       progress=False)
 
 
 @pytest.fixture(scope="session")

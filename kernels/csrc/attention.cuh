@@ -74,12 +74,14 @@ __device__ __forceinline__ float round_to(float v) {  // through the activation 
 }
 
 // Role `role` of the grid's attention (see above); false if its share holds no token (it
-// did nothing, not even the wait). 256 threads.
+// did nothing, not even the wait). 256 threads. `wait()` returns once the qkv rows are
+// written (every thread calls it): the previous grid's completion here, a counter in the
+// persistent decode step (decode_step.cuh).
 // (Inlined, taking the kernel parameter by reference: a call copied the 300-byte struct to
 // every thread's stack -- ~86 KB of local-memory stores per block -- and the step was
 // ~10 us a layer slower.)
-template <typename T>
-__device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role) {
+template <typename T, typename Wait>
+__device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait) {
   extern __shared__ uint4 smem_attention[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kThreads = 256, TT = kAttentionTile;
@@ -118,7 +120,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role)
     cp_async_commit();
   };
   fetch_tile(start);
-  wait_for_prior_grid();
+  wait();
 
   // q of the group's heads and the new k rotated, the new v; the share holding the
   // position caches k and v.

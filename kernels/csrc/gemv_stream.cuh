@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
       for (int seg = c_begin * CH; seg < min(c_end * CH, p.ktiles); ++seg)
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w_lane + static_cast<size_t>(seg) * 32));
     }
-    attend_share<T>(p.attention, blockIdx.x);
+    attend_share<T>(p.attention, blockIdx.x, [] { wait_for_prior_grid(); });
   }
   // Before the wait: what does not depend on the previous kernel.
   const float bz = zero_point_bias(BITS);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "woq_kernels.h"
 
@@ -146,6 +147,36 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                   workspace, counters);
 }
 
+// The fields of a decode attention that do not change between its launches: the qkv rows,
+// the cache, the RoPE tables, the shares' scratch and the output (checked by the callers).
+woq::DecodeAttention decode_attention(const at::Tensor& qkv, int64_t qkv_stride, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& part, const at::Tensor& lse, const at::Tensor& merge_counters,
+                                      void* out, int64_t batch, int64_t heads, int64_t head_dim) {
+  woq::DecodeAttention a{};
+  a.qkv = qkv.data_ptr();
+  a.qkv_stride = qkv_stride;
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.cache_slot_stride = k_cache.stride(0);
+  a.cache_head_stride = k_cache.stride(1);
+  a.cache_pos_stride = k_cache.stride(2);
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.rope_stride = cos.stride(0);
+  a.part = part.data_ptr<float>();
+  a.lse = lse.data_ptr<float>();
+  a.merge_counters = merge_counters.data_ptr<int>();
+  a.out = out;
+  a.batch = static_cast<int>(batch);
+  a.heads = static_cast<int>(heads);
+  a.kv_heads = static_cast<int>(k_cache.size(1));
+  a.head_dim = static_cast<int>(head_dim);
+  a.splits = static_cast<int>(part.size(1));
+  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  return a;
+}
+
 // A decode step's attention and the o projection of its output in one register-stream GEMV
 // launch (attention.cuh): q, k, v from `qkv` [B, (heads + 2 kv_heads) head_dim], RoPE at
 // `positions`, k and v cached at that position of slot `slots[b]`, attention over
@@ -192,33 +223,140 @@ at::Tensor attention_gemv(const at::Tensor& qkv, const at::Tensor& positions, co
   check(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.numel() >= 2, "flags must be 2 int32 CUDA zeros");
   const c10::cuda::CUDAGuard guard(qkv.device());
   at::Tensor out = at::empty({B, heads * head_dim}, qkv.options());
-  woq::DecodeAttention a;
-  a.qkv = qkv.data_ptr();
-  a.qkv_stride = qkv.stride(0);
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.cache_slot_stride = k_cache.stride(0);
-  a.cache_head_stride = k_cache.stride(1);
-  a.cache_pos_stride = k_cache.stride(2);
+  woq::DecodeAttention a = decode_attention(qkv, qkv.stride(0), k_cache, v_cache, cos, sin, part, lse, merge_counters,
+                                             out.data_ptr(), B, heads, head_dim);
   a.slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());  // (int64_t: long here)
   a.lengths = reinterpret_cast<const long long*>(lengths.data_ptr<int64_t>());  // (int64_t: long here)
   a.positions = reinterpret_cast<const long long*>(positions.data_ptr<int64_t>());  // (int64_t: long here)
-  a.cos = cos.data_ptr<float>();
-  a.sin = sin.data_ptr<float>();
-  a.rope_stride = cos.stride(0);
-  a.part = part.data_ptr<float>();
-  a.lse = lse.data_ptr<float>();
-  a.merge_counters = merge_counters.data_ptr<int>();
   a.flags = flags.data_ptr<int>();
-  a.out = out.data_ptr();
-  a.batch = static_cast<int>(B);
-  a.heads = static_cast<int>(heads);
-  a.kv_heads = static_cast<int>(kv_heads);
-  a.head_dim = static_cast<int>(head_dim);
-  a.splits = static_cast<int>(part.size(1));
-  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   return run_gemv(out, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, 1, false, workspace,
                   counters, &a);
+}
+
+// The layer table of the persistent batch-1 decode step (decode_step.cuh), built once per
+// model and KV cache: for each layer l, qweights/scales[4 l .. 4 l + 3] are its qkv, o,
+// gate/up (rows interleaved for SwiGLU) and down weights in the GPU layout, zeros the same
+// or empty (symmetric), norms[2 l], norms[2 l + 1] its input and post-attention RMSNorm
+// weights, k_caches/v_caches[l] its cache [slots, kv_heads, positions, head_dim]; qkv
+// [qkv_n] and attn [hidden] the step's buffers, part [1, splits, heads, head_dim] and lse
+// [1, splits, heads] (float32) the attention shares' scratch, merge_counters (>= kv_heads)
+// int32 zeros. Returns the table as a CUDA uint8 tensor (its pointers: the caller keeps
+// every tensor alive while it is used).
+at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::TensorList zeros, at::TensorList norms,
+                            at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& qkv,
+                            const at::Tensor& attn, at::Tensor& part, at::Tensor& lse, at::Tensor& merge_counters,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  check(L >= 1 && static_cast<int64_t>(v_caches.size()) == L, "one k and one v cache per layer");
+  check(static_cast<int64_t>(qweights.size()) == 4 * L && scales.size() == qweights.size() &&
+            (zeros.empty() || zeros.size() == qweights.size()) && static_cast<int64_t>(norms.size()) == 2 * L,
+        "four weights (and their scales, zeros) and two norms per layer");
+  check(qkv.is_cuda() && qkv.dim() == 1 && attn.dim() == 1 && qkv.scalar_type() == attn.scalar_type(),
+        "qkv and attn must be 1-D CUDA buffers of the activation dtype");
+  const int64_t kv_heads = k_caches[0].size(1);
+  check(heads % kv_heads == 0 && heads / kv_heads <= woq::kAttentionMaxGroup && head_dim % 16 == 0 &&
+            head_dim <= 128 && heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
+        "attention shapes the roles do not take (at most 8 query heads per KV head, head_dim a multiple of 16 up to 128)");
+  check(qkv.numel() == (heads + 2 * kv_heads) * head_dim && attn.numel() == heads * head_dim,
+        "qkv must hold (heads + 2 kv_heads) * head_dim, attn heads * head_dim elements");
+  check(part.scalar_type() == at::kFloat && part.is_contiguous() && part.dim() == 4 && part.size(0) == 1 &&
+            part.size(2) == heads && part.size(3) == head_dim && lse.scalar_type() == at::kFloat &&
+            lse.is_contiguous() && lse.sizes() == at::IntArrayRef({1, part.size(1), heads}),
+        "part must be float32 [1, splits, heads, head_dim], lse float32 [1, splits, heads]");
+  check(merge_counters.scalar_type() == at::kInt && merge_counters.numel() >= kv_heads, "merge_counters: int32, >= kv_heads");
+  check(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == head_dim && cos.stride(1) == 1 &&
+            sin.sizes() == cos.sizes() && sin.strides() == cos.strides(),
+        "cos and sin must be float32 [positions, head_dim] tables, rows contiguous");
+  std::vector<woq::StepLayer> layers(L);
+  for (int64_t l = 0; l < L; ++l) {
+    woq::StepLayer& s = layers[l];
+    for (int i = 0; i < woq::kStepLinears; ++i) {
+      const at::Tensor& q = qweights[4 * l + i];
+      const at::Tensor& sc = scales[4 * l + i];
+      check(q.is_cuda() && q.scalar_type() == at::kByte && q.dim() == 4 && q.is_contiguous() && q.size(2) == 32 &&
+                q.size(3) == 16 && sc.dim() == 3 && sc.size(0) == q.size(0) && sc.size(2) == 16 &&
+                sc.is_contiguous() && sc.scalar_type() == qkv.scalar_type(),
+            "weights must be in the GPU layout (kernels/layout.py) with activation-dtype scales");
+      s.linear[i].qweight = q.data_ptr();
+      s.linear[i].scales = sc.data_ptr();
+      s.linear[i].zeros = zeros.empty() ? nullptr : zeros[4 * l + i].data_ptr();
+      s.linear[i].n_tiles = static_cast<int>(q.size(0));
+      s.linear[i].ktiles = static_cast<int>(q.size(1));
+      s.linear[i].groups_pad = static_cast<int>(sc.size(1));
+      s.linear[i].pad_ = 0;
+    }
+    s.norm[0] = norms[2 * l].data_ptr();
+    s.norm[1] = norms[2 * l + 1].data_ptr();
+    const at::Tensor& kc = k_caches[l];
+    const at::Tensor& vc = v_caches[l];
+    check(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.strides() == vc.strides() && kc.stride(3) == 1 &&
+              kc.size(1) == kv_heads && kc.size(3) == head_dim && kc.scalar_type() == qkv.scalar_type(),
+          "every layer's caches: [slots, kv_heads, positions, head_dim] of the activation dtype, alike");
+    // (slots, lengths, positions and flags: set by the kernel for each launch)
+    s.attention = decode_attention(qkv, qkv.numel(), kc, vc, cos, sin, part, lse, merge_counters, attn.data_ptr(), 1,
+                                   heads, head_dim);
+  }
+  const int64_t bytes = L * static_cast<int64_t>(sizeof(woq::StepLayer));
+  at::Tensor table = at::empty({bytes}, qkv.options().dtype(at::kByte));
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  check(cudaMemcpy(table.data_ptr(), layers.data(), bytes, cudaMemcpyHostToDevice) == cudaSuccess,
+        "copying the decode step's layer table failed");
+  return table;
+}
+
+// One batch-1 decode step through every layer of `plan` (decode_step_plan): h [hidden]
+// (the token's embedding) becomes the residual stream after the last layer, in place; the
+// layers' caches get the token's k and v at `positions[0]` of slot `slots[0]`, attention
+// reads `lengths[0]` positions. counters: int32 zeros (left zero).
+void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
+                 const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
+                 at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t skip) {
+  check(h.is_cuda() && h.is_contiguous() && h.dim() == 1 && h.scalar_type() == qkv.scalar_type() &&
+            reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
+        "h must be a contiguous, 16-byte aligned 1-D CUDA tensor of the activation dtype");
+  for (const at::Tensor* t : {&positions, &slots, &lengths})
+    check(t->is_cuda() && t->scalar_type() == at::kLong && t->numel() == 1, "positions, slots, lengths: one int64 each");
+  check(plan.is_cuda() && plan.scalar_type() == at::kByte && plan.numel() % sizeof(woq::StepLayer) == 0,
+        "plan must be decode_step_plan's table");
+  check(shapes.size() == 3 * woq::kStepLinears,
+        "shapes: n-tiles, k-tiles and scale groups (padded) of a layer's qkv, o, gate/up and down weights");
+  const int n_layers = static_cast<int>(plan.numel() / sizeof(woq::StepLayer));
+  check(counters.scalar_type() == at::kInt && counters.numel() >= woq::decode_step_counters(n_layers),
+        "counters: int32 zeros, n_layers * 5 + 1 of them");
+  const c10::cuda::CUDAGuard guard(h.device());
+  woq::DecodeStepArgs a;
+  a.layers = reinterpret_cast<const woq::StepLayer*>(plan.data_ptr());
+  a.n_layers = n_layers;
+  for (int i = 0; i < woq::kStepLinears; ++i) {
+    a.n_tiles[i] = static_cast<int>(shapes[i]);
+    a.ktiles[i] = static_cast<int>(shapes[woq::kStepLinears + i]);
+    a.groups_pad[i] = static_cast<int>(shapes[2 * woq::kStepLinears + i]);
+  }
+  a.h = h.data_ptr();
+  a.qkv = qkv.data_ptr();
+  a.attn = attn.data_ptr();
+  a.act = act.data_ptr();
+  a.slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());
+  a.lengths = reinterpret_cast<const long long*>(lengths.data_ptr<int64_t>());
+  a.positions = reinterpret_cast<const long long*>(positions.data_ptr<int64_t>());
+  a.counters = counters.data_ptr<int>();
+  a.hidden = static_cast<int>(h.numel());
+  a.inter = static_cast<int>(act.numel());
+  a.qkv_n = static_cast<int>(qkv.numel());
+  a.bits = static_cast<int>(bits);
+  a.group_size = static_cast<int>(group_size);
+  a.zeros = zeros;
+  a.roles = static_cast<int>(roles);
+  a.eps = static_cast<float>(eps);
+  a.dtype = dtype_of(h);
+  check(skip >= 0 && skip < 8, "skip: a mask of the parts a measurement leaves out (decode_step.cuh)");
+  a.skip = static_cast<int>(skip);
+  const cudaError_t err = woq::launch_decode_step(a, at::cuda::getCurrentCUDAStream());
+  check(err != cudaErrorNotSupported, "the persistent decode step runs on sm_90 with int4 g128 weights only");
+  check(err != cudaErrorInvalidConfiguration, "the persistent decode step's ring does not fit the shared memory");
+  check(err != cudaErrorCooperativeLaunchTooLarge,
+        "the persistent decode step needs one resident block per SM and no more attention roles than SMs");
+  check(err == cudaSuccess, std::string("decode step launch failed: ") + cudaGetErrorString(err));
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -309,6 +447,14 @@ TORCH_LIBRARY(woq, m) {
       "Tensor(e!) merge_counters, Tensor(f!) flags, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
       "int bits, int group_size, int n, int k, int max_blocks, int k_warps, Tensor(g!) workspace, "
       "Tensor(h!) counters) -> Tensor");
+  m.def(
+      "decode_step_plan(Tensor[] qweights, Tensor[] scales, Tensor[] zeros, Tensor[] norms, Tensor[] k_caches, "
+      "Tensor[] v_caches, Tensor qkv, Tensor attn, Tensor(a!) part, Tensor(b!) lse, Tensor(c!) merge_counters, "
+      "Tensor cos, Tensor sin, int heads, int head_dim) -> Tensor");
+  m.def(
+      "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
+      "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
+      "float eps, int roles, int skip) -> ()");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
@@ -318,6 +464,8 @@ TORCH_LIBRARY(woq, m) {
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {
   m.impl("gemv", &gemv);
   m.impl("attention_gemv", &attention_gemv);
+  m.impl("decode_step_plan", &decode_step_plan);
+  m.impl("decode_step", &decode_step);
   m.impl("gemm", &gemm);
   m.impl("dequantize", &dequantize);
 }

@@ -68,6 +68,50 @@ struct DecodeAttention {
   float scale;                // softmax scale, 1 / sqrt(head_dim)
 };
 
+// The persistent batch-1 decode step (decode_step.cuh): every decoder layer of a
+// Llama-family model in one kernel. What it reads of each layer, built once per model and
+// KV cache (a device array of StepLayer, whose pointers must outlive it):
+struct StepWeight {
+  const void* qweight;     // PackedWeight's qweight: [n_tiles][ktiles][32][16 bytes]
+  const void* scales;      // [n_tiles][groups_pad][16], activation dtype
+  const void* zeros;       // same, or nullptr
+  int n_tiles, ktiles, groups_pad, pad_;
+};
+constexpr int kStepLinears = 4;  // qkv, o, gate/up (rows interleaved for SwiGLU), down
+struct StepLayer {
+  StepWeight linear[kStepLinears];
+  const void* norm[2];             // input and post-attention RMSNorm weights [hidden]
+  DecodeAttention attention;       // the layer's cache, the shared qkv/part/lse/out buffers;
+                                   // slots, lengths, positions and flags are set per launch
+};
+struct DecodeStepArgs {
+  const StepLayer* layers;  // device array [n_layers]
+  int n_layers;
+  int n_tiles[kStepLinears];  // of each linear, the same in every layer (as StepWeight's)
+  int ktiles[kStepLinears];
+  int groups_pad[kStepLinears];
+  void* h;                  // [hidden] residual stream: the embedding in, the last layer's sum out
+  void* qkv;                // [qkv_n] = the layers' attention.qkv
+  void* attn;               // [hidden] = the layers' attention.out
+  void* act;                // [inter] silu(gate) * up
+  const long long* slots;   // [1] the sequence's slot, live length (its new token included), position
+  const long long* lengths;
+  const long long* positions;
+  int* counters;            // >= decode_step_counters(n_layers) int32 zeros, left zero
+  int hidden, inter, qkv_n;
+  int bits, group_size;
+  bool zeros;
+  int roles;                // attention roles: kv_heads * the layers' attention.splits
+  float eps;
+  DType dtype;
+  int skip = 0;             // measurement only: parts left out (decode_step.cuh, kSkip*); results wrong
+};
+int decode_step_counters(int n_layers);
+// cudaErrorNotSupported: not an sm_90 device, or a weight format without an instantiation
+// (int4 g128 for now); cudaErrorInvalidConfiguration: the ring does not fit the shared
+// memory; cudaErrorCooperativeLaunchTooLarge: not one block per SM, or more roles than blocks.
+cudaError_t launch_decode_step(const DecodeStepArgs& args, cudaStream_t stream);
+
 struct GemvArgs {
   PackedWeight weight;
   const void* x;     // [M, K], row-major, K % 8 == 0, 16-byte aligned

@@ -1,0 +1,497 @@
+// A whole batch-1 decode step of a Llama-family decoder in one persistent kernel: every
+// layer's qkv projection, attention (RoPE, the cache write), o projection, residual adds,
+// RMSNorms, gate/up with SwiGLU and down projection -- the embedding before it and the
+// final norm and LM head after it stay separate kernels.
+//
+// Why. As separate kernels the step's 128 GEMVs (Llama-3-8B, int4 g128) span ~1680 us
+// against a ~1250 us roofline, and the step ~2400 (docs/bench/decode_timeline.md): each
+// GEMV boundary is a dependent chain (the previous grid completes, the wait returns, x
+// comes from L2, the sums are reduced and stored) during which DRAM idles, 2.3-2.9 us for
+// the smaller GEMVs even back to back (gemv_chain_cost.md), and the attention and norms
+// between them add ~8 us a layer of it. Programmatic launches let the next kernel's
+// blocks load their own first weights early, but no further: nothing loads the weights
+// of the GEMV after next. Here the weight stream never waits for activations.
+//
+// How. One block per SM, all resident for the kernel's life. Each block owns a fixed
+// list of "units" -- one n-tile (16 output channels, all of K) of one weight -- in the
+// order the step uses them: layer 0's qkv units, its o units, gate/up, down, then layer
+// 1's... (unit u of a weight goes to block (u + rotation) % grid, the rotation keeping
+// every block's share of each layer's bytes within one unit of the others'). The unit's
+// packed weights, scales and zero points are contiguous in the GPU layout
+// (kernels/layout.py), so a "chunk" of a unit -- kChunkSegs 512-byte segments along K and
+// their groups' scales and zeros -- is three bulk copies (cp.async.bulk, completing on an
+// mbarrier) into one slot of a shared-memory ring. Thread 0 refills a slot as soon as the
+// block has consumed it, with the block's next chunk whatever layer or stage it belongs
+// to: the ring (~170 KB an SM, ~22 MB over an H100) stays full while the block waits for
+// an activation, so DRAM keeps streaming through every dependency.
+//
+// Dependencies are counters in global memory, one per (layer, stage): every block adds 1
+// (release) when it has written its part of a stage's output, and a block about to read
+// a stage's output waits until the counter reaches the grid size (acquire). Stage inputs:
+//   * qkv and gate/up: RMSNorm of the residual stream h, computed by every block from h
+//     (8 KB at 4096) -- cheaper than one more dependency round trip;
+//   * attention: blocks 0..roles-1 each take one (KV head, share of the live tokens) with
+//     attention.cuh's role, its first k/v tile fetched before it waits for qkv;
+//   * o and down: the attention output, the SwiGLU output; their units add their outputs
+//     into h (one writer per channel) -- the residual adds.
+// Rounding follows the model's torch path (models/llama.py, kernels/fused.py): sums in
+// fp32, each projection's output rounded to T, the residual add rounded once, the
+// normalised value rounded before the weight multiply, SiLU and its product as the GEMV's
+// SwiGLU epilogue.
+//
+// Deadlock freedom: the grid is at most one resident block per SM (checked at launch), so
+// every block a counter waits on is running or will be once the previous kernel's blocks
+// leave; no block waits on a later stage than the one it is working towards. The last
+// block to leave re-arms every counter for the next launch.
+//
+// Measured (H100, Llama-3-8B-shaped int4 g128, batch-1 graph step, position 128 / 1024;
+// docs/bench/decode_step_persistent.md): 2643 / 2795 us against 2459 / 2460 for the
+// kernel-per-op step, so the model leaves it off (CausalLM.persistent_decode). Without its
+// attention it takes 2118 / 2168 us, the same as the kernel-per-op step with nothing but
+// its GEMVs; streaming only (no attention, arithmetic or waits) 1724 / 1810. The attention
+// roles (attention.cuh: scalar score and p @ v loops, a chain of L2 round trips, ~10 us a
+// layer) are what it waits for most. Its first build spent ~30 us a layer more: thread 0's
+// refills read the layer table from global memory between two chunks, on every block's
+// critical path -- hence the shapes in the kernel parameters and the slot freed before the
+// arithmetic.
+//
+// sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
+// empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
+#pragma once
+
+#include <cstdint>
+
+#include "attention.cuh"
+#include "gemv.cuh"
+#include "launch.cuh"
+#include "woq_kernels.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define WOQ_STEP_SM90 1
+#else
+#define WOQ_STEP_SM90 0
+#endif
+
+namespace woq {
+
+namespace step {
+
+constexpr int kThreads = 256;            // 8 warps: attention.cuh's roles take 256 threads
+constexpr int kWarps = kThreads / 32;
+constexpr int kSegBytes = 512;           // one n-tile's 16 channels x KT k (a warp's 32 lane loads)
+constexpr int kChunkSegs = 64;           // segments per chunk: 32 KB of weights, 8 a warp
+constexpr int kSegsPerWarp = kChunkSegs / kWarps;
+constexpr int kMaxSlots = 16;
+constexpr int kStages = 5;               // counters per layer: qkv, attention, o, gate/up, down
+enum Stage : int { kQkv = 0, kAttention = 1, kO = 2, kGateUp = 3, kDown = 4 };
+// Parts of the step a measurement can leave out (DecodeStepParams::skip; the results are
+// then wrong): the attention, the GEMVs' arithmetic (chunks are still streamed and
+// waited for), every wait on another block.
+constexpr int kSkipAttention = 1, kSkipArithmetic = 2, kSkipWaits = 4;
+constexpr int kLinears = kStepLinears;   // qkv, o, gate/up, down (StepLayer::linear)
+
+// A chunk's slot: its weights, then its groups' scale pairs, then their zero pairs.
+template <int BITS, int GROUP>
+struct Slot {
+  static constexpr int kGroups = kChunkSegs * TileShape<BITS>::kK / GROUP;  // groups a whole chunk spans
+  static constexpr int kWBytes = kChunkSegs * kSegBytes;
+  static constexpr int kPairBytes = kGroups * 8 * 4;  // 8 u32 pairs (rows g, g + 8) per group
+  static constexpr int kBytes = kWBytes + 2 * kPairBytes;
+  static_assert(kChunkSegs * TileShape<BITS>::kK % GROUP == 0, "a chunk holds whole groups");
+  static_assert(kSegsPerWarp * TileShape<BITS>::kK % GROUP == 0, "a warp's segments hold whole groups");
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+#if WOQ_STEP_SM90
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+#if WOQ_STEP_SM90
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+#if WOQ_STEP_SM90
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WOQ_STEP_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WOQ_STEP_WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// `bytes` (a multiple of 16, 16-byte aligned both ends) from global to shared memory; the
+// barrier's transaction count drops by them as they land.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if WOQ_STEP_SM90
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+#endif
+}
+
+}  // namespace step
+
+struct DecodeStepParams {
+  const StepLayer* layers;
+  int n_layers;
+  void* h;                  // [hidden] the residual stream: the embedding in, the last layer's sum out
+  void* x_qkv;              // [qkv_n] the qkv projection's output (= attention.qkv)
+  void* attn;               // [hidden] the attention output (= attention.out)
+  void* act;                // [inter] silu(gate) * up
+  const long long* slots;   // [1] this step's cache slot, live length and position
+  const long long* lengths;
+  const long long* positions;
+  int* counters;            // [n_layers * kStages + 1], zero, re-armed by the kernel
+  int hidden, inter, qkv_n;
+  int roles;                // attention roles: kv_heads * attention.splits
+  int slots_in_ring;        // ring slots (shared memory)
+  int region_bytes;         // shared memory before the ring: attention's or x's, whichever is larger
+  int rotation[step::kLinears];  // unit u of linear i goes to block (u + rotation[i]) % grid
+  int n_tiles[step::kLinears];   // each linear's shape, the same in every layer
+  int ktiles[step::kLinears];
+  int groups_pad[step::kLinears];
+  float eps;
+  int skip;  // measurement only (benchmarks/profile_decode.py): a StepSkip mask, results then wrong
+};
+
+template <typename T, int BITS, int GROUP, bool ZEROS>
+__global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const DecodeStepParams p) {
+#if WOQ_STEP_SM90
+  using namespace step;
+  using SlotT = Slot<BITS, GROUP>;
+  constexpr int KT = TileShape<BITS>::kK, K16 = TileShape<BITS>::kK16;
+  constexpr int kSegsPerGroup = GROUP / KT;
+  extern __shared__ __align__(128) uint4 smem[];
+  __shared__ __align__(8) uint64_t full[kMaxSlots];
+  __shared__ float red[2][kWarps][16];  // per-warp unit sums, double-buffered by unit parity
+  __shared__ float norm_part[kWarps];
+  __shared__ DecodeAttention att;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, t4 = lane & 3;
+  const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+  T* xs = reinterpret_cast<T*>(smem);  // the stage's x (aliases the attention role's tiles)
+  unsigned char* ring = reinterpret_cast<unsigned char*>(smem) + p.region_bytes;
+  const uint32_t ring0 = smem_addr(ring), full0 = smem_addr(full);
+  const int S = p.slots_in_ring;
+
+  // The chunk sequence, walked twice in the same order: by thread 0 issuing copies and by
+  // the block consuming them. Chunk q of the sequence lives in slot q % S, its barrier's
+  // phase parity is (q / S) % 2. Thread 0 issues a chunk between two of the block's chunks,
+  // so its bookkeeping sits on the block's critical path: it reads only registers and the
+  // kernel parameters, and a weight's three pointers once per (layer, linear).
+  auto first_unit = [&](int linear) { return (block - p.rotation[linear] % grid + grid) % grid; };
+  auto chunks_of = [&](int linear) { return (p.ktiles[linear] + kChunkSegs - 1) / kChunkSegs; };
+  struct Cursor {
+    int layer, linear, unit, chunk;
+    const uint4* w;  // the weight's qweight, scale pairs, zero pairs
+    const uint32_t* s;
+    const uint32_t* z;
+  };
+  auto point = [&](Cursor& c) {  // (a new weight: its pointers)
+    if (c.layer >= p.n_layers) return;
+    const StepWeight& w = p.layers[c.layer].linear[c.linear];
+    c.w = static_cast<const uint4*>(w.qweight);
+    c.s = static_cast<const uint32_t*>(w.scales);
+    c.z = static_cast<const uint32_t*>(w.zeros);
+  };
+  // Settle a cursor on a real chunk: past a weight's units, the next weight, the next layer.
+  auto settle = [&](Cursor& c) {
+    bool moved = false;
+    while (c.layer < p.n_layers && c.unit >= p.n_tiles[c.linear]) {
+      if (++c.linear == kLinears) {
+        c.linear = 0;
+        ++c.layer;
+      }
+      c.unit = first_unit(c.linear);
+      c.chunk = 0;
+      moved = true;
+    }
+    if (moved) point(c);
+  };
+  Cursor fetch{0, 0, first_unit(0), 0, nullptr, nullptr, nullptr};
+  int fetch_slot = 0;
+  if (tid == 0) {
+    point(fetch);
+    settle(fetch);
+  }
+  auto issue = [&]() {  // thread 0: the next chunk into its slot (free: consumed, or never used)
+    if (fetch.layer >= p.n_layers) return;
+    const int li = fetch.linear, kt = p.ktiles[li];
+    const int seg0 = fetch.chunk * kChunkSegs, segs = min(kChunkSegs, kt - seg0);
+    const int g0 = seg0 / kSegsPerGroup, groups = segs / kSegsPerGroup;
+    const uint32_t dst = ring0 + fetch_slot * SlotT::kBytes, bar = full0 + 8u * fetch_slot;
+    const uint32_t w_bytes = segs * kSegBytes, pair_bytes = groups * 32;
+    barrier_expect_bytes(bar, w_bytes + (ZEROS ? 2 : 1) * pair_bytes);
+    bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar);
+    const size_t pairs = (static_cast<size_t>(fetch.unit) * p.groups_pad[li] + g0) * 8;  // u32 index
+    bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar);
+    if constexpr (ZEROS) bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar);
+    if (++fetch_slot == S) fetch_slot = 0;
+    if (++fetch.chunk == chunks_of(li)) {
+      fetch.chunk = 0;
+      fetch.unit += grid;
+      settle(fetch);
+    }
+  };
+  if (tid < S) barrier_init(full0 + 8u * tid, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  __syncthreads();
+  // The first S chunks before anything else: weights do not depend on the previous kernel.
+  if (tid == 0)
+    for (int i = 0; i < S; ++i) issue();
+  wait_for_prior_grid();  // (the embedding, which wrote h)
+
+  // Stage counters: add this block's completion (after all of its threads' stores), wait for all blocks'.
+  auto counter = [&](int layer, int stage) { return p.counters + layer * kStages + stage; };
+  auto done = [&](int* c) {
+    __syncthreads();
+    if (tid == 0) add_release(c, 1);
+  };
+  const bool no_waits = p.skip & kSkipWaits, no_attention = p.skip & kSkipAttention;
+  auto wait_all = [&](const int* c) {  // (null: nothing to wait for)
+    if (tid == 0 && c != nullptr && !no_waits)
+      while (load_acquire(c) < grid) {
+      }
+    __syncthreads();
+  };
+
+  // x = RMSNorm(h) * weight -> xs (hidden elements), as kernels/fused.py's add_rms_norm:
+  // fp32 sum of squares, the normalised value rounded to T before the weight multiply.
+  // The weight is loaded before the wait. (Fixed summation order: every block gets the
+  // same x bit for bit.)
+  constexpr int kNormUnits = 4;  // 16-byte units a thread holds (hidden <= 8192)
+  auto norm_input = [&](const void* weight, const int* ready) {
+    const uint4* w8 = static_cast<const uint4*>(weight);
+    const uint4* h8 = static_cast<const uint4*>(p.h);
+    const int units = p.hidden / 8;
+    uint4 wv[kNormUnits], hv[kNormUnits];
+#pragma unroll
+    for (int j = 0; j < kNormUnits; ++j)
+      if (tid + j * kThreads < units) wv[j] = __ldg(w8 + tid + j * kThreads);
+    wait_all(ready);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormUnits; ++j) {
+      if (tid + j * kThreads < units) {
+        hv[j] = __ldcg(h8 + tid + j * kThreads);
+        const T* e = reinterpret_cast<const T*>(&hv[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss = fmaf(to_float(e[i]), to_float(e[i]), ss);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) norm_part[warp] = ss;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) total += norm_part[i];
+    const float rstd = rsqrtf(total / p.hidden + p.eps);
+#pragma unroll
+    for (int j = 0; j < kNormUnits; ++j) {
+      if (tid + j * kThreads < units) {
+        const T* e = reinterpret_cast<const T*>(&hv[j]);
+        const T* g = reinterpret_cast<const T*>(&wv[j]);
+        uint4 out;
+        T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = from_float<T>(to_float(g[i]) * to_float(from_float<T>(to_float(e[i]) * rstd)));
+        reinterpret_cast<uint4*>(xs)[tid + j * kThreads] = out;
+      }
+    }
+    __syncthreads();
+  };
+  // x = a stage's output (n elements, L2) -> xs.
+  auto copy_input = [&](const void* src, int n, const int* ready) {
+    wait_all(ready);
+    const uint4* s8 = static_cast<const uint4*>(src);
+    const int units = n / 8;
+    for (int u0 = tid; u0 < units; u0 += 4 * kThreads) {  // four loads in flight per thread
+      uint4 v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (u0 + j * kThreads < units) v[j] = __ldcg(s8 + u0 + j * kThreads);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (u0 + j * kThreads < units) reinterpret_cast<uint4*>(xs)[u0 + j * kThreads] = v[j];
+    }
+    __syncthreads();
+  };
+
+  // This block's units of one linear: chunks from the ring, an mma per k16 block (x as
+  // the B operand, all 8 of its rows row 0: M = 1), fp32 sums per group scaled into acc;
+  // the 8 warps' sums added in shared memory (fixed order), then `store(unit, row, sum,
+  // sum of row ^ 8)` by threads 0..15 for the unit's 16 channels.
+  int parity_unit = 0;     // which of red's buffers the next unit's sums go to
+  int slot = 0;            // the next chunk's slot
+  uint32_t parity = 0;     // and its barrier phase
+  const T* x_lane = xs + 8 * (lane >> 3);
+  auto run_units = [&](int linear, auto store) {
+    const int chunks = chunks_of(linear), kt = p.ktiles[linear];
+    for (int unit = first_unit(linear); unit < p.n_tiles[linear]; unit += grid) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int c = 0; c < chunks; ++c) {
+        // The warp's segments and their groups' scale and zero pairs into registers, then
+        // the slot is refilled at once: it is held only for these loads, not for the
+        // arithmetic, so the ring keeps as many bytes in flight as it can.
+        barrier_wait(full0 + 8u * slot, parity);
+        const unsigned char* base = ring + slot * SlotT::kBytes;
+        const uint4* wseg = reinterpret_cast<const uint4*>(base);
+        const uint32_t* sp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes);
+        [[maybe_unused]] const uint32_t* zp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes + SlotT::kPairBytes);
+        const int seg0 = c * kChunkSegs, segs = min(kChunkSegs, kt - seg0);
+        constexpr int kWarpGroups = kSegsPerWarp / kSegsPerGroup;
+        uint4 wv[kSegsPerWarp];
+        uint32_t sv[kWarpGroups];
+        [[maybe_unused]] uint32_t zv[kWarpGroups];
+        const bool arithmetic = !(p.skip & kSkipArithmetic);
+#pragma unroll
+        for (int i = 0; i < kSegsPerWarp; ++i) {
+          const int seg = warp * kSegsPerWarp + i;
+          if (seg < segs && arithmetic) {
+            wv[i] = wseg[seg * 32 + lane];
+            if (i % kSegsPerGroup == 0) {
+              sv[i / kSegsPerGroup] = sp[seg / kSegsPerGroup * 8 + gid];
+              if constexpr (ZEROS) zv[i / kSegsPerGroup] = zp[seg / kSegsPerGroup * 8 + gid];
+            }
+          }
+        }
+        __syncthreads();  // every warp has its share of the slot: refill it
+        if (tid == 0) issue();
+        if (++slot == S) {
+          slot = 0;
+          parity ^= 1u;
+        }
+        // One accumulator set per segment: independent mma chains of K16 each.
+        float part[kSegsPerWarp][4];
+#pragma unroll
+        for (int i = 0; i < kSegsPerWarp; ++i) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) part[i][q] = 0.f;
+          const int seg = warp * kSegsPerWarp + i;
+          if (seg >= segs || !arithmetic) continue;
+          ZeroConsts<T, BITS> zc(zero_point_bias(BITS), zero_point_bias(BITS));
+          if constexpr (ZEROS) zc = zero_consts<T, BITS>(zv[i / kSegsPerGroup]);
+          const T* xk = x_lane + (seg0 + seg) * KT;
+          uint32_t bx[4];
+#pragma unroll
+          for (int j = 0; j < K16; ++j) {
+            if (j % 2 == 0) ldmatrix_x4(bx, xk + j * 16);
+            uint32_t a[4];
+            convert_segment_k16<T, BITS, ZEROS>(wv[i], j, zc, a);
+            const uint32_t bb[2] = {bx[(j % 2) * 2], bx[(j % 2) * 2 + 1]};
+            mma_16816<T>(part[i], a, bb);
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < kWarpGroups; ++g) {  // each group's sums, scaled (fixed order)
+          const int seg = warp * kSegsPerWarp + g * kSegsPerGroup;
+          if (seg >= segs || !arithmetic) continue;
+          const float2 sc = pair_to_float2<T>(sv[g]);
+          float s0 = 0.f, s2 = 0.f;
+#pragma unroll
+          for (int i = 0; i < kSegsPerGroup; ++i) {
+            s0 += part[g * kSegsPerGroup + i][0];
+            s2 += part[g * kSegsPerGroup + i][2];
+          }
+          acc[0] += sc.x * s0;
+          acc[2] += sc.y * s2;
+        }
+      }
+      // acc[0] / acc[2]: channel gid / gid + 8 of the unit, row m = 2 * t4 (row 0 at t4 = 0).
+      // The warps' sums meet in shared memory, added in warp order by threads 0..15, one
+      // channel each (the buffer alternates between units: one block barrier a unit).
+      float (*sums)[16] = red[parity_unit];
+      if (t4 == 0) {
+        sums[warp][gid] = acc[0];
+        sums[warp][gid + 8] = acc[2];
+      }
+      __syncthreads();
+      if (tid < 16) {
+        auto channel = [&](int r) {
+          float sum = 0.f;
+#pragma unroll
+          for (int i = 0; i < kWarps; ++i) sum += sums[i][r];
+          return sum;
+        };
+        store(unit, tid, channel(tid), channel(tid ^ 8));  // (its partner row: SwiGLU's gate and up)
+      }
+      parity_unit ^= 1;
+    }
+  };
+
+  T* h = static_cast<T*>(p.h);
+  T* qkv = static_cast<T*>(p.x_qkv);
+  T* act = static_cast<T*>(p.act);
+  auto add_to_stream = [&](int unit, int r, float y, float) {  // o and down: h += y, rounded as torch's add
+    const int n = 16 * unit + r;
+    h[n] = from_float<T>(to_float(__ldcg(h + n)) + to_float(from_float<T>(y)));
+  };
+
+  for (int layer = 0; layer < p.n_layers; ++layer) {
+    const StepLayer& L = p.layers[layer];
+    // qkv = RMSNorm(h) @ Wqkv^T  (layer 0: h is the embedding, written before this kernel)
+    norm_input(L.norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
+    run_units(0, [&](int unit, int r, float y, float) { qkv[16 * unit + r] = from_float<T>(y); });
+    done(counter(layer, kQkv));
+    // attention: RoPE, the cache write, softmax(q k^T) v over the live tokens
+    if (block < p.roles && !no_attention) {
+      if (tid == 0) {
+        att = L.attention;
+        att.slots = p.slots;
+        att.lengths = p.lengths;
+        att.positions = p.positions;
+        att.flags = counter(layer, kAttention);
+      }
+      __syncthreads();
+      const int* qkv_ready = counter(layer, kQkv);
+      attend_share<T>(att, block, [&] {
+        if (tid == 0 && !no_waits)
+          while (load_acquire(qkv_ready) < grid) {
+          }
+        __syncthreads();
+      });
+      __syncthreads();
+    }
+    // h += attn @ Wo^T  (the attention counter counts heads written, not blocks)
+    if (tid == 0 && !no_waits && !no_attention)
+      while (load_acquire(counter(layer, kAttention)) < L.attention.batch * L.attention.kv_heads) {
+      }
+    copy_input(p.attn, p.hidden, nullptr);
+    run_units(1, add_to_stream);
+    done(counter(layer, kO));
+    // act = silu(gate) * up of RMSNorm(h) @ Wgate_up^T
+    norm_input(L.norm[1], counter(layer, kO));
+    run_units(2, [&](int unit, int r, float gate, float up) {
+      // rows 0..7 of a unit are gate, 8..15 up, of channels 8 unit + r (swiglu_column)
+      if (r < 8) act[8 * unit + r] = swiglu<T>(gate, up);
+    });
+    done(counter(layer, kGateUp));
+    // h += act @ Wdown^T
+    copy_input(p.act, p.inter, counter(layer, kGateUp));
+    run_units(3, add_to_stream);
+    done(counter(layer, kDown));
+  }
+
+  // The last block out re-arms the counters for the next launch (stream-ordered after this one).
+  if (tid == 0) {
+    int* exits = p.counters + p.n_layers * kStages;
+    if (atomic_add_acq_rel(exits, 1) == grid - 1) {
+      for (int i = 0; i <= p.n_layers * kStages; ++i) p.counters[i] = 0;
+    }
+  }
+#endif
+}
+
+}  // namespace woq

@@ -1,0 +1,95 @@
+"""The persistent batch-1 decode step (``csrc/decode_step.cuh``): all decoder layers of a
+Llama-family model in one kernel launch, the weights streamed through a shared-memory ring
+that never waits for activations, the layers' stages ordered by counters in global memory
+instead of kernel boundaries.
+
+``DecodeStep`` holds what the kernel reads besides each step's inputs: the layer table
+(pointers to every weight, norm and cache, built once), the step's buffers and its
+counters. It takes int4 g128 weights (with or without zero points) in the GPU layout, fp16
+or bf16, on sm_90; ``DecodeStep.supported`` says whether a model's layers qualify.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .device import sm_count, sm_major
+from .layout import GpuWeight
+
+# Shares of the live tokens per KV head, at most (attention roles = kv_heads x this, no
+# more than the SMs): each share is one block's work, at least a 64-token tile, so a short
+# sequence uses few of them; several are merged by the last to finish (csrc/attention.cuh).
+MAX_SHARES = 16
+
+
+class DecodeStep:
+    """One decode step of ``layers`` for a batch of one sequence.
+
+    ``layers``: per decoder layer, ``(qkv, o, gate_up, down, input_norm_weight,
+    post_norm_weight)`` with the four weights as ``GpuWeight`` (gate/up with SwiGLU-
+    interleaved rows); ``k_caches``/``v_caches``: per layer ``[slots, kv_heads, positions,
+    head_dim]``; ``cos``/``sin``: the fp32 RoPE tables ``[positions, head_dim]``.
+    """
+
+    def __init__(self, layers: list[tuple], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, eps: float,
+                 shares: int | None = None):
+        qkv0, o0, gate_up0, down0 = layers[0][:4]
+        device, dtype = k_caches[0].device, o0.dtype
+        kv_heads = k_caches[0].shape[1]
+        if shares is None:  # the largest power of two the SMs hold, up to MAX_SHARES
+            shares = 1
+            while 2 * shares <= MAX_SHARES and kv_heads * 2 * shares <= sm_count(device):
+                shares *= 2
+        self.hidden, self.inter = o0.N, down0.K
+        self.weights = [w for layer in layers for w in layer[:4]]  # (kept alive: the table points at them)
+        self.norms = [n for layer in layers for n in layer[4:]]
+        # (n-tiles, k-tiles, padded scale groups of each linear: the same in every layer)
+        self.shapes = [w.n_tiles for w in layers[0][:4]] + [w.qweight.shape[1] for w in layers[0][:4]] + \
+            [w.scales.shape[1] for w in layers[0][:4]]
+        self.zeros = qkv0.zeros is not None
+        self.eps, self.roles = eps, kv_heads * shares
+        self.qkv = torch.empty(qkv0.N, device=device, dtype=dtype)
+        self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
+        self.act = torch.empty(self.inter, device=device, dtype=dtype)
+        self.part = torch.empty(1, shares, heads, head_dim, device=device, dtype=torch.float32)
+        self.lse = torch.empty(1, shares, heads, device=device, dtype=torch.float32)
+        self.merge_counters = torch.zeros(kv_heads, device=device, dtype=torch.int32)
+        self.counters = torch.zeros(len(layers) * 5 + 1, device=device, dtype=torch.int32)
+        self.caches = (k_caches, v_caches, cos, sin)
+        self.table = torch.ops.woq.decode_step_plan(
+            [w.qweight for w in self.weights], [w.scales for w in self.weights],
+            [w.zeros for w in self.weights] if self.zeros else [], self.norms, k_caches, v_caches, self.qkv,
+            self.attn, self.part, self.lse, self.merge_counters, cos, sin, heads, head_dim)
+
+    @staticmethod
+    def supported(layers: list[tuple[GpuWeight, ...]], device: torch.device) -> bool:
+        """Whether the kernel takes these layers' ``(qkv, o, gate_up, down)`` weights here:
+        int4 g128, all with zero points or none, fp16/bf16, a hidden size of at most 8192
+        that o maps onto itself (heads x head_dim = hidden), the same shapes in every layer."""
+        if device.type != "cuda" or sm_major(device) != 9 or not ops.available():
+            return False
+        qkv, o, gate_up, down = layers[0]
+        hidden = o.N
+        if not (o.K == hidden == qkv.K == gate_up.K == down.N and gate_up.N == 2 * down.K and gate_up.swiglu_rows
+                and hidden % 16 == 0 and hidden <= 8192 and down.K % 128 == 0):
+            return False
+        zeros = qkv.zeros is not None
+        return all(w.bits == 4 and w.group_size == 128 and (w.zeros is not None) == zeros and w.dtype == o.dtype
+                   and w.dtype in (torch.float16, torch.bfloat16) and (w.N, w.K) == (ref.N, ref.K)
+                   for layer in layers for w, ref in zip(layer, layers[0]))
+
+    # Measurement only (benchmarks/profile_decode.py; the results are then wrong): a mask of
+    # the parts the kernel leaves out -- 1 the attention, 2 the GEMVs' arithmetic, 4 every
+    # wait on another block (csrc/decode_step.cuh, kSkip*).
+    skip = 0
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor) -> torch.Tensor:
+        """The residual stream after every layer for the embedding ``h`` ``[hidden]`` (in
+        place), the token at ``positions[0]`` of slot ``slots[0]`` cached, attention over
+        ``lengths[0]`` positions. Launch-only: a CUDA graph captures it."""
+        torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
+                                  self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,
+                                  self.skip)
+        return h

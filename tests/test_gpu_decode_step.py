@@ -1,0 +1,117 @@
+"""The persistent batch-1 decode step (``kernels/decode_step.py``, ``csrc/decode_step.cuh``):
+every decoder layer in one kernel gives the logits and the KV cache of the kernel-per-op
+step, and is as close as that step to the same quantized model run in fp32 on the CPU
+(skipped without an sm_90 GPU)."""
+import pytest
+import torch
+from conftest import random_llama
+
+from woq.models.kv_cache import KVCache
+from woq.models.llama import Batch, CausalLM
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")]
+
+# conftest's small model: hidden 256 (K of 4 segments: one partial chunk), inter 640 (10
+# segments, 5 groups), fewer units than SMs in every stage. Llama-3-8B's layer shapes: full
+# chunks, 7 chunks a down unit, more units than SMs, 8 KV heads of 4 query heads.
+SMALL = {}
+LLAMA3_8B_LAYERS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                        num_hidden_layers=2)
+MAX_LEN = 256
+
+
+def decode(model, cache, prompt, fed, persistent: bool) -> torch.Tensor:
+    """Logits of the prompt's prefill (into slot 1) and of one decode step per token of ``fed``."""
+    P, dev = prompt.shape[1], prompt.device
+    slots = torch.tensor([1], device=dev)
+    CausalLM.persistent_decode = persistent
+    try:
+        out = [model(prompt, Batch.prefill([P], [1], dev), cache, last_only=True)[0]]
+        for t, token in enumerate(fed):
+            pos = torch.full((1, 1), P + t, device=dev)
+            out.append(model(token.view(1, 1), Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)[0])
+    finally:
+        CausalLM.persistent_decode = False
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "sym"])
+@pytest.mark.parametrize("shape,prompt_len", [(SMALL, 9), (SMALL, 130), (LLAMA3_8B_LAYERS, 70)],
+                         ids=["small-1share", "small-2shares", "llama3-8b-layers"])
+def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape, prompt_len):
+    if shape and (dtype == torch.bfloat16 or symmetric):
+        pytest.skip("the large shapes once: fp16 with zero points")
+    model = random_llama(dtype, "cuda", MAX_LEN, "int4", symmetric=symmetric, **shape)
+    cfg = model.cfg
+    new_cache = lambda: KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, dtype, "cuda")  # noqa: E731
+    assert model._persistent_step(new_cache()) is not None, "the model qualifies for the persistent step"
+    g = torch.Generator(device="cuda").manual_seed(3)
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda", generator=g)
+    fed = torch.randint(0, cfg.vocab_size, (5,), device="cuda", generator=g)
+    runs = {}
+    for persistent in (False, True):
+        cache = new_cache()
+        cache.k.normal_(generator=g)  # (poison: slot 1 past the live tokens is never read, slot 0 never written)
+        cache.v.normal_(generator=g)
+        k0, v0 = cache.k[:, 0].clone(), cache.v[:, 0].clone()
+        runs[persistent] = decode(model, cache, prompt, fed, persistent), cache
+        assert torch.equal(cache.k[:, 0], k0) and torch.equal(cache.v[:, 0], v0), "another slot was written"
+    (per_op, c_op), (ours, c_ours) = runs[False], runs[True]
+    scale = per_op.abs().max().item()
+    assert torch.isfinite(ours).all()
+    # (bf16: an activation one ulp apart -- the two steps sum in other orders -- moves the
+    # logits by a few bf16 ulps)
+    assert (ours - per_op).abs().max().item() <= (0.02 if dtype == torch.float16 else 0.04) * scale
+    live = prompt_len + len(fed)
+    for a, b in ((c_ours.k, c_op.k), (c_ours.v, c_op.v)):  # the decoded tokens' k and v
+        a, b = a[:, 1, :, prompt_len:live].float(), b[:, 1, :, prompt_len:live].float()
+        assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
+
+    # Against the same quantized model in fp32 on the CPU, the whole sequence in one forward:
+    # the persistent step's decode logits no further from it than the kernel-per-op step's.
+    cpu = random_llama(torch.float32, "cpu", MAX_LEN, "int4", symmetric=symmetric, **shape)
+    ref = cpu(torch.cat([prompt[0], fed]).cpu()[None])[0, prompt_len - 1:]
+    err_ours = (ours[1:].cpu() - ref[1:]).abs().mean().item()
+    err_op = (per_op[1:].cpu() - ref[1:]).abs().mean().item()
+    assert err_ours <= 1.5 * err_op + 1e-3 * scale, f"{err_ours:.3e} vs {err_op:.3e}"
+
+
+def test_persistent_step_replays_in_a_cuda_graph():
+    """Captured once and replayed at three positions, the step gives the eager step's logits
+    bit for bit (the counters are re-armed by every launch)."""
+    model = random_llama(torch.float16, "cuda", MAX_LEN, "int4")
+    cfg = model.cfg
+    caches = [KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
+              for _ in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 20), device="cuda", generator=g)
+    fed = torch.randint(0, cfg.vocab_size, (3,), device="cuda", generator=g)
+    eager = decode(model, caches[0], prompt, fed, persistent=True)[1:]
+
+    cache = caches[1]
+    model(prompt, Batch.prefill([20], [1], "cuda"), cache, last_only=True)
+    token, pos, slots = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long,
+                                                                                       device="cuda"), \
+        torch.tensor([1], device="cuda")
+    CausalLM.persistent_decode = True
+    try:
+        batch = Batch(pos, slots, lengths=pos[:, 0] + 1)
+        token.fill_(int(fed[0]))
+        pos.fill_(20)
+        batch.lengths.copy_(pos[:, 0] + 1)
+        model(token, batch, cache, last_only=True)  # (eager first: builds the step; rewritten by the replays)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model(token, batch, cache, last_only=True)
+        replayed = []
+        for t in range(3):
+            token.fill_(int(fed[t]))
+            pos.fill_(20 + t)
+            batch.lengths.copy_(pos[:, 0] + 1)
+            graph.replay()
+            replayed.append(logits[0].float().clone())
+    finally:
+        CausalLM.persistent_decode = False
+    assert torch.equal(torch.stack(replayed), eager)
