@@ -34,14 +34,13 @@ class DecodeStep:
     def __init__(self, layers: list[tuple], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, eps: float,
                  shares: int | None = None):
-        qkv0, o0, gate_up0, down0 = layers[0][:4]
+        qkv0, o0, _, down0 = layers[0][:4]
         device, dtype = k_caches[0].device, o0.dtype
         kv_heads = k_caches[0].shape[1]
         if shares is None:  # the largest power of two the SMs hold, up to MAX_SHARES
             shares = 1
             while 2 * shares <= MAX_SHARES and kv_heads * 2 * shares <= sm_count(device):
                 shares *= 2
-        self.hidden, self.inter = o0.N, down0.K
         self.weights = [w for layer in layers for w in layer[:4]]  # (kept alive: the table points at them)
         self.norms = [n for layer in layers for n in layer[4:]]
         # (n-tiles, k-tiles, padded scale groups of each linear: the same in every layer)
@@ -51,10 +50,11 @@ class DecodeStep:
         self.eps, self.roles = eps, kv_heads * shares
         self.qkv = torch.empty(qkv0.N, device=device, dtype=dtype)
         self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
-        self.act = torch.empty(self.inter, device=device, dtype=dtype)
+        self.act = torch.empty(down0.K, device=device, dtype=dtype)
         self.part = torch.empty(1, shares, heads, head_dim, device=device, dtype=torch.float32)
         self.lse = torch.empty(1, shares, heads, device=device, dtype=torch.float32)
         self.merge_counters = torch.zeros(kv_heads, device=device, dtype=torch.int32)
+        # (one per layer and stage, and the exit count: decode_step_counters in csrc/decode_step.cu)
         self.counters = torch.zeros(len(layers) * 5 + 1, device=device, dtype=torch.int32)
         self.caches = (k_caches, v_caches, cos, sin)
         self.table = torch.ops.woq.decode_step_plan(

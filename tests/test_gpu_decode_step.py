@@ -39,7 +39,7 @@ def decode(model, cache, prompt, fed, persistent: bool) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "sym"])
 @pytest.mark.parametrize("shape,prompt_len", [(SMALL, 9), (SMALL, 130), (LLAMA3_8B_LAYERS, 70)],
-                         ids=["small-1share", "small-2shares", "llama3-8b-layers"])
+                         ids=["small-1share", "small-merged-shares", "llama3-8b-layers"])
 def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape, prompt_len):
     if shape and (dtype == torch.bfloat16 or symmetric):
         pytest.skip("the large shapes once: fp16 with zero points")
@@ -92,15 +92,11 @@ def test_persistent_step_replays_in_a_cuda_graph():
 
     cache = caches[1]
     model(prompt, Batch.prefill([20], [1], "cuda"), cache, last_only=True)
-    token, pos, slots = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long,
-                                                                                       device="cuda"), \
-        torch.tensor([1], device="cuda")
+    token = fed[:1].view(1, 1).clone()
+    pos = torch.full((1, 1), 20, device="cuda")
+    batch = Batch(pos, torch.tensor([1], device="cuda"), lengths=pos[:, 0] + 1)  # (static: the graph reads them)
     CausalLM.persistent_decode = True
     try:
-        batch = Batch(pos, slots, lengths=pos[:, 0] + 1)
-        token.fill_(int(fed[0]))
-        pos.fill_(20)
-        batch.lengths.copy_(pos[:, 0] + 1)
         model(token, batch, cache, last_only=True)  # (eager first: builds the step; rewritten by the replays)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -31,7 +31,6 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   p.counters = a.counters;
   p.hidden = a.hidden;
   p.inter = a.inter;
-  p.qkv_n = a.qkv_n;
   p.roles = a.roles;
   p.eps = a.eps;
   p.skip = a.skip;

@@ -146,14 +146,14 @@ struct DecodeStepParams {
   const StepLayer* layers;
   int n_layers;
   void* h;                  // [hidden] the residual stream: the embedding in, the last layer's sum out
-  void* x_qkv;              // [qkv_n] the qkv projection's output (= attention.qkv)
+  void* x_qkv;              // [(heads + 2 kv_heads) head_dim] the qkv projection's output (= attention.qkv)
   void* attn;               // [hidden] the attention output (= attention.out)
   void* act;                // [inter] silu(gate) * up
   const long long* slots;   // [1] this step's cache slot, live length and position
   const long long* lengths;
   const long long* positions;
   int* counters;            // [n_layers * kStages + 1], zero, re-armed by the kernel
-  int hidden, inter, qkv_n;
+  int hidden, inter;
   int roles;                // attention roles: kv_heads * attention.splits
   int slots_in_ring;        // ring slots (shared memory)
   int region_bytes;         // shared memory before the ring: attention's or x's, whichever is larger
@@ -162,7 +162,7 @@ struct DecodeStepParams {
   int ktiles[step::kLinears];
   int groups_pad[step::kLinears];
   float eps;
-  int skip;  // measurement only (benchmarks/profile_decode.py): a StepSkip mask, results then wrong
+  int skip;  // measurement only (benchmarks/profile_decode.py): a mask of kSkip*, results then wrong
 };
 
 template <typename T, int BITS, int GROUP, bool ZEROS>

@@ -342,7 +342,6 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.counters = counters.data_ptr<int>();
   a.hidden = static_cast<int>(h.numel());
   a.inter = static_cast<int>(act.numel());
-  a.qkv_n = static_cast<int>(qkv.numel());
   a.bits = static_cast<int>(bits);
   a.group_size = static_cast<int>(group_size);
   a.zeros = zeros;

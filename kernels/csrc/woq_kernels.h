@@ -91,14 +91,14 @@ struct DecodeStepArgs {
   int ktiles[kStepLinears];
   int groups_pad[kStepLinears];
   void* h;                  // [hidden] residual stream: the embedding in, the last layer's sum out
-  void* qkv;                // [qkv_n] = the layers' attention.qkv
+  void* qkv;                // [(heads + 2 kv_heads) head_dim] = the layers' attention.qkv
   void* attn;               // [hidden] = the layers' attention.out
   void* act;                // [inter] silu(gate) * up
   const long long* slots;   // [1] the sequence's slot, live length (its new token included), position
   const long long* lengths;
   const long long* positions;
   int* counters;            // >= decode_step_counters(n_layers) int32 zeros, left zero
-  int hidden, inter, qkv_n;
+  int hidden, inter;
   int bits, group_size;
   bool zeros;
   int roles;                // attention roles: kv_heads * the layers' attention.splits
