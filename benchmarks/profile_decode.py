@@ -272,19 +272,28 @@ def _attention_in_o(enabled: bool):
 
 
 @contextlib.contextmanager
-def _persistent_decode(skip: int = 0):
+def _persistent_decode(skip: int = 0, model=None, **options):
     """Every decoder layer of a batch-1 step in one persistent kernel (kernels/decode_step.py):
     models/llama.py, ``CausalLM.persistent_decode``; ``skip``: parts it leaves out, for
-    timing only (``DecodeStep.skip``)."""
+    timing only (``DecodeStep.skip``); ``options``: other ``cache_hints``, ``ring_slots`` or
+    ``max_shares`` (the step is then rebuilt for ``model``, before and after)."""
     from woq.kernels.decode_step import DecodeStep
     from woq.models.llama import CausalLM
 
-    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, True
-    saved_skip, DecodeStep.skip = DecodeStep.skip, skip
+    saved = {k: getattr(DecodeStep, k) for k in ("skip", *options)}
+    saved_on, CausalLM.persistent_decode = CausalLM.persistent_decode, True
+    for k, v in {"skip": skip, **options}.items():
+        setattr(DecodeStep, k, v)
+    if model is not None:
+        model._decode_steps.clear()
     try:
         yield
     finally:
-        CausalLM.persistent_decode, DecodeStep.skip = saved, saved_skip
+        CausalLM.persistent_decode = saved_on
+        for k, v in saved.items():
+            setattr(DecodeStep, k, v)
+        if model is not None:
+            model._decode_steps.clear()
 
 
 @contextlib.contextmanager
@@ -383,10 +392,22 @@ ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
              "no attention": lambda model: _without("attention"),
              "attention done by o's GEMV grid": lambda model: _attention_in_o(True),
              "persistent step: every layer in one kernel": lambda model: _persistent_decode(),
+             "persistent step, L2: no hints": lambda model: _persistent_decode(cache_hints=0),
+             "persistent step, L2: weights evict_first": lambda model: _persistent_decode(cache_hints=1),
+             "persistent step, L2: small data prefetched": lambda model: _persistent_decode(cache_hints=2),
+             "persistent step, L2: weights evict_first, small data prefetched":
+                 lambda model: _persistent_decode(cache_hints=3),
+             **{f"persistent step, L2: weights evict_first, small data prefetched, {n} ring slots":
+                (lambda model, n=n: _persistent_decode(cache_hints=3, ring_slots=n)) for n in (2, 3, 4)},
+             **{f"persistent step, at most {n} shares a KV head": (lambda model, n=n: _persistent_decode(
+                 model=model, max_shares=n)) for n in (1, 2, 4, 8)},
              # (timing only: the parts of the persistent step, left out; its results are then wrong)
              "persistent step without its attention": lambda model: _persistent_decode(skip=1),
+             "persistent step without its attention, L2: weights evict_first, small data prefetched":
+                 lambda model: _persistent_decode(skip=1, cache_hints=3),
              "persistent step without its GEMV arithmetic": lambda model: _persistent_decode(skip=2),
              "persistent step without waits (blocks run free)": lambda model: _persistent_decode(skip=4),
+             "persistent step without waits and attention": lambda model: _persistent_decode(skip=5),
              "persistent step streaming only (no attention, arithmetic, waits)":
                  lambda model: _persistent_decode(skip=7),
              "GEMVs, embedding, LM head only": lambda model: _without("norm+attention"),  # (SiLU: in the gate/up GEMV)

@@ -37,9 +37,9 @@ class DecodeStep:
         qkv0, o0, _, down0 = layers[0][:4]
         device, dtype = k_caches[0].device, o0.dtype
         kv_heads = k_caches[0].shape[1]
-        if shares is None:  # the largest power of two the SMs hold, up to MAX_SHARES
+        if shares is None:  # the largest power of two the SMs hold, up to max_shares
             shares = 1
-            while 2 * shares <= MAX_SHARES and kv_heads * 2 * shares <= sm_count(device):
+            while 2 * shares <= self.max_shares and kv_heads * 2 * shares <= sm_count(device):
                 shares *= 2
         self.weights = [w for layer in layers for w in layer[:4]]  # (kept alive: the table points at them)
         self.norms = [n for layer in layers for n in layer[4:]]
@@ -47,7 +47,7 @@ class DecodeStep:
         self.shapes = [w.n_tiles for w in layers[0][:4]] + [w.qweight.shape[1] for w in layers[0][:4]] + \
             [w.scales.shape[1] for w in layers[0][:4]]
         self.zeros = qkv0.zeros is not None
-        self.eps, self.roles = eps, kv_heads * shares
+        self.eps, self.roles, self.kv_heads = eps, kv_heads * shares, kv_heads
         self.qkv = torch.empty(qkv0.N, device=device, dtype=dtype)
         self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
         self.act = torch.empty(down0.K, device=device, dtype=dtype)
@@ -79,6 +79,16 @@ class DecodeStep:
                    and w.dtype in (torch.float16, torch.bfloat16) and (w.N, w.K) == (ref.N, ref.K)
                    for layer in layers for w, ref in zip(layer, layers[0]))
 
+    # Shares of a KV head's tokens at most, for steps built from now on (benchmarks).
+    max_shares = MAX_SHARES
+
+    # L2 use (csrc/decode_step.cuh, kHint*): 1 the weight stream marked evict_first, 2 the
+    # small data of the step's critical path prefetched into L2 (norm weights, RoPE rows,
+    # the next layer's cached rows); ring_slots: the shared-memory ring's depth at most (0:
+    # as many slots as fit).
+    cache_hints = 3
+    ring_slots = 0
+
     # Measurement only (benchmarks/profile_decode.py; the results are then wrong): a mask of
     # the parts the kernel leaves out -- 1 the attention, 2 the GEMVs' arithmetic, 4 every
     # wait on another block (csrc/decode_step.cuh, kSkip*).
@@ -91,5 +101,5 @@ class DecodeStep:
         ``lengths[0]`` positions. Launch-only: a CUDA graph captures it."""
         torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
                                   self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,
-                                  self.skip)
+                                  self.kv_heads, self.cache_hints, self.ring_slots, self.skip)
         return h

@@ -111,3 +111,28 @@ def test_persistent_step_replays_in_a_cuda_graph():
     finally:
         CausalLM.persistent_decode = False
     assert torch.equal(torch.stack(replayed), eager)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LLAMA3_8B_LAYERS], ids=["small", "llama3-8b-layers"])
+def test_cache_hints_and_ring_depth_change_no_result(shape):
+    """The L2 hints (DecodeStep.cache_hints: the weight stream evict_first, small data and
+    the next layer's cached rows prefetched) and a shallower ring (ring_slots) move only
+    bytes: the logits and the cached k and v are bit-equal to the step's without either."""
+    from woq.kernels.decode_step import DecodeStep
+
+    model = random_llama(torch.float16, "cuda", MAX_LEN, "int4", **shape)
+    cfg = model.cfg
+    g = torch.Generator(device="cuda").manual_seed(5)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 100), device="cuda", generator=g)
+    fed = torch.randint(0, cfg.vocab_size, (3,), device="cuda", generator=g)
+    runs = []
+    saved = DecodeStep.cache_hints, DecodeStep.ring_slots
+    for hints, slots in ((0, 0), (3, 0), (3, 2), (1, 3), (2, 0)):
+        cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
+        DecodeStep.cache_hints, DecodeStep.ring_slots = hints, slots
+        try:
+            runs.append((decode(model, cache, prompt, fed, persistent=True), cache.k[:, 1].clone(), cache.v[:, 1].clone()))
+        finally:
+            DecodeStep.cache_hints, DecodeStep.ring_slots = saved
+    for logits, k, v in runs[1:]:
+        assert torch.equal(logits, runs[0][0]) and torch.equal(k, runs[0][1]) and torch.equal(v, runs[0][2])

@@ -73,6 +73,20 @@ __device__ __forceinline__ float round_to(float v) {  // through the activation 
   return to_float(from_float<T>(v));
 }
 
+// A role's share of the live tokens: [start, end) of sequence b's KV head hkv, `used` of
+// the head's shares holding a token.
+struct AttentionShare {
+  int b, hkv, split, start, end, used;
+};
+__device__ __forceinline__ AttentionShare attention_share(const DecodeAttention& a, int role) {
+  const int S = a.splits;
+  const int b = role / (a.kv_heads * S), hkv = role / S % a.kv_heads, split = role % S;
+  const int length = static_cast<int>(a.lengths[b]);
+  const int share = max((((length + S - 1) / S + 15) / 16) * 16, kAttentionTile);
+  const int start = split * share;
+  return {b, hkv, split, start, min(start + share, length), (length + share - 1) / share};
+}
+
 // Role `role` of the grid's attention (see above); false if its share holds no token (it
 // did nothing, not even the wait). 256 threads. `wait()` returns once the qkv rows are
 // written (every thread calls it): the previous grid's completion here, a counter in the
@@ -86,13 +100,11 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kThreads = 256, TT = kAttentionTile;
   const int D = a.head_dim, G = a.heads / a.kv_heads, S = a.splits, RS = D + 8;  // RS: padded row
-  const int b = role / (a.kv_heads * S), hkv = role / S % a.kv_heads, split = role % S;
-  const int length = static_cast<int>(a.lengths[b]);
+  const AttentionShare share = attention_share(a, role);
+  const int b = share.b, hkv = share.hkv, split = share.split, used = share.used, start = share.start, end = share.end;
+  if (start >= end) return false;
   const long long slot = a.slots[b];
   const int pos = static_cast<int>(a.positions[b]);  // the new token's (= length - 1)
-  const int share = max((((length + S - 1) / S + 15) / 16) * 16, TT);
-  const int used = (length + share - 1) / share, start = split * share, end = min(start + share, length);
-  if (start >= end) return false;
 
   T* k_s = reinterpret_cast<T*>(smem_attention);
   T* v_s = k_s + TT * RS;

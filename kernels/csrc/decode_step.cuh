@@ -45,15 +45,16 @@
 // block to leave re-arms every counter for the next launch.
 //
 // Measured (H100, Llama-3-8B-shaped int4 g128, batch-1 graph step, position 128 / 1024;
-// docs/bench/decode_step_persistent.md): 2643 / 2795 us against 2459 / 2460 for the
-// kernel-per-op step, so the model leaves it off (CausalLM.persistent_decode). Without its
-// attention it takes 2118 / 2168 us, the same as the kernel-per-op step with nothing but
-// its GEMVs; streaming only (no attention, arithmetic or waits) 1724 / 1810. The attention
-// roles (attention.cuh: scalar score and p @ v loops, a chain of L2 round trips, ~10 us a
-// layer) are what it waits for most. Its first build spent ~30 us a layer more: thread 0's
-// refills read the layer table from global memory between two chunks, on every block's
-// critical path -- hence the shapes in the kernel parameters and the slot freed before the
-// arithmetic.
+// docs/bench/decode_step_persistent.md): 2491 / 2595 us against 2449 / 2521 for the
+// kernel-per-op step, so the model leaves it off (CausalLM.persistent_decode); streaming
+// only (no attention, arithmetic or waits) 1725 / 1736. The attention roles (attention.cuh:
+// scalar score and p @ v loops, a chain of L2 round trips, ~10 us a layer) are what it
+// waits for most. What mattered most so far was any read on the critical path that goes
+// to DRAM, where it queues behind the ring's weight requests: thread 0's refills reading
+// the layer table from global memory (~30 us a layer: hence the shapes in the kernel
+// parameters and the pointers in shared memory), and data evicted by the weights
+// themselves (110-240 us a step: hence the evict_first stream and the prefetched norms,
+// RoPE rows and next layer's cached rows).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -129,16 +130,53 @@ __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
-// `bytes` (a multiple of 16, 16-byte aligned both ends) from global to shared memory; the
-// barrier's transaction count drops by them as they land.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+// The weight stream's L2 policy (DecodeStepParams::cache_hints). Under the default
+// (evict_normal) the ~4.5 GB of weights that pass through the 50 MB L2 once a step turn it
+// over every ~16 us, so whatever the step reads again later -- norm weights, the RoPE rows,
+// the attention's parameters, cached k and v -- came back from DRAM, behind the ring's
+// ~7 us queue of weight requests, on the stages' critical path. evict_first makes the
+// weights the victims instead.
+__device__ __forceinline__ uint64_t stream_policy(bool evict_first) {
+  uint64_t policy = 0;
+#if WOQ_STEP_SM90
+  if (evict_first)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+
+// `bytes` (a multiple of 16, 16-byte aligned both ends) from global to shared memory under
+// an L2 policy (stream_policy); the barrier's transaction count drops by them as they land.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                          uint64_t policy) {
 #if WOQ_STEP_SM90
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 #endif
 }
+
+// `bytes` (a multiple of 16, 16-byte aligned) fetched into L2, no completion: small data
+// the step will need (kHintPrefetch). (Weights prefetched this way a few chunks beyond the
+// ring made the step 130-870 us slower: every prefetched chunk deepened the DRAM queue
+// the critical path's misses wait in; docs/bench/decode_step_persistent.md.)
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+#if WOQ_STEP_SM90
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+
+// Per layer, the pointers the step's control path reads, kept in shared memory (the kernel).
+struct LayerPointers {
+  const void* w[kLinears][3];  // qweight, scales, zeros of qkv, o, gate/up, down
+  const void* norm[2];
+  const void* cache[2];        // the layer's k and v caches
+};
+constexpr int kLayerPointers = kLinears * 3 + 4;
+constexpr int kHintEvictFirst = 1, kHintPrefetch = 2;  // DecodeStepParams::cache_hints
 
 }  // namespace step
 
@@ -156,7 +194,10 @@ struct DecodeStepParams {
   int hidden, inter;
   int roles;                // attention roles: kv_heads * attention.splits
   int slots_in_ring;        // ring slots (shared memory)
-  int region_bytes;         // shared memory before the ring: attention's or x's, whichever is larger
+  int region_bytes;         // shared memory before the ring: attention's or x's, whichever is larger,
+                            // then n_layers step::LayerPointers
+  int kv_heads;             // attention heads written per layer (batch 1)
+  int cache_hints;          // step::kHint*: the weight stream evict_first in L2; small data prefetched
   int rotation[step::kLinears];  // unit u of linear i goes to block (u + rotation[i]) % grid
   int n_tiles[step::kLinears];   // each linear's shape, the same in every layer
   int ktiles[step::kLinears];
@@ -181,6 +222,9 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, t4 = lane & 3;
   const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
   T* xs = reinterpret_cast<T*>(smem);  // the stage's x (aliases the attention role's tiles)
+  // (the layers' pointers sit at the region's end: n_layers LayerPointers)
+  LayerPointers* table = reinterpret_cast<LayerPointers*>(reinterpret_cast<unsigned char*>(smem) + p.region_bytes) -
+                         p.n_layers;
   unsigned char* ring = reinterpret_cast<unsigned char*>(smem) + p.region_bytes;
   const uint32_t ring0 = smem_addr(ring), full0 = smem_addr(full);
   const int S = p.slots_in_ring;
@@ -200,10 +244,10 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   };
   auto point = [&](Cursor& c) {  // (a new weight: its pointers)
     if (c.layer >= p.n_layers) return;
-    const StepWeight& w = p.layers[c.layer].linear[c.linear];
-    c.w = static_cast<const uint4*>(w.qweight);
-    c.s = static_cast<const uint32_t*>(w.scales);
-    c.z = static_cast<const uint32_t*>(w.zeros);
+    const LayerPointers& t = table[c.layer];
+    c.w = static_cast<const uint4*>(t.w[c.linear][0]);
+    c.s = static_cast<const uint32_t*>(t.w[c.linear][1]);
+    c.z = static_cast<const uint32_t*>(t.w[c.linear][2]);
   };
   // Settle a cursor on a real chunk: past a weight's units, the next weight, the next layer.
   auto settle = [&](Cursor& c) {
@@ -219,24 +263,42 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     }
     if (moved) point(c);
   };
+  // The pointers thread 0 and the stages read, copied once into shared memory: read from
+  // the global table, each was a DRAM miss queued behind the ring's ~7 us of weight
+  // requests, and thread 0's (a new weight's pointers) held the whole block.
+  static_assert(sizeof(LayerPointers) == kLayerPointers * sizeof(void*), "LayerPointers: pointers only");
+  for (int i = tid; i < p.n_layers * kLayerPointers; i += kThreads) {
+    const int layer = i / kLayerPointers, j = i % kLayerPointers;
+    const StepLayer& L = p.layers[layer];
+    const StepWeight& w = L.linear[min(j / 3, kLinears - 1)];
+    const void* v = j < kLinears * 3 ? (j % 3 == 0 ? w.qweight : j % 3 == 1 ? w.scales : w.zeros)
+                    : j < kLinears * 3 + 2 ? L.norm[j - kLinears * 3]
+                    : j == kLinears * 3 + 2 ? L.attention.k_cache
+                                            : L.attention.v_cache;
+    reinterpret_cast<const void**>(table + layer)[j] = v;
+  }
+  __syncthreads();
   Cursor fetch{0, 0, first_unit(0), 0, nullptr, nullptr, nullptr};
   int fetch_slot = 0;
   if (tid == 0) {
     point(fetch);
     settle(fetch);
   }
+  const bool evict_first = p.cache_hints & kHintEvictFirst;
   auto issue = [&]() {  // thread 0: the next chunk into its slot (free: consumed, or never used)
     if (fetch.layer >= p.n_layers) return;
+    const uint64_t policy = stream_policy(evict_first);
     const int li = fetch.linear, kt = p.ktiles[li];
     const int seg0 = fetch.chunk * kChunkSegs, segs = min(kChunkSegs, kt - seg0);
     const int g0 = seg0 / kSegsPerGroup, groups = segs / kSegsPerGroup;
     const uint32_t dst = ring0 + fetch_slot * SlotT::kBytes, bar = full0 + 8u * fetch_slot;
     const uint32_t w_bytes = segs * kSegBytes, pair_bytes = groups * 32;
     barrier_expect_bytes(bar, w_bytes + (ZEROS ? 2 : 1) * pair_bytes);
-    bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar);
+    bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar, policy);
     const size_t pairs = (static_cast<size_t>(fetch.unit) * p.groups_pad[li] + g0) * 8;  // u32 index
-    bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar);
-    if constexpr (ZEROS) bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar);
+    bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar, policy);
+    if constexpr (ZEROS)
+      bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar, policy);
     if (++fetch_slot == S) fetch_slot = 0;
     if (++fetch.chunk == chunks_of(li)) {
       fetch.chunk = 0;
@@ -250,7 +312,29 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // The first S chunks before anything else: weights do not depend on the previous kernel.
   if (tid == 0)
     for (int i = 0; i < S; ++i) issue();
+  // Every layer's norm weights into L2 ahead (kHintPrefetch; kept there by the stream's
+  // evict_first): read from DRAM behind the ring's queue, they were late for the norms.
+  if ((p.cache_hints & kHintPrefetch) && tid == 0)
+    for (int i = block; i < 2 * p.n_layers; i += grid) prefetch_l2(table[i / 2].norm[i % 2], p.hidden * sizeof(T));
+  // The attention's parameters, once (layer by layer only its caches change). The step's
+  // slot, length and position are copied into shared memory after the wait (earlier
+  // kernels of the graph may write them): the roles read them every layer, and from global
+  // memory each read was one more round trip on the attention's path.
+  __shared__ long long sequence[3];
+  if (block < p.roles && tid == 0) att = p.layers[0].attention;
   wait_for_prior_grid();  // (the embedding, which wrote h)
+  if (block < p.roles && tid == 0) {
+    sequence[0] = *p.slots;
+    sequence[1] = *p.lengths;
+    sequence[2] = *p.positions;
+    att.slots = sequence;
+    att.lengths = sequence + 1;
+    att.positions = sequence + 2;
+    if (p.cache_hints & kHintPrefetch) {  // (the RoPE rows, every layer's)
+      prefetch_l2(att.cos + sequence[2] * att.rope_stride, att.head_dim * 4);
+      prefetch_l2(att.sin + sequence[2] * att.rope_stride, att.head_dim * 4);
+    }
+  }
 
   // Stage counters: add this block's completion (after all of its threads' stores), wait for all blocks'.
   auto counter = [&](int layer, int stage) { return p.counters + layer * kStages + stage; };
@@ -440,18 +524,15 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   };
 
   for (int layer = 0; layer < p.n_layers; ++layer) {
-    const StepLayer& L = p.layers[layer];
     // qkv = RMSNorm(h) @ Wqkv^T  (layer 0: h is the embedding, written before this kernel)
-    norm_input(L.norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
+    norm_input(table[layer].norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
     run_units(0, [&](int unit, int r, float y, float) { qkv[16 * unit + r] = from_float<T>(y); });
     done(counter(layer, kQkv));
     // attention: RoPE, the cache write, softmax(q k^T) v over the live tokens
     if (block < p.roles && !no_attention) {
-      if (tid == 0) {
-        att = L.attention;
-        att.slots = p.slots;
-        att.lengths = p.lengths;
-        att.positions = p.positions;
+      if (tid == 0) {  // (the layers' entries differ only in their caches: decode_step_plan)
+        att.k_cache = const_cast<void*>(table[layer].cache[0]);
+        att.v_cache = const_cast<void*>(table[layer].cache[1]);
         att.flags = counter(layer, kAttention);
       }
       __syncthreads();
@@ -462,17 +543,29 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
           }
         __syncthreads();
       });
+      // The next layer's cached rows of this share into L2 (kHintPrefetch): their tile is
+      // then an L2 hit, not a DRAM read queued behind the weight stream.
+      if ((p.cache_hints & kHintPrefetch) && tid == 0 && layer + 1 < p.n_layers) {
+        const AttentionShare s = attention_share(att, block);
+        if (s.start < s.end) {
+          const long long row0 = sequence[0] * att.cache_slot_stride + s.hkv * att.cache_head_stride +
+                                 s.start * att.cache_pos_stride;
+          const uint32_t bytes = (s.end - s.start) * att.cache_pos_stride * sizeof(T);  // (rows contiguous)
+          prefetch_l2(static_cast<const T*>(table[layer + 1].cache[0]) + row0, bytes);
+          prefetch_l2(static_cast<const T*>(table[layer + 1].cache[1]) + row0, bytes);
+        }
+      }
       __syncthreads();
     }
     // h += attn @ Wo^T  (the attention counter counts heads written, not blocks)
     if (tid == 0 && !no_waits && !no_attention)
-      while (load_acquire(counter(layer, kAttention)) < L.attention.batch * L.attention.kv_heads) {
+      while (load_acquire(counter(layer, kAttention)) < p.kv_heads) {
       }
     copy_input(p.attn, p.hidden, nullptr);
     run_units(1, add_to_stream);
     done(counter(layer, kO));
     // act = silu(gate) * up of RMSNorm(h) @ Wgate_up^T
-    norm_input(L.norm[1], counter(layer, kO));
+    norm_input(table[layer].norm[1], counter(layer, kO));
     run_units(2, [&](int unit, int r, float gate, float up) {
       // rows 0..7 of a unit are gate, 8..15 up, of channels 8 unit + r (swiglu_column)
       if (r < 8) act[8 * unit + r] = swiglu<T>(gate, up);

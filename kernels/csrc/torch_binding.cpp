@@ -290,7 +290,8 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
     const at::Tensor& kc = k_caches[l];
     const at::Tensor& vc = v_caches[l];
     check(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.strides() == vc.strides() && kc.stride(3) == 1 &&
-              kc.size(1) == kv_heads && kc.size(3) == head_dim && kc.scalar_type() == qkv.scalar_type(),
+              kc.size(1) == kv_heads && kc.size(3) == head_dim && kc.scalar_type() == qkv.scalar_type() &&
+              kc.strides() == k_caches[0].strides(),
           "every layer's caches: [slots, kv_heads, positions, head_dim] of the activation dtype, alike");
     // (slots, lengths, positions and flags: set by the kernel for each launch)
     s.attention = decode_attention(qkv, qkv.numel(), kc, vc, cos, sin, part, lse, merge_counters, attn.data_ptr(), 1,
@@ -310,7 +311,8 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
 // reads `lengths[0]` positions. counters: int32 zeros (left zero).
 void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
                  const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
-                 at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t skip) {
+                 at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t kv_heads,
+                 int64_t cache_hints, int64_t max_slots, int64_t skip) {
   check(h.is_cuda() && h.is_contiguous() && h.dim() == 1 && h.scalar_type() == qkv.scalar_type() &&
             reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
         "h must be a contiguous, 16-byte aligned 1-D CUDA tensor of the activation dtype");
@@ -346,6 +348,12 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.group_size = static_cast<int>(group_size);
   a.zeros = zeros;
   a.roles = static_cast<int>(roles);
+  check(kv_heads >= 1 && roles % kv_heads == 0, "roles: kv_heads times the attention's shares");
+  a.kv_heads = static_cast<int>(kv_heads);
+  check(cache_hints >= 0 && cache_hints < 4, "cache_hints: a mask of decode_step.cuh's kHint*");
+  a.cache_hints = static_cast<int>(cache_hints);
+  check(max_slots >= 0, "max_slots: ring slots at most, 0 for as many as fit");
+  a.max_slots = static_cast<int>(max_slots);
   a.eps = static_cast<float>(eps);
   a.dtype = dtype_of(h);
   check(skip >= 0 && skip < 8, "skip: a mask of the parts a measurement leaves out (decode_step.cuh)");
@@ -453,7 +461,7 @@ TORCH_LIBRARY(woq, m) {
   m.def(
       "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
-      "float eps, int roles, int skip) -> ()");
+      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, int skip) -> ()");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);

@@ -102,6 +102,9 @@ struct DecodeStepArgs {
   int bits, group_size;
   bool zeros;
   int roles;                // attention roles: kv_heads * the layers' attention.splits
+  int kv_heads;             // attention outputs (KV heads) o waits for, a layer
+  int cache_hints = 0;      // decode_step.cuh's kHint*: the weight stream evict_first in L2, small data prefetched
+  int max_slots = 0;        // shared-memory ring slots, at most (0: as many as fit)
   float eps;
   DType dtype;
   int skip = 0;             // measurement only: parts left out (decode_step.cuh, kSkip*); results wrong
