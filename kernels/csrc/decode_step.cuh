@@ -161,8 +161,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 
 // `bytes` (a multiple of 16, 16-byte aligned) fetched into L2, no completion: small data
 // the step will need (kHintPrefetch). (Weights prefetched this way a few chunks beyond the
-// ring made the step 130-870 us slower: every prefetched chunk deepened the DRAM queue
-// the critical path's misses wait in; docs/bench/decode_step_persistent.md.)
+// ring made the step 130-870 us slower, likely as each prefetched chunk deepened the DRAM
+// queue the critical path's misses wait in; docs/bench/decode_step_persistent.md.)
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
