@@ -175,7 +175,6 @@ struct LayerPointers {
   const void* norm[2];
   const void* cache[2];        // the layer's k and v caches
 };
-constexpr int kLayerPointers = kLinears * 3 + 4;
 constexpr int kHintEvictFirst = 1, kHintPrefetch = 2;  // DecodeStepParams::cache_hints
 
 }  // namespace step
@@ -232,8 +231,9 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // The chunk sequence, walked twice in the same order: by thread 0 issuing copies and by
   // the block consuming them. Chunk q of the sequence lives in slot q % S, its barrier's
   // phase parity is (q / S) % 2. Thread 0 issues a chunk between two of the block's chunks,
-  // so its bookkeeping sits on the block's critical path: it reads only registers and the
-  // kernel parameters, and a weight's three pointers once per (layer, linear).
+  // so its bookkeeping sits on the block's critical path: it reads only registers, the
+  // kernel parameters and, once per (layer, linear), a weight's three pointers from the
+  // shared-memory table below.
   auto first_unit = [&](int linear) { return (block - p.rotation[linear] % grid + grid) % grid; };
   auto chunks_of = [&](int linear) { return (p.ktiles[linear] + kChunkSegs - 1) / kChunkSegs; };
   struct Cursor {
@@ -266,16 +266,19 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // The pointers thread 0 and the stages read, copied once into shared memory: read from
   // the global table, each was a DRAM miss queued behind the ring's ~7 us of weight
   // requests, and thread 0's (a new weight's pointers) held the whole block.
-  static_assert(sizeof(LayerPointers) == kLayerPointers * sizeof(void*), "LayerPointers: pointers only");
-  for (int i = tid; i < p.n_layers * kLayerPointers; i += kThreads) {
-    const int layer = i / kLayerPointers, j = i % kLayerPointers;
+  for (int layer = tid; layer < p.n_layers; layer += kThreads) {  // (a thread a layer: one round trip)
     const StepLayer& L = p.layers[layer];
-    const StepWeight& w = L.linear[min(j / 3, kLinears - 1)];
-    const void* v = j < kLinears * 3 ? (j % 3 == 0 ? w.qweight : j % 3 == 1 ? w.scales : w.zeros)
-                    : j < kLinears * 3 + 2 ? L.norm[j - kLinears * 3]
-                    : j == kLinears * 3 + 2 ? L.attention.k_cache
-                                            : L.attention.v_cache;
-    reinterpret_cast<const void**>(table + layer)[j] = v;
+    LayerPointers& t = table[layer];
+#pragma unroll
+    for (int i = 0; i < kLinears; ++i) {
+      t.w[i][0] = L.linear[i].qweight;
+      t.w[i][1] = L.linear[i].scales;
+      t.w[i][2] = L.linear[i].zeros;
+    }
+    t.norm[0] = L.norm[0];
+    t.norm[1] = L.norm[1];
+    t.cache[0] = L.attention.k_cache;
+    t.cache[1] = L.attention.v_cache;
   }
   __syncthreads();
   Cursor fetch{0, 0, first_unit(0), 0, nullptr, nullptr, nullptr};
