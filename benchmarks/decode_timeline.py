@@ -36,7 +36,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa: E402
 from engine import CONTEXT, configs, random_state  # noqa: E402
-from profile_decode import ABLATIONS, LINEAR_KINDS, decoder_linears, linear_chain, step_inputs  # noqa: E402
+from profile_decode import (ABLATIONS, LINEAR_KINDS, decoder_linears, kernel_per_op_step, linear_chain,  # noqa: E402
+                            step_inputs)
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from woq.kernels import ops  # noqa: E402
@@ -115,7 +116,12 @@ def boundaries(launch_list: list[dict], bw: float) -> dict[str, dict]:
 @torch.inference_mode()
 def measure(variants: list[str], bw: float, replays: int) -> list[dict]:
     """The step's timeline under each of ``variants`` (ABLATIONS labels), and that of
-    its linear layers alone."""
+    its linear layers alone: the kernel-per-op step (the traced GEMVs)."""
+    with kernel_per_op_step():
+        return _measure(variants, bw, replays)
+
+
+def _measure(variants: list[str], bw: float, replays: int) -> list[dict]:
     config = configs()["llama3-8b"]
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
                         progress=False)

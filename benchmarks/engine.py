@@ -10,6 +10,7 @@ static cache), and the cost of the per-kernel metrics at their default sampling 
 
     python benchmarks/engine.py --out docs/bench
     python benchmarks/engine.py --pdl-ab        # programmatic launches on / off (8B int4)
+    python benchmarks/engine.py --persistent-ab # the persistent decode step off / on (8B int4, batch 1)
 """
 from __future__ import annotations
 
@@ -245,6 +246,48 @@ def pdl_ab(name: str, out: Path, batches=(1, 16, 64), repeats: int = 5) -> str:
     return table
 
 
+def persistent_ab(name: str, out: Path, repeats: int = 5) -> str:
+    """Batch-1 decode tok/s and % of roofline of the int4 model with the kernel-per-op step
+    and with the persistent step (models/llama.py, ``CausalLM.persistent_decode``): two
+    engines whose graphs were captured each way, runs alternating."""
+    from woq.models.llama import CausalLM
+
+    config = configs()[name]
+    bw = copy_bandwidth()
+    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
+                        progress=False)
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+    per_token = weight_bytes(model) + kv_bytes * (PROMPT + NEW / 2)  # (as run()'s roofline)
+    saved = CausalLM.persistent_decode
+    engines = {}
+    try:
+        for on in (False, True):
+            CausalLM.persistent_decode = on  # (read as the graphs are captured)
+            engines[on] = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
+            engines[on].generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
+        rates = {False: [], True: []}
+        for _ in range(repeats):
+            for on in (False, True):
+                CausalLM.persistent_decode = on
+                rates[on].append(decode_tps(engines[on], config.vocab_size, 1).steady_tps)
+    finally:
+        CausalLM.persistent_decode = saved
+        for e in engines.values():
+            e.shutdown()
+    lines = []
+    for on, label in ((False, "kernel per op"), (True, "persistent step")):
+        tps = statistics.median(rates[on])
+        lines.append([f"{name} int4-g128", label, tps, 1e6 / tps, 100 * tps * per_token / bw,
+                      ", ".join(f"{r:.1f}" for r in rates[on])])
+        print(lines[-1], flush=True)
+    table = markdown_table(["model", "decode step", "decode tok/s b1", "µs / token", "% roofline b1", "runs"], lines)
+    (out / "persistent_ab.md").write_text(
+        f"GPU: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; median of {repeats} alternating "
+        f"runs each; {PROMPT}-token prompts, {NEW} new tokens, CUDA graphs captured each way; roofline as engine.md's "
+        f"({per_token / 1e9:.3f} GB a token).\n\n" + table + "\n")
+    return table
+
+
 def run(models: list[str], batches: list[int], out: Path) -> dict:
     info = gpu_info()
     bw = copy_bandwidth()
@@ -369,7 +412,12 @@ def main() -> None:
     ap.add_argument("--metrics-overhead", action="store_true",
                     help="only the cost of the kernel metrics, by part (int4, each of --models)")
     ap.add_argument("--pdl-ab", action="store_true", help="only programmatic launches on/off (8B int4)")
+    ap.add_argument("--persistent-ab", action="store_true", help="only the persistent decode step off/on (8B int4, b1)")
     a = ap.parse_args()
+    if a.persistent_ab:
+        a.out.mkdir(parents=True, exist_ok=True)
+        print(persistent_ab("llama3-8b", a.out))
+        return
     if a.pdl_ab:
         a.out.mkdir(parents=True, exist_ok=True)
         print(pdl_ab("llama3-8b", a.out))

@@ -44,6 +44,7 @@ GROUPS = [
     ("linear: woq GEMV", r"gemv_kernel|gemv_stream_kernel"),
     ("linear: woq mixed GEMM", r"woq::gemm_kernel"),
     ("lm_head / dense: cuBLAS", r"gemm|gemv2|sm90|sm80|cutlass|cublas|Kernel2|splitK"),
+    ("persistent decode step (every decoder layer)", r"decode_step_kernel"),
     ("attention, with RoPE + KV write (Triton)", r"_decode_attention"),
     ("add + RMSNorm (fused)", r"_add_rms_norm"),
     ("RoPE + KV write (fused)", r"_rope_and_cache"),
@@ -272,6 +273,19 @@ def _attention_in_o(enabled: bool):
 
 
 @contextlib.contextmanager
+def kernel_per_op_step():
+    """The batch-1 decode step as one kernel per op (models/llama.py: ``CausalLM.persistent_decode``
+    off), the step the ablation's variants other than the persistent ones change."""
+    from woq.models.llama import CausalLM
+
+    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, False
+    try:
+        yield
+    finally:
+        CausalLM.persistent_decode = saved
+
+
+@contextlib.contextmanager
 def _persistent_decode(skip: int = 0, model=None, **options):
     """Every decoder layer of a batch-1 step in one persistent kernel (kernels/decode_step.py):
     models/llama.py, ``CausalLM.persistent_decode``; ``skip``: parts it leaves out, for
@@ -457,11 +471,12 @@ def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tu
     variants = {k: v for k, v in ABLATIONS.items() if (batch == 1 or not k.startswith(TAKEN_OUT))
                 and (k == "full step" or not only or any(o in k for o in only))}
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for label, variant in variants.items():
-            with variant(model):
-                times[label].append(graph_step_us(model, cache, ids, pos, slots))
-            print(f"{name} b{batch} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
+    with kernel_per_op_step():
+        for _ in range(rounds):
+            for label, variant in variants.items():
+                with variant(model):
+                    times[label].append(graph_step_us(model, cache, ids, pos, slots))
+                print(f"{name} b{batch} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
     del model, cache
     torch.cuda.empty_cache()
     full = statistics.median(times["full step"])
@@ -473,7 +488,9 @@ def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tu
 def ablation_summary(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}, torch {result['torch']}. int4 g128 random weights, decode at the batch and "
              "position shown; graph step: median µs of 200 CUDA-graph replays (programmatic launches), each variant captured "
-             f"afresh, the variants alternating over {result.get('rounds', 3)} rounds (median of the rounds). \"no X\": that kind of kernel "
+             f"afresh, the variants alternating over {result.get('rounds', 3)} rounds (median of the rounds). \"full step\": "
+             "the kernel-per-op step, which every variant but the persistent ones changes (at batch 1 the served "
+             "8B step is the persistent one: models/llama.py). \"no X\": that kind of kernel "
              "replaced by a view of its input, so \"saved\" is what it costs in place, its launch and the wait "
              "between the GEMVs around it included (batch 1 only). `python benchmarks/profile_decode.py --ablation`\n"]
     for m in result["models"]:

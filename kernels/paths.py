@@ -8,7 +8,10 @@ DEQUANT_CUBLAS = "dequant_cublas"  # CUDA, large M: dequantize to a scratch buff
 # CUDA decode step, o projection: the register-stream GEMV whose grid computes the step's
 # attention first (kernels/csrc/attention.cuh); its time includes the attention's
 ATTENTION_GEMV = "attention_gemv"
-PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS, ATTENTION_GEMV)
+# CUDA batch-1 decode step: every decoder layer (their linears, norms and attention) in one
+# persistent kernel (kernels/csrc/decode_step.cuh), one call a step
+DECODE_STEP = "decode_step"
+PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS, ATTENTION_GEMV, DECODE_STEP)
 
 GEMV_MAX_M = 16  # rows the GEMV path takes, any weight (row blocks MB = 1, 2), unless the
 # tuner gives 9..16 to the mixed GEMM (GpuWeight.gemv_max_m = 8; tuning._gemv_reach).

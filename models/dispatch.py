@@ -15,6 +15,8 @@ path               when
 ``dequant_cublas`` CUDA, larger M (prefill): dequantize to a scratch buffer + cuBLAS
 ``attention_gemv`` CUDA decode step, the o projection: the GEMV whose grid does the
                    step's attention first (``attention_linear``; the model asks)
+``decode_step``    CUDA batch-1 decode step: every decoder layer in one persistent
+                   kernel (``decoder_step``; the model asks), layer kind ``decoder``
 =================  ===========================================================
 
 The decision is observable: an observer (the service's Prometheus metrics) receives a
@@ -33,7 +35,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..kernels.paths import (  # noqa: F401
-    ATTENTION_GEMV, CPU_REFERENCE, DENSE, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS,
+    ATTENTION_GEMV, CPU_REFERENCE, DECODE_STEP, DENSE, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS,
 )
 
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -165,3 +167,13 @@ def attention_linear(layer: Dispatchable, m: int, compute: Callable[[], torch.Te
         return compute()
     call = KernelCall(ATTENTION_GEMV, layer.layer_kind, layer.bits, m, layer.out_features, layer.in_features)
     return timing.run(call, compute, True)
+
+
+def decoder_step(bits: int, hidden: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A batch-1 decode step's decoder layers, all in one kernel launched by ``compute()``
+    (path ``decode_step``, layer kind ``decoder``, M = 1, N = K = ``hidden``), observed like
+    ``linear``'s calls."""
+    timing = _timing
+    if timing is None or torch.cuda.is_current_stream_capturing():
+        return compute()
+    return timing.run(KernelCall(DECODE_STEP, "decoder", bits, 1, hidden, hidden), compute, True)

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from . import dispatch
 from .config import ArchConfig
 from .kv_cache import KVCache
 
@@ -317,10 +318,15 @@ class CausalLM(nn.Module):
 
     # True: a CUDA decode step of one sequence runs every decoder layer in one persistent
     # kernel (kernels/decode_step.py, csrc/decode_step.cuh) where the model qualifies:
-    # int4 g128 weights on an sm_90 GPU, no biases. Off: so far slower than the kernel-per-op
-    # step (H100, Llama-3-8B int4 batch-1 graph step: +136 us at position 128, +300 at 1024),
-    # its in-grid attention costing ~11 us a layer (docs/bench/decode_step_persistent.md).
-    persistent_decode = False
+    # int4 g128 weights on an sm_90 GPU, no biases; elsewhere the kernel-per-op step. None
+    # (the default): True for models of hidden size persistent_min_hidden or more, where it
+    # was measured faster -- H100, Llama-3-8B int4, the engine's batch-1 decode: 442.4 vs
+    # 423.7 tok/s; graph step 2319 vs 2426 us at position 128, even at 1024
+    # (docs/bench/decode_step_persistent.md). Not measured on narrower models (SmolLM2's
+    # 576), whose kernel-per-op layers are short next to the step's fixed cost a layer
+    # (the attention's round trips, five grid-wide waits).
+    persistent_decode: bool | None = None
+    persistent_min_hidden = 4096
 
     def __init__(self, cfg: ArchConfig, embed: nn.Embedding, layers: list[DecoderLayer], norm: RMSNorm,
                  lm_head: nn.Module, rope: Rotary):
@@ -373,11 +379,15 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        if (self.persistent_decode and cache is not None and batch.lengths is not None and input_ids.shape == (1, 1)
+        persistent = self.persistent_decode
+        if persistent is None:
+            persistent = self.cfg.hidden_size >= self.persistent_min_hidden
+        if (persistent and cache is not None and batch.lengths is not None and input_ids.shape == (1, 1)
                 and fused_ops(x) is not None):
             step = self._persistent_step(cache)
             if step is not None:  # every layer in one kernel; x becomes the residual stream
-                step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths)
+                dispatch.decoder_step(4, self.cfg.hidden_size,
+                                      lambda: step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths))
                 return self.norm.add_forward(x, None)[0]
         # the SDPA backends of a prefill, chosen once for all layers (the switch costs host time)
         with sdpa_kernel(_PREFILL_ATTENTION) if batch.is_prefill or batch.is_padded_prompt else contextlib.nullcontext():

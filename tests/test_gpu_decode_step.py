@@ -25,14 +25,14 @@ def decode(model, cache, prompt, fed, persistent: bool) -> torch.Tensor:
     """Logits of the prompt's prefill (into slot 1) and of one decode step per token of ``fed``."""
     P, dev = prompt.shape[1], prompt.device
     slots = torch.tensor([1], device=dev)
-    CausalLM.persistent_decode = persistent
+    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, persistent
     try:
         out = [model(prompt, Batch.prefill([P], [1], dev), cache, last_only=True)[0]]
         for t, token in enumerate(fed):
             pos = torch.full((1, 1), P + t, device=dev)
             out.append(model(token.view(1, 1), Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)[0])
     finally:
-        CausalLM.persistent_decode = False
+        CausalLM.persistent_decode = saved
     return torch.stack(out).float()
 
 
@@ -95,7 +95,7 @@ def test_persistent_step_replays_in_a_cuda_graph():
     token = fed[:1].view(1, 1).clone()
     pos = torch.full((1, 1), 20, device="cuda")
     batch = Batch(pos, torch.tensor([1], device="cuda"), lengths=pos[:, 0] + 1)  # (static: the graph reads them)
-    CausalLM.persistent_decode = True
+    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, True
     try:
         model(token, batch, cache, last_only=True)  # (eager first: builds the step; rewritten by the replays)
         graph = torch.cuda.CUDAGraph()
@@ -109,7 +109,7 @@ def test_persistent_step_replays_in_a_cuda_graph():
             graph.replay()
             replayed.append(logits[0].float().clone())
     finally:
-        CausalLM.persistent_decode = False
+        CausalLM.persistent_decode = saved
     assert torch.equal(torch.stack(replayed), eager)
 
 
@@ -136,3 +136,35 @@ def test_cache_hints_and_ring_depth_change_no_result(shape):
             DecodeStep.cache_hints, DecodeStep.ring_slots = saved
     for logits, k, v in runs[1:]:
         assert torch.equal(logits, runs[0][0]) and torch.equal(k, runs[0][1]) and torch.equal(v, runs[0][2])
+
+
+def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
+    """With the kernel metrics' observer installed, a persistent decode step is one timed call
+    of path ``decode_step`` (layer kind ``decoder``, M = 1, N = K = hidden): its layers'
+    linears are not dispatched one by one."""
+    from woq.models import dispatch
+
+    class Calls:  # a KernelObserver
+        def __init__(self):
+            self.seen = []
+
+        def record(self, call, seconds):
+            self.seen.append((call, seconds))
+
+    model = random_llama(torch.float16, "cuda", MAX_LEN, "int4")
+    cfg = model.cfg
+    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 9), device="cuda", generator=g)
+    fed = torch.randint(0, cfg.vocab_size, (2,), device="cuda", generator=g)
+    calls = Calls()
+    dispatch.set_observer(calls)
+    try:
+        decode(model, cache, prompt, fed, persistent=True)  # a prefill, then two decode steps
+        dispatch.flush_observer()
+    finally:
+        dispatch.set_observer(None)
+    steps = [(c, s) for c, s in calls.seen if c.path == "decode_step"]
+    assert [(c.layer, c.m, c.n, c.k) for c, _ in steps] == [("decoder", 1, cfg.hidden_size, cfg.hidden_size)] * 2
+    assert all(s is not None and s > 0 for _, s in steps)
+    assert not [c for c, _ in calls.seen if c.m == 1 and c.layer in ("qkv", "o", "gate_up", "down")]

@@ -46,7 +46,6 @@
 namespace woq {
 
 constexpr int kAttentionTile = 64;  // tokens per tile: 2 x 64 x 136 x 2 B of k and v at D = 128
-constexpr int kAttentionMaxAcc = kAttentionMaxGroupDims / 512;  // (head, two dims) accumulators a thread holds
 constexpr int kMaxShares = kAttentionMaxSplits;
 
 // Shared memory of a role, in bytes (the GEMV's dynamic shared memory is at least this
@@ -88,17 +87,20 @@ __device__ __forceinline__ AttentionShare attention_share(const DecodeAttention&
 }
 
 // Role `role` of the grid's attention (see above); false if its share holds no token (it
-// did nothing, not even the wait). 256 threads. `wait()` returns once the qkv rows are
+// did nothing, not even the wait). THREADS threads (256 in the o GEMV's grid, 512 in the
+// persistent decode step). `wait()` returns once the qkv rows are
 // written (every thread calls it): the previous grid's completion here, a counter in the
 // persistent decode step (decode_step.cuh).
 // (Inlined, taking the kernel parameter by reference: a call copied the 300-byte struct to
 // every thread's stack -- ~86 KB of local-memory stores per block -- and the step was
 // ~10 us a layer slower.)
-template <typename T, typename Wait>
+template <typename T, int THREADS = 256, typename Wait>
 __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait) {
   extern __shared__ uint4 smem_attention[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int kThreads = 256, TT = kAttentionTile;
+  constexpr int kThreads = THREADS, TT = kAttentionTile;
+  constexpr int kAcc = kAttentionMaxGroupDims / 2 / kThreads;  // (head, two dims) accumulators a thread holds
+  static_assert(kThreads % 256 == 0 && kAcc >= 1, "whole multiples of 256 threads");
   const int D = a.head_dim, G = a.heads / a.kv_heads, S = a.splits, RS = D + 8;  // RS: padded row
   const AttentionShare share = attention_share(a, role);
   const int b = share.b, hkv = share.hkv, split = share.split, used = share.used, start = share.start, end = share.end;
@@ -139,7 +141,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   const T* row = static_cast<const T*>(a.qkv) + static_cast<long long>(b) * a.qkv_stride;
   const bool mine = pos >= start && pos < end;
   // (all loads first: one L2 round trip, not one per element a thread takes)
-  constexpr int kPerThread = (kAttentionMaxGroupDims + 2 * 256) / kThreads;  // (G + 2) * D <= this * 256
+  constexpr int kPerThread = (kAttentionMaxGroupDims + 2 * 256) / kThreads;  // (G + 2) * D <= this * kThreads
   float xv[kPerThread], pv[kPerThread], cv[kPerThread], sv[kPerThread];
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
@@ -172,7 +174,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     l_s[tid] = 0.f;
   }
 
-  float acc[kAttentionMaxAcc][2] = {};
+  float acc[kAcc][2] = {};
   const int pairs = G * D / 2;
   for (int t0 = start; t0 < end; t0 += TT) {
     if (t0 != start) fetch_tile(t0);  // (the previous tile was consumed: barrier at the loop's end)
@@ -227,7 +229,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kAttentionMaxAcc; ++j) {  // (head, two dims) per thread
+    for (int j = 0; j < kAcc; ++j) {  // (head, two dims) per thread
       const int i = tid + j * kThreads;
       if (i >= pairs) break;
       const int g = i / (D / 2), d = (i % (D / 2)) * 2;
@@ -249,7 +251,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   // Each accumulator pair over its head's sum: store(offset in [H, D], value, value of the next dim).
   auto for_each_output = [&](auto store) {
 #pragma unroll
-    for (int j = 0; j < kAttentionMaxAcc; ++j) {
+    for (int j = 0; j < kAcc; ++j) {
       const int i = tid + j * kThreads;
       if (i >= pairs) break;
       const int g = i / (D / 2), d = (i % (D / 2)) * 2;

@@ -12,10 +12,10 @@
 // blocks load their own first weights early, but no further: nothing loads the weights
 // of the GEMV after next. Here the weight stream never waits for activations.
 //
-// How. One block per SM, all resident for the kernel's life. Each block owns a fixed
-// list of "units" -- one n-tile (16 output channels, all of K) of one weight -- in the
-// order the step uses them: layer 0's qkv units, its o units, gate/up, down, then layer
-// 1's... (unit u of a weight goes to block (u + rotation) % grid, the rotation keeping
+// How. One block of 16 warps per SM, all resident for the kernel's life. Each block owns
+// a fixed list of "units" -- one n-tile (16 output channels, all of K) of one weight --
+// in the order the step uses them: layer 0's qkv units, its o units, gate/up, down, then
+// layer 1's... (unit u of a weight goes to block (u + rotation) % grid, the rotation keeping
 // every block's share of each layer's bytes within one unit of the others'). The unit's
 // packed weights, scales and zero points are contiguous in the GPU layout
 // (kernels/layout.py), so a "chunk" of a unit -- kChunkSegs 512-byte segments along K and
@@ -45,16 +45,23 @@
 // block to leave re-arms every counter for the next launch.
 //
 // Measured (H100, Llama-3-8B-shaped int4 g128, batch-1 graph step, position 128 / 1024;
-// docs/bench/decode_step_persistent.md): 2491 / 2595 us against 2449 / 2521 for the
-// kernel-per-op step, so the model leaves it off (CausalLM.persistent_decode); streaming
-// only (no attention, arithmetic or waits) 1725 / 1736. The attention roles (attention.cuh:
-// scalar score and p @ v loops, a chain of L2 round trips, ~10 us a layer) are what it
-// waits for most. What mattered most so far was any read on the critical path that goes
-// to DRAM, where it queues behind the ring's weight requests: thread 0's refills reading
-// the layer table from global memory (~30 us a layer: hence the shapes in the kernel
-// parameters and the pointers in shared memory), and data evicted by the weights
-// themselves (110-240 us a step: hence the evict_first stream and the prefetched norms,
-// RoPE rows and next layer's cached rows).
+// docs/bench/decode_step_persistent.md): 2319 / 2442 us against 2426 / 2438 for the
+// kernel-per-op step, and the engine's batch-1 decode 442.4 against 423.7 tok/s, so the
+// model takes it at hidden size 4096 and more (CausalLM.persistent_decode); streaming
+// only (no attention, arithmetic or waits) 1737 / 1705. What mattered most so far:
+//   * the consumer's warps: with 8 a block (255 registers) the GEMVs' arithmetic, not DRAM,
+//     set the stream's pace (with no waits and no attention it cost 372 us a step over
+//     streaming alone); 16 warps of at most 128 registers (84-136 bytes spilled, where
+//     not examined) halve each warp's share of a chunk and give each scheduler four warps
+//     to switch between instead of two: 199 us, and the step 107 us faster than the
+//     kernel-per-op step at 128;
+//   * any read on the critical path that goes to DRAM, where it queues behind the ring's
+//     weight requests: thread 0's refills reading the layer table from global memory (~30
+//     us a layer: hence the shapes in the kernel parameters and the pointers in shared
+//     memory), and data evicted by the weights themselves (110-240 us a step: hence the
+//     evict_first stream and the prefetched norms, RoPE rows and next layer's cached rows).
+// The attention roles (attention.cuh: scalar score and p @ v loops, a chain of L2 round
+// trips) are what it waits for most now: ~300-450 us a step.
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -77,10 +84,10 @@ namespace woq {
 
 namespace step {
 
-constexpr int kThreads = 256;            // 8 warps: attention.cuh's roles take 256 threads
+constexpr int kThreads = 512;            // 16 warps (with 8, the GEMVs' arithmetic, not DRAM, set the pace)
 constexpr int kWarps = kThreads / 32;
 constexpr int kSegBytes = 512;           // one n-tile's 16 channels x KT k (a warp's 32 lane loads)
-constexpr int kChunkSegs = 64;           // segments per chunk: 32 KB of weights, 8 a warp
+constexpr int kChunkSegs = 64;           // segments per chunk: 32 KB of weights, 4 a warp
 constexpr int kSegsPerWarp = kChunkSegs / kWarps;
 constexpr int kMaxSlots = 16;
 constexpr int kStages = 5;               // counters per layer: qkv, attention, o, gate/up, down
@@ -357,7 +364,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // fp32 sum of squares, the normalised value rounded to T before the weight multiply.
   // The weight is loaded before the wait. (Fixed summation order: every block gets the
   // same x bit for bit.)
-  constexpr int kNormUnits = 4;  // 16-byte units a thread holds (hidden <= 8192)
+  constexpr int kNormUnits = 8192 / 8 / kThreads;  // 16-byte units a thread holds (hidden <= 8192)
   auto norm_input = [&](const void* weight, const int* ready) {
     const uint4* w8 = static_cast<const uint4*>(weight);
     const uint4* h8 = static_cast<const uint4*>(p.h);
@@ -418,7 +425,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
 
   // This block's units of one linear: chunks from the ring, an mma per k16 block (x as
   // the B operand, all 8 of its rows row 0: M = 1), fp32 sums per group scaled into acc;
-  // the 8 warps' sums added in shared memory (fixed order), then `store(unit, row, sum,
+  // the kWarps warps' sums added in shared memory (fixed order), then `store(unit, row, sum,
   // sum of row ^ 8)` by threads 0..15 for the unit's 16 channels.
   int parity_unit = 0;     // which of red's buffers the next unit's sums go to
   int slot = 0;            // the next chunk's slot
@@ -540,7 +547,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       }
       __syncthreads();
       const int* qkv_ready = counter(layer, kQkv);
-      attend_share<T>(att, block, [&] {
+      attend_share<T, kThreads>(att, block, [&] {
         if (tid == 0 && !no_waits)
           while (load_acquire(qkv_ready) < grid) {
           }
