@@ -377,12 +377,17 @@ class CausalLM(nn.Module):
         """Longest sequence the RoPE table (built at load) covers."""
         return self.rope.cos.shape[0]
 
+    def wants_persistent_decode(self) -> bool:
+        """Whether a one-sequence CUDA decode step asks for the persistent step (it still
+        runs only where the model qualifies): ``persistent_decode``, or by default whether
+        the model is at least ``persistent_min_hidden`` wide."""
+        if self.persistent_decode is None:
+            return self.cfg.hidden_size >= self.persistent_min_hidden
+        return self.persistent_decode
+
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        persistent = self.persistent_decode
-        if persistent is None:
-            persistent = self.cfg.hidden_size >= self.persistent_min_hidden
-        if (persistent and cache is not None and batch.lengths is not None and input_ids.shape == (1, 1)
+        if (self.wants_persistent_decode() and cache is not None and batch.lengths is not None and input_ids.shape == (1, 1)
                 and fused_ops(x) is not None):
             step = self._persistent_step(cache)
             if step is not None:  # every layer in one kernel; x becomes the residual stream

@@ -181,3 +181,21 @@ def test_chunked_prefill_engine_matches_transformers(tiny):
     assert out == [theirs[1], theirs[0]]
     assert max(p for _, p in steps) <= 5 and sum(p for _, p in steps) == 23 + 4
     assert sum(1 for b, p in steps if p > 0 and b == 1) >= 4  # the short one decoded while the long one prefilled
+
+
+def test_the_persistent_decode_step_is_asked_for_by_width_unless_set():
+    """By default (``persistent_decode`` None) a model asks for the persistent decode step when
+    it is at least ``persistent_min_hidden`` wide -- the width it was measured faster at --
+    and not when narrower; True or False on the model decide for it either way."""
+    from conftest import random_llama
+
+    model = random_llama(torch.float32, "cpu", 64)  # hidden 256
+    assert model.persistent_decode is None and model.cfg.hidden_size < model.persistent_min_hidden
+    assert not model.wants_persistent_decode()
+    model.persistent_min_hidden = model.cfg.hidden_size
+    assert model.wants_persistent_decode()
+    model.persistent_decode = False
+    assert not model.wants_persistent_decode()
+    model.persistent_min_hidden = 1 << 20
+    model.persistent_decode = True
+    assert model.wants_persistent_decode()
