@@ -246,6 +246,13 @@ def pdl_ab(name: str, out: Path, batches=(1, 16, 64), repeats: int = 5) -> str:
     return table
 
 
+def bytes_per_token(config, wbytes: int) -> float:
+    """Bytes a batch-1 decode step reads, the roofline's numerator: the weights, and the fp16
+    KV cache at the run's middle position (a PROMPT-token prompt, NEW new tokens)."""
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+    return wbytes + kv_bytes * (PROMPT + NEW / 2)
+
+
 def persistent_ab(name: str, out: Path, repeats: int = 5) -> str:
     """Batch-1 decode tok/s and % of roofline of the int4 model with the kernel-per-op step
     and with the persistent step (models/llama.py, ``CausalLM.persistent_decode``): two
@@ -256,8 +263,7 @@ def persistent_ab(name: str, out: Path, repeats: int = 5) -> str:
     bw = copy_bandwidth()
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
                         progress=False)
-    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
-    per_token = weight_bytes(model) + kv_bytes * (PROMPT + NEW / 2)  # (as run()'s roofline)
+    per_token = bytes_per_token(config, weight_bytes(model))
     saved = CausalLM.persistent_decode
     engines = {}
     try:
@@ -316,8 +322,7 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
                 print(f"  {name} {fmt} batch {b}: {r.steady_tps:.0f} tok/s steady, {r.end_to_end_tps:.0f} end to end",
                       flush=True)
             row["prefill_tps_2048"] = prefill_tps(engine, config.vocab_size)
-            kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
-            per_token = wbytes + kv_bytes * (PROMPT + NEW / 2)
+            per_token = bytes_per_token(config, wbytes)
             row["roofline_tps_b1"] = bw / per_token
             row["pct_roofline_b1"] = 100 * row["decode_tps_b1"] / row["roofline_tps_b1"]
             row["vs_hf_eager_b1"] = row["decode_tps_b1"] / hf["dynamic"]

@@ -260,29 +260,30 @@ def _without(part: str):
 
 
 @contextlib.contextmanager
+def _class_setting(cls, name: str, value):
+    """``cls.name = value`` for the block, the previous value back after it."""
+    saved = getattr(cls, name)
+    setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        setattr(cls, name, saved)
+
+
 def _attention_in_o(enabled: bool):
     """The decode attention done by the o GEMV's grid (kernels/csrc/attention.cuh), or as its
     own kernel before it (decode_attention.py): models/llama.py, ``Attention.attention_in_o``."""
     from woq.models.llama import Attention
 
-    saved, Attention.attention_in_o = Attention.attention_in_o, enabled
-    try:
-        yield
-    finally:
-        Attention.attention_in_o = saved
+    return _class_setting(Attention, "attention_in_o", enabled)
 
 
-@contextlib.contextmanager
 def kernel_per_op_step():
     """The batch-1 decode step as one kernel per op (models/llama.py: ``CausalLM.persistent_decode``
     off), the step the ablation's variants other than the persistent ones change."""
     from woq.models.llama import CausalLM
 
-    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, False
-    try:
-        yield
-    finally:
-        CausalLM.persistent_decode = saved
+    return _class_setting(CausalLM, "persistent_decode", False)
 
 
 @contextlib.contextmanager
@@ -294,20 +295,17 @@ def _persistent_decode(skip: int = 0, model=None, **options):
     from woq.kernels.decode_step import DecodeStep
     from woq.models.llama import CausalLM
 
-    saved = {k: getattr(DecodeStep, k) for k in ("skip", *options)}
-    saved_on, CausalLM.persistent_decode = CausalLM.persistent_decode, True
-    for k, v in {"skip": skip, **options}.items():
-        setattr(DecodeStep, k, v)
-    if model is not None:
-        model._decode_steps.clear()
-    try:
-        yield
-    finally:
-        CausalLM.persistent_decode = saved_on
-        for k, v in saved.items():
-            setattr(DecodeStep, k, v)
+    with contextlib.ExitStack() as settings:
+        settings.enter_context(_class_setting(CausalLM, "persistent_decode", True))
+        for k, v in {"skip": skip, **options}.items():
+            settings.enter_context(_class_setting(DecodeStep, k, v))
         if model is not None:
             model._decode_steps.clear()
+        try:
+            yield
+        finally:
+            if model is not None:
+                model._decode_steps.clear()
 
 
 @contextlib.contextmanager
