@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
-#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline chaincost ablation prefill overhead pdlab persistentab serving bench msweep
+#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline chaincost ablation prefill overhead pdlab persistentab steptimeline stepncu serving bench msweep
 #           dequant grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +49,14 @@ for stage in "$@"; do
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ${OVERHEAD_ARGS:-} ;;
     pdlab) run pdlab $PY benchmarks/engine.py --pdl-ab --out "$OUT" ;;
     persistentab) run persistentab $PY benchmarks/engine.py --persistent-ab --out "$OUT" ;;
+    steptimeline) run steptimeline $PY benchmarks/step_timeline.py --out "$OUT" ${STEPTIMELINE_ARGS:-} ;;
+    stepncu)  # the persistent step's kernel under Nsight Compute: stall reasons, per-instruction samples (SASS)
+      run stepncu bash -c "ncu --clock-control none --kernel-name regex:decode_step_kernel --launch-skip 1 --launch-count 1 \
+           --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+           --section MemoryWorkloadAnalysis --section SourceCounters -f -o '$OUT/step' \
+           $PY benchmarks/step_timeline.py --out /tmp/step-ncu --positions 128 --variants persistent --replays 1; \
+           ncu -i '$OUT/step.ncu-rep' --page details > '$OUT/step_ncu.txt'; \
+           ncu -i '$OUT/step.ncu-rep' --page source --csv --print-source sass > '$OUT/step_sass.csv'" ;;
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
       run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import ops; import glob; assert ops.available(); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); assert ops.wgmma_configs_available(), \"no sm_90a code in the AOT library\"; print(\"AOT library loaded, no JIT build, wgmma configurations available\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
     gptq) run gptq $PY benchmarks/gptq_gpu_check.py ;;

@@ -89,6 +89,15 @@ class DecodeStep:
     cache_hints = 3
     ring_slots = 0
 
+    # Measurement only (benchmarks/step_timeline.py): an int64 CUDA tensor of
+    # ``trace_words(n_layers, device)`` words the kernel's blocks write their timeline into
+    # (csrc/decode_step.cuh, TraceEvent), or None.
+    trace: torch.Tensor | None = None
+
+    @staticmethod
+    def trace_words(n_layers: int, device: torch.device) -> int:
+        return sm_count(device) * n_layers * torch.ops.woq.decode_step_trace_events()
+
     # Measurement only (benchmarks/profile_decode.py; the results are then wrong): a mask of
     # the parts the kernel leaves out -- 1 the attention, 2 the GEMVs' arithmetic, 4 every
     # wait on another block (csrc/decode_step.cuh, kSkip*).
@@ -101,5 +110,6 @@ class DecodeStep:
         ``lengths[0]`` positions. Launch-only: a CUDA graph captures it."""
         torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
                                   self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,
-                                  self.kv_heads, self.cache_hints, self.ring_slots, self.skip)
+                                  self.kv_heads, self.cache_hints, self.ring_slots, self.skip,
+                                  self.trace)
         return h

@@ -138,6 +138,17 @@ def test_cache_hints_and_ring_depth_change_no_result(shape):
         assert torch.equal(logits, runs[0][0]) and torch.equal(k, runs[0][1]) and torch.equal(v, runs[0][2])
 
 
+def small_model_run(seed: int, prompt_len: int, fed_len: int):
+    """conftest's small fp16 int4 model, an empty cache, a random prompt and tokens to feed."""
+    model = random_llama(torch.float16, "cuda", MAX_LEN, "int4")
+    cfg = model.cfg
+    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda", generator=g)
+    fed = torch.randint(0, cfg.vocab_size, (fed_len,), device="cuda", generator=g)
+    return model, cache, prompt, fed
+
+
 def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
     """With the kernel metrics' observer installed, a persistent decode step is one timed call
     of path ``decode_step`` (layer kind ``decoder``, M = 1, N = K = hidden): its layers'
@@ -151,12 +162,8 @@ def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
         def record(self, call, seconds):
             self.seen.append((call, seconds))
 
-    model = random_llama(torch.float16, "cuda", MAX_LEN, "int4")
+    model, cache, prompt, fed = small_model_run(seed=6, prompt_len=9, fed_len=2)
     cfg = model.cfg
-    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
-    g = torch.Generator(device="cuda").manual_seed(6)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 9), device="cuda", generator=g)
-    fed = torch.randint(0, cfg.vocab_size, (2,), device="cuda", generator=g)
     calls = Calls()
     dispatch.set_observer(calls)
     try:
@@ -168,3 +175,39 @@ def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
     assert [(c.layer, c.m, c.n, c.k) for c, _ in steps] == [("decoder", 1, cfg.hidden_size, cfg.hidden_size)] * 2
     assert all(s is not None and s > 0 for _, s in steps)
     assert not [c for c, _ in calls.seen if c.m == 1 and c.layer in ("qkv", "o", "gate_up", "down")]
+
+
+def test_the_step_timeline_is_ordered_and_changes_no_result():
+    """With a trace buffer (DecodeStep.trace, benchmarks/step_timeline.py) every block
+    stamps its stages of every layer in the order they run, a layer's input after every
+    block's previous stage, each role's attention parts in order after every block's qkv;
+    and the logits are bit-equal to the untraced step's."""
+    from woq.kernels.decode_step import DecodeStep
+
+    model, cache, prompt, fed = small_model_run(seed=7, prompt_len=70, fed_len=2)
+    cfg = model.cfg
+    untraced = decode(model, cache, prompt, fed, persistent=True)  # (builds the step for this cache)
+    step = model._persistent_step(cache)
+    step.trace = torch.zeros(DecodeStep.trace_words(cfg.num_layers, cache.k.device), dtype=torch.int64, device="cuda")
+    try:  # (the same cache: the same positions written again)
+        traced = decode(model, cache, prompt, fed, persistent=True)
+    finally:
+        model._decode_steps.clear()
+    assert torch.equal(traced, untraced)
+
+    # the last step's stamps [blocks, layers, events] (csrc/decode_step.cuh's TraceEvent: 0 qkv
+    # ready, 1 done, 2 released, 3..8 a role's attention, 9 o ready .. 14 down done, 15 released).
+    # A release's own stamp follows it, so a reader is compared with the stamp before it.
+    t = step.trace.view(-1, cfg.num_layers, torch.ops.woq.decode_step_trace_events()).cpu()
+    stages = [0, 1, 2, 9, 10, 11, 12, 13, 14, 15]
+    assert (t[:, :, stages] > 0).all() and (t[:, :, stages].diff(dim=2) >= 0).all()
+    last = lambda event: t[:, :, event].max(dim=0).values  # noqa: E731  (per layer, over blocks)
+    assert (t[:, 1:, 0] >= last(14)[:-1]).all(), "a layer's qkv waits for every block's down"
+    assert (t[:, :, 11] >= last(10)).all(), "gate/up waits for every block's o"
+    assert (t[:, :, 13] >= last(12)).all(), "down waits for every block's gate/up"
+    roles = t[:, :, 3] > 0  # (blocks holding tokens)
+    assert roles.any(dim=0).all()
+    attention = t[:, :, 3:7][roles]  # seen, loaded, tiles, written
+    assert (attention > 0).all() and (attention.diff(dim=1) >= 0).all()
+    assert (t[:, :, 3] >= last(1))[roles].all(), "a role sees qkv after every block's"
+    assert (t[:, :, 9] >= last(6)).all(), "o waits for every role's output"

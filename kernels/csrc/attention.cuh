@@ -86,16 +86,23 @@ __device__ __forceinline__ AttentionShare attention_share(const DecodeAttention&
   return {b, hkv, split, start, min(start + share, length), (length + share - 1) / share};
 }
 
+struct NoMark {  // (attend_share's timeline hook, unused)
+  __device__ void operator()(int) const {}
+};
+
 // Role `role` of the grid's attention (see above); false if its share holds no token (it
 // did nothing, not even the wait). THREADS threads (256 in the o GEMV's grid, 512 in the
 // persistent decode step). `wait()` returns once the qkv rows are
 // written (every thread calls it): the previous grid's completion here, a counter in the
 // persistent decode step (decode_step.cuh).
+// `mark(i)` (every thread calls it; a timeline's hook, benchmarks only) at four points:
+// 0 q and the new k and v loaded and rotated, 1 the share's tiles done, 2 its output (or
+// partials and the merge counter) written, 3 the head's output released.
 // (Inlined, taking the kernel parameter by reference: a call copied the 300-byte struct to
 // every thread's stack -- ~86 KB of local-memory stores per block -- and the step was
 // ~10 us a layer slower.)
-template <typename T, int THREADS = 256, typename Wait>
-__device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait) {
+template <typename T, int THREADS = 256, typename Wait, typename Mark = NoMark>
+__device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait, Mark&& mark = Mark{}) {
   extern __shared__ uint4 smem_attention[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kThreads = THREADS, TT = kAttentionTile;
@@ -173,6 +180,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.f;
   }
+  mark(0);
 
   float acc[kAcc][2] = {};
   const int pairs = G * D / 2;
@@ -245,6 +253,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     }
     __syncthreads();  // the tile and the scores are free again
   }
+  mark(1);
 
   const int H = a.heads, head0 = hkv * G;
   T* out = static_cast<T*>(a.out) + static_cast<long long>(b) * H * D;
@@ -264,6 +273,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       out[o] = from_float<T>(x0);
       out[o + 1] = from_float<T>(x1);
     });
+    mark(2);
   } else {
     // Partial outputs [B, S, H, D] and log-sum-exps [B, S, H]; the last share merges.
     float* part = a.part + (static_cast<long long>(b) * S + split) * H * D;
@@ -276,6 +286,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     int* counter = a.merge_counters + b * a.kv_heads + hkv;
     if (tid == 0) *last_s = atomic_add_acq_rel(counter, 1) == used - 1;
     __syncthreads();
+    mark(2);
     if (!*last_s) return true;
     if (tid == 0) *counter = 0;  // re-armed for the next launch
     const float* lse0 = a.lse + static_cast<long long>(b) * S * H;
@@ -303,6 +314,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   }
   __syncthreads();  // the head's output written before thread 0 releases it
   if (tid == 0) add_release(a.flags, 1);
+  mark(3);
   return true;
 }
 

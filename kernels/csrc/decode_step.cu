@@ -9,12 +9,13 @@
 namespace woq {
 
 int decode_step_counters(int n_layers) { return n_layers * step::kStages + 1; }
+int decode_step_trace_events() { return step::kTraceEvents; }
 
 namespace {
 
 // One block per SM; its shared memory: the region (the attention role's tiles, or the
-// largest x a stage takes; then the layers' pointers), then as many ring slots as fit, up
-// to kMaxSlots (or max_slots).
+// largest x a stage takes; h's copy; then the layers' pointers), then as many ring slots
+// as fit, up to kMaxSlots (or max_slots).
 template <typename T, int BITS, int GROUP, bool ZEROS>
 cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   using SlotT = step::Slot<BITS, GROUP>;
@@ -37,12 +38,15 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   p.cache_hints = a.cache_hints;
   p.eps = a.eps;
   p.skip = a.skip;
+  p.trace = a.trace;
   const int grid = gemv_sm_count();
   // (the attention's smem at the largest group the roles take: head_dim 128, 8 query heads a KV head)
   const int attention = attention_smem_bytes<T>(128, kAttentionMaxGroup);
   const int x_bytes = std::max(a.hidden, a.inter) * static_cast<int>(sizeof(T));
   const int table_bytes = a.n_layers * static_cast<int>(sizeof(step::LayerPointers));
-  p.region_bytes = (std::max(attention, x_bytes) + table_bytes + 127) / 128 * 128;
+  p.residual_offset = (std::max(attention, x_bytes) + 15) / 16 * 16;
+  const int residual_bytes = a.hidden * static_cast<int>(sizeof(T));
+  p.region_bytes = (p.residual_offset + residual_bytes + table_bytes + 127) / 128 * 128;
   const int limit = shared_memory_budget().per_block - static_smem_bytes(kernel);
   p.slots_in_ring = std::min(a.max_slots > 0 ? a.max_slots : step::kMaxSlots,
                              std::min(step::kMaxSlots, (limit - p.region_bytes) / SlotT::kBytes));

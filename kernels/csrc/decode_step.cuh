@@ -60,8 +60,18 @@
 //     us a layer: hence the shapes in the kernel parameters and the pointers in shared
 //     memory), and data evicted by the weights themselves (110-240 us a step: hence the
 //     evict_first stream and the prefetched norms, RoPE rows and next layer's cached rows).
-// The attention roles (attention.cuh: scalar score and p @ v loops, a chain of L2 round
-// trips) are what it waits for most now: ~300-450 us a step.
+// Where a layer's ~59 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
+// against ~39 us of its weight bytes at the copy bandwidth: the units stream at about that
+// pace (qkv 4.8, o 3.4, gate/up 21.9, down 10.2 us), and every wait between stages adds on
+// top -- the attention ~10.7 us from qkv's last release to the last head's, the other
+// boundaries 1-3 us each. The ring does not make a wait up afterwards because the consumer,
+// not DRAM, sets the units' pace: under Nsight Compute no full barrier ever needed a second
+// try_wait (the chunk had always landed), and the block barriers (one a chunk, one a unit,
+// thread 0's refill and warp 0's sums inside them) took 41 % of the warps' stall samples.
+// Tried and removed (docs/bench/decode_step_persistent.md): a producer warp for the refills
+// and sums (17 warps hold 96 registers: units ~15 % faster, the stage boundaries slower,
+// no gain), and the refills and sums handed to the last warp through shared-memory counts
+// (every chunk's fence and atomic cost more than the barrier: 5 % slower in the engine).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -184,6 +194,35 @@ struct LayerPointers {
 };
 constexpr int kHintEvictFirst = 1, kHintPrefetch = 2;  // DecodeStepParams::cache_hints
 
+// A timeline of the step (DecodeStepParams::trace, benchmarks/step_timeline.py): thread 0
+// of every block stores %globaltimer (ns) at these points of every layer. Roles only: the
+// kAttention* points.
+enum TraceEvent : int {
+  kQkvReady,           // qkv's input normalised (the previous layer's down seen)
+  kQkvDone,            // qkv's units summed and stored, before the release
+  kQkvReleased,        // after it
+  kAttentionSeen,      // qkv's counter seen
+  kAttentionLoaded,    // q, the new k and v loaded and rotated
+  kAttentionTiles,     // scores, softmax and p @ v over the share
+  kAttentionWritten,   // the output (or the partials and the merge counter) written
+  kAttentionReleased,  // the head's output released (after the merge)
+  kAttentionEnd,       // the next layer's rows prefetched: the role's attention stage over
+  kOReady,             // every head's output seen and copied in
+  kODone,              // o's units done, before the release
+  kGateUpReady,
+  kGateUpDone,
+  kDownReady,
+  kDownDone,
+  kDownReleased,
+  kTraceEvents
+};
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 }  // namespace step
 
 struct DecodeStepParams {
@@ -201,7 +240,8 @@ struct DecodeStepParams {
   int roles;                // attention roles: kv_heads * attention.splits
   int slots_in_ring;        // ring slots (shared memory)
   int region_bytes;         // shared memory before the ring: attention's or x's, whichever is larger,
-                            // then n_layers step::LayerPointers
+                            // h's copy (residual_offset), then n_layers step::LayerPointers
+  int residual_offset;      // bytes into the region: h as the stage's norm read it (hidden elements)
   int kv_heads;             // attention heads written per layer (batch 1)
   int cache_hints;          // step::kHint*: the weight stream evict_first in L2; small data prefetched
   int rotation[step::kLinears];  // unit u of linear i goes to block (u + rotation[i]) % grid
@@ -210,6 +250,7 @@ struct DecodeStepParams {
   int groups_pad[step::kLinears];
   float eps;
   int skip;  // measurement only (benchmarks/profile_decode.py): a mask of kSkip*, results then wrong
+  unsigned long long* trace;  // measurement only: [grid, n_layers, kTraceEvents] ns, or null
 };
 
 template <typename T, int BITS, int GROUP, bool ZEROS>
@@ -234,6 +275,12 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   unsigned char* ring = reinterpret_cast<unsigned char*>(smem) + p.region_bytes;
   const uint32_t ring0 = smem_addr(ring), full0 = smem_addr(full);
   const int S = p.slots_in_ring;
+  T* hs = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(smem) + p.residual_offset);  // h, as the norm read it
+  int trace_layer = 0;  // (the layer the trace's points belong to)
+  auto mark = [&](int event) {
+    if (p.trace != nullptr && tid == 0)
+      p.trace[(static_cast<long long>(block) * p.n_layers + trace_layer) * kTraceEvents + event] = now_ns();
+  };
 
   // The chunk sequence, walked twice in the same order: by thread 0 issuing copies and by
   // the block consuming them. Chunk q of the sequence lives in slot q % S, its barrier's
@@ -361,9 +408,9 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   };
 
   // x = RMSNorm(h) * weight -> xs (hidden elements), as kernels/fused.py's add_rms_norm:
-  // fp32 sum of squares, the normalised value rounded to T before the weight multiply.
-  // The weight is loaded before the wait. (Fixed summation order: every block gets the
-  // same x bit for bit.)
+  // fp32 sum of squares, the normalised value rounded to T before the weight multiply;
+  // h itself -> hs, the old value of the stage's residual adds. The weight is loaded
+  // before the wait. (Fixed summation order: every block gets the same x bit for bit.)
   constexpr int kNormUnits = 8192 / 8 / kThreads;  // 16-byte units a thread holds (hidden <= 8192)
   auto norm_input = [&](const void* weight, const int* ready) {
     const uint4* w8 = static_cast<const uint4*>(weight);
@@ -379,6 +426,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     for (int j = 0; j < kNormUnits; ++j) {
       if (tid + j * kThreads < units) {
         hv[j] = __ldcg(h8 + tid + j * kThreads);
+        reinterpret_cast<uint4*>(hs)[tid + j * kThreads] = hv[j];
         const T* e = reinterpret_cast<const T*>(&hv[j]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) ss = fmaf(to_float(e[i]), to_float(e[i]), ss);
@@ -528,16 +576,24 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   T* h = static_cast<T*>(p.h);
   T* qkv = static_cast<T*>(p.x_qkv);
   T* act = static_cast<T*>(p.act);
-  auto add_to_stream = [&](int unit, int r, float y, float) {  // o and down: h += y, rounded as torch's add
+  // o and down: h += y, rounded as torch's add. h's old value is the one the stage's norm
+  // read (no other block writes channel n in between), kept in shared memory: read from
+  // L2 it was a round trip at the end of every o and down unit on warp 0's path, which the
+  // block's next chunk waited for.
+  auto add_to_stream = [&](int unit, int r, float y, float) {
     const int n = 16 * unit + r;
-    h[n] = from_float<T>(to_float(__ldcg(h + n)) + to_float(from_float<T>(y)));
+    h[n] = from_float<T>(to_float(hs[n]) + to_float(from_float<T>(y)));
   };
 
   for (int layer = 0; layer < p.n_layers; ++layer) {
+    trace_layer = layer;
     // qkv = RMSNorm(h) @ Wqkv^T  (layer 0: h is the embedding, written before this kernel)
     norm_input(table[layer].norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
+    mark(kQkvReady);
     run_units(0, [&](int unit, int r, float y, float) { qkv[16 * unit + r] = from_float<T>(y); });
+    mark(kQkvDone);
     done(counter(layer, kQkv));
+    mark(kQkvReleased);
     // attention: RoPE, the cache write, softmax(q k^T) v over the live tokens
     if (block < p.roles && !no_attention) {
       if (tid == 0) {  // (the layers' entries differ only in their caches: decode_step_plan)
@@ -547,12 +603,16 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       }
       __syncthreads();
       const int* qkv_ready = counter(layer, kQkv);
-      attend_share<T, kThreads>(att, block, [&] {
-        if (tid == 0 && !no_waits)
-          while (load_acquire(qkv_ready) < grid) {
-          }
-        __syncthreads();
-      });
+      attend_share<T, kThreads>(
+          att, block,
+          [&] {
+            if (tid == 0 && !no_waits)
+              while (load_acquire(qkv_ready) < grid) {
+              }
+            __syncthreads();
+            mark(kAttentionSeen);
+          },
+          [&](int i) { mark(kAttentionLoaded + i); });
       // The next layer's cached rows of this share into L2 (kHintPrefetch): their tile is
       // then an L2 hit, not a DRAM read queued behind the weight stream.
       if ((p.cache_hints & kHintPrefetch) && tid == 0 && layer + 1 < p.n_layers) {
@@ -566,25 +626,33 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
         }
       }
       __syncthreads();
+      mark(kAttentionEnd);
     }
     // h += attn @ Wo^T  (the attention counter counts heads written, not blocks)
     if (tid == 0 && !no_waits && !no_attention)
       while (load_acquire(counter(layer, kAttention)) < p.kv_heads) {
       }
     copy_input(p.attn, p.hidden, nullptr);
+    mark(kOReady);
     run_units(1, add_to_stream);
+    mark(kODone);
     done(counter(layer, kO));
     // act = silu(gate) * up of RMSNorm(h) @ Wgate_up^T
     norm_input(table[layer].norm[1], counter(layer, kO));
+    mark(kGateUpReady);
     run_units(2, [&](int unit, int r, float gate, float up) {
       // rows 0..7 of a unit are gate, 8..15 up, of channels 8 unit + r (swiglu_column)
       if (r < 8) act[8 * unit + r] = swiglu<T>(gate, up);
     });
+    mark(kGateUpDone);
     done(counter(layer, kGateUp));
     // h += act @ Wdown^T
     copy_input(p.act, p.inter, counter(layer, kGateUp));
+    mark(kDownReady);
     run_units(3, add_to_stream);
+    mark(kDownDone);
     done(counter(layer, kDown));
+    mark(kDownReleased);
   }
 
   // The last block out re-arms the counters for the next launch (stream-ordered after this one).

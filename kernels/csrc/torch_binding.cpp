@@ -312,7 +312,8 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
 void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
                  const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
                  at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t kv_heads,
-                 int64_t cache_hints, int64_t max_slots, int64_t skip) {
+                 int64_t cache_hints, int64_t max_slots, int64_t skip,
+                 const std::optional<at::Tensor>& trace) {
   check(h.is_cuda() && h.is_contiguous() && h.dim() == 1 && h.scalar_type() == qkv.scalar_type() &&
             reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
         "h must be a contiguous, 16-byte aligned 1-D CUDA tensor of the activation dtype");
@@ -358,6 +359,12 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.dtype = dtype_of(h);
   check(skip >= 0 && skip < 8, "skip: a mask of the parts a measurement leaves out (decode_step.cuh)");
   a.skip = static_cast<int>(skip);
+  if (trace) {  // [SMs, n_layers, events] int64 (one block per SM)
+    check(trace->is_cuda() && trace->is_contiguous() && trace->scalar_type() == at::kLong &&
+              trace->numel() >= static_cast<int64_t>(woq::gemv_sm_count()) * n_layers * woq::decode_step_trace_events(),
+          "trace: a contiguous int64 CUDA tensor of SMs x n_layers x decode_step_trace_events() words");
+    a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+  }
   const cudaError_t err = woq::launch_decode_step(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorNotSupported, "the persistent decode step runs on sm_90 with int4 g128 weights only");
   check(err != cudaErrorInvalidConfiguration, "the persistent decode step's ring does not fit the shared memory");
@@ -461,8 +468,10 @@ TORCH_LIBRARY(woq, m) {
   m.def(
       "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
-      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, int skip) -> ()");
+      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, int skip, "
+      "Tensor(f!)? trace=None) -> ()");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
+  m.def("decode_step_trace_events() -> int", [] { return static_cast<int64_t>(woq::decode_step_trace_events()); });
   m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
   m.def("set_trace_buffer(Tensor? buffer) -> bool", &set_trace_buffer);

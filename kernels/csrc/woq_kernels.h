@@ -108,8 +108,10 @@ struct DecodeStepArgs {
   float eps;
   DType dtype;
   int skip = 0;             // measurement only: parts left out (decode_step.cuh, kSkip*); results wrong
+  unsigned long long* trace = nullptr;  // measurement only: the step's timeline (decode_step.cuh, TraceEvent)
 };
 int decode_step_counters(int n_layers);
+int decode_step_trace_events();  // words per (block, layer) of DecodeStepArgs::trace
 // cudaErrorNotSupported: not an sm_90 device, or a weight format without an instantiation
 // (int4 g128 for now); cudaErrorInvalidConfiguration: the ring does not fit the shared
 // memory; cudaErrorCooperativeLaunchTooLarge: not one block per SM, or more roles than blocks.
