@@ -21,7 +21,6 @@ position, the median over layers 1..31 and over ``--replays`` eager steps of:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -31,13 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import gpu_info, markdown_table, write_json  # noqa: E402
 from engine import CONTEXT, configs, random_state  # noqa: E402
-from profile_decode import _class_setting, step_inputs  # noqa: E402
+from profile_decode import _persistent_decode, step_inputs  # noqa: E402
 
 from woq.kernels import ops  # noqa: E402
 from woq.kernels.decode_step import DecodeStep  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
-from woq.models.llama import Batch, CausalLM  # noqa: E402
+from woq.models.llama import Batch  # noqa: E402
 
 # csrc/decode_step.cuh's step::TraceEvent, in order
 EVENTS = ("qkv_ready", "qkv_done", "qkv_released", "attention_seen", "attention_loaded", "attention_tiles",
@@ -64,7 +63,7 @@ def layer_intervals(t: torch.Tensor, layer: int) -> dict[str, float]:
     ev = lambda name, l=layer: t[:, l, E[name]]  # noqa: E731
     roles = ev("attention_seen") > 0
     merged = roles & (ev("attention_released") > 0)
-    last = lambda name, sel=None: ev(name)[sel if sel is not None else slice(None)].max().item()  # noqa: E731
+    last = lambda name, sel=slice(None): ev(name)[sel].max().item()  # noqa: E731
     last_down = ev("down_released", layer - 1).max().item()
     q, r, o, gu = last("qkv_released"), last("attention_released", merged), last("o_done"), last("gate_up_done")
     role = lambda a, b, sel=roles: median((ev(b)[sel] - ev(a)[sel]).tolist())  # noqa: E731
@@ -101,11 +100,7 @@ def traced_steps(model, cache, position: int, settings: dict, replays: int) -> d
     built with ``settings`` (DecodeStep class attributes)."""
     ids, pos, slots = step_inputs(model, cache, position)
     batch = Batch(pos, slots, lengths=pos[:, 0] + 1)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_class_setting(CausalLM, "persistent_decode", True))
-        for k, v in settings.items():
-            stack.enter_context(_class_setting(DecodeStep, k, v))
-        model._decode_steps.clear()
+    with _persistent_decode(model=model, **settings):  # (the step rebuilt with them, and dropped after)
         model(ids, batch, cache, last_only=True)  # (builds the step)
         step = model._persistent_step(cache)
         n_layers = model.cfg.num_layers
@@ -119,7 +114,6 @@ def traced_steps(model, cache, position: int, settings: dict, replays: int) -> d
             for layer in range(1, n_layers):
                 for k, v in layer_intervals(t, layer).items():
                     per_layer.setdefault(k, []).append(v)
-        model._decode_steps.clear()
     return {k: median(v) for k, v in per_layer.items()}
 
 
