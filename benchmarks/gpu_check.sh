@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call (device time is scarce): install the
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
-# Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE...
+# Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE... (two versions of
+# some files on one machine: benchmarks/ab_files.sh)
 #   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline chaincost ablation prefill overhead pdlab persistentab steptimeline stepncu serving bench msweep
 #           dequant grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail

@@ -44,14 +44,14 @@
 // leave; no block waits on a later stage than the one it is working towards. The last
 // block to leave re-arms every counter for the next launch.
 //
-// Measured (H100, Llama-3-8B-shaped int4 g128, batch-1 graph step, position 128 / 1024;
-// docs/bench/decode_step_persistent.md): 2319 / 2442 us against 2426 / 2438 for the
-// kernel-per-op step, and the engine's batch-1 decode 442.4 against 423.7 tok/s, so the
-// model takes it at hidden size 4096 and more (CausalLM.persistent_decode); streaming
-// only (no attention, arithmetic or waits) 1737 / 1705. What mattered most so far:
+// Measured (H100, Llama-3-8B-shaped int4 g128, batch 1; docs/bench/decode_step_persistent.md):
+// the engine's batch-1 decode 444.8 tok/s, 71.3 % of roofline (the kernel-per-op step
+// ~422.6 in the same runs), so the model takes it at hidden size 4096 and more
+// (CausalLM.persistent_decode); streaming only (no attention, arithmetic or waits, session
+// 45) 1737 / 1705 us a graph step at position 128 / 1024. What mattered most so far:
 //   * the consumer's warps: with 8 a block (255 registers) the GEMVs' arithmetic, not DRAM,
 //     set the stream's pace (with no waits and no attention it cost 372 us a step over
-//     streaming alone); 16 warps of at most 128 registers (84-136 bytes spilled, where
+//     streaming alone); 16 warps of at most 128 registers (76-100 bytes spilled, where
 //     not examined) halve each warp's share of a chunk and give each scheduler four warps
 //     to switch between instead of two: 199 us, and the step 107 us faster than the
 //     kernel-per-op step at 128;
@@ -59,19 +59,27 @@
 //     weight requests: thread 0's refills reading the layer table from global memory (~30
 //     us a layer: hence the shapes in the kernel parameters and the pointers in shared
 //     memory), and data evicted by the weights themselves (110-240 us a step: hence the
-//     evict_first stream and the prefetched norms, RoPE rows and next layer's cached rows).
-// Where a layer's ~59 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
+//     evict_first stream and the prefetched norms, RoPE rows and next layer's cached rows);
+//   * a warp's four mma chains interleaved (piece_sums), not run one after another: gate/up
+//     units 20.8 us (21.9-22.3 before, other machines), about their bytes at the copy
+//     bandwidth, and the engine ~1 % faster.
+// Where a layer's ~58 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
 // against ~39 us of its weight bytes at the copy bandwidth: the units stream at about that
-// pace (qkv 4.8, o 3.4, gate/up 21.9, down 10.2 us), and every wait between stages adds on
-// top -- the attention ~10.7 us from qkv's last release to the last head's, the other
-// boundaries 1-3 us each. The ring does not make a wait up afterwards because the consumer,
-// not DRAM, sets the units' pace: under Nsight Compute no full barrier ever needed a second
-// try_wait (the chunk had always landed), and the block barriers (one a chunk, one a unit,
-// thread 0's refill and warp 0's sums inside them) took 41 % of the warps' stall samples.
+// pace (qkv 4.5, o 3.1, gate/up 20.8, down 9.7 us), and every wait between stages adds on
+// top -- the attention ~10.4 us from qkv's last release to the last head's, the other
+// boundaries 1-3 us each. The ring (~7 us of DRAM) does not make a wait up afterwards: o's
+// chunks, which land during the attention, take as long a chunk as gate/up's from DRAM
+// (~1.5 us), so the consumer is likely no faster than DRAM; under Nsight Compute 48 % of the
+// warps' samples are in per-layer code, 32 % of all waiting at its block barriers.
 // Tried and removed (docs/bench/decode_step_persistent.md): a producer warp for the refills
 // and sums (17 warps hold 96 registers: units ~15 % faster, the stage boundaries slower,
-// no gain), and the refills and sums handed to the last warp through shared-memory counts
-// (every chunk's fence and atomic cost more than the barrier: 5 % slower in the engine).
+// no gain); the refills and sums handed to the last warp through shared-memory counts
+// (every chunk's fence and atomic cost more than the barrier: 5 % slower in the engine);
+// a ring of its own for every warp, refilled by its lane 0, with no block barrier a chunk
+// (every warp then runs its own bulk copies and bookkeeping: 2-3 % slower); the
+// int4 codes' bias removed once a group from the fp32 sums instead of on every register
+// (units no faster -- they are at DRAM's pace -- and the stage inputs' group sums of x
+// made every boundary slower: 1 % slower).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -471,14 +479,66 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     __syncthreads();
   };
 
-  // This block's units of one linear: chunks from the ring, an mma per k16 block (x as
-  // the B operand, all 8 of its rows row 0: M = 1), fp32 sums per group scaled into acc;
-  // the kWarps warps' sums added in shared memory (fixed order), then `store(unit, row, sum,
-  // sum of row ^ 8)` by threads 0..15 for the unit's 16 channels.
+  // This block's units of one linear: chunks from the ring, each warp's piece of a chunk
+  // (kSegsPerWarp segments) multiplied into its acc by piece_sums; the kWarps warps' sums
+  // added in shared memory (fixed order), then `store(unit, row, sum, sum of row ^ 8)` by
+  // threads 0..15 for the unit's 16 channels.
   int parity_unit = 0;     // which of red's buffers the next unit's sums go to
   int slot = 0;            // the next chunk's slot
   uint32_t parity = 0;     // and its barrier phase
   const T* x_lane = xs + 8 * (lane >> 3);
+  // A warp's piece (its first `segs` segments valid; x: the stage's x at the piece's first k)
+  // times x, added into acc: an mma per k16 block (x as the B operand, all 8 of its rows row 0:
+  // M = 1), fp32 sums per group, scaled. The segments' mma chains are interleaved k16 block
+  // by k16 block, with no branch between them: with a branch a segment (`continue` past
+  // the valid ones) the compiler ran the four chains one after another, each mma waiting
+  // for the one before (Nsight Compute, session 47). Segments past `segs` compute on zero
+  // weights and x beyond the stage's (still the block's shared memory) and are dropped
+  // with their group.
+  constexpr int kWarpGroups = kSegsPerWarp / kSegsPerGroup;
+  static_assert(K16 % 2 == 0, "x is loaded for two k16 blocks at a time");
+  auto piece_sums = [&](const uint4 (&wv)[kSegsPerWarp], const uint32_t (&sv)[kWarpGroups],
+                        const uint32_t (&zv)[kWarpGroups], int segs, const T* x, float (&acc)[4]) {
+    float part[kSegsPerWarp][4];
+    ZeroConsts<T, BITS> zc[kWarpGroups];
+#pragma unroll
+    for (int g = 0; g < kWarpGroups; ++g) {
+      zc[g] = ZeroConsts<T, BITS>(zero_point_bias(BITS), zero_point_bias(BITS));
+      if constexpr (ZEROS) zc[g] = zero_consts<T, BITS>(zv[g]);
+    }
+#pragma unroll
+    for (int i = 0; i < kSegsPerWarp; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) part[i][q] = 0.f;
+#pragma unroll
+    for (int j = 0; j < K16; j += 2) {  // (one ldmatrix_x4: x for two k16 blocks)
+      uint32_t bx[kSegsPerWarp][4];
+#pragma unroll
+      for (int i = 0; i < kSegsPerWarp; ++i) ldmatrix_x4(bx[i], x + i * KT + j * 16);
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int i = 0; i < kSegsPerWarp; ++i) {
+          uint32_t a[4];
+          convert_segment_k16<T, BITS, ZEROS>(wv[i], j + jj, zc[i / kSegsPerGroup], a);
+          const uint32_t bb[2] = {bx[i][jj * 2], bx[i][jj * 2 + 1]};
+          mma_16816<T>(part[i], a, bb);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < kWarpGroups; ++g) {  // each group's sums, scaled (fixed order)
+      if (g * kSegsPerGroup >= segs) continue;
+      const float2 sc = pair_to_float2<T>(sv[g]);
+      float s0 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < kSegsPerGroup; ++i) {
+        s0 += part[g * kSegsPerGroup + i][0];
+        s2 += part[g * kSegsPerGroup + i][2];
+      }
+      acc[0] += sc.x * s0;
+      acc[2] += sc.y * s2;
+    }
+  };
   auto run_units = [&](int linear, auto store) {
     const int chunks = chunks_of(linear), kt = p.ktiles[linear];
     for (int unit = first_unit(linear); unit < p.n_tiles[linear]; unit += grid) {
@@ -493,20 +553,16 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
         const uint32_t* sp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes);
         [[maybe_unused]] const uint32_t* zp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes + SlotT::kPairBytes);
         const int seg0 = c * kChunkSegs, segs = min(kChunkSegs, kt - seg0);
-        constexpr int kWarpGroups = kSegsPerWarp / kSegsPerGroup;
+        const int wsegs = min(kSegsPerWarp, segs - warp * kSegsPerWarp);
         uint4 wv[kSegsPerWarp];
-        uint32_t sv[kWarpGroups];
-        [[maybe_unused]] uint32_t zv[kWarpGroups];
-        const bool arithmetic = !(p.skip & kSkipArithmetic);
+        uint32_t sv[kWarpGroups], zv[kWarpGroups];
 #pragma unroll
         for (int i = 0; i < kSegsPerWarp; ++i) {
           const int seg = warp * kSegsPerWarp + i;
-          if (seg < segs && arithmetic) {
-            wv[i] = wseg[seg * 32 + lane];
-            if (i % kSegsPerGroup == 0) {
-              sv[i / kSegsPerGroup] = sp[seg / kSegsPerGroup * 8 + gid];
-              if constexpr (ZEROS) zv[i / kSegsPerGroup] = zp[seg / kSegsPerGroup * 8 + gid];
-            }
+          wv[i] = i < wsegs ? wseg[seg * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
+          if (i % kSegsPerGroup == 0) {
+            sv[i / kSegsPerGroup] = i < wsegs ? sp[seg / kSegsPerGroup * 8 + gid] : 0u;
+            zv[i / kSegsPerGroup] = ZEROS && i < wsegs ? zp[seg / kSegsPerGroup * 8 + gid] : 0u;
           }
         }
         __syncthreads();  // every warp has its share of the slot: refill it
@@ -515,41 +571,8 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
           slot = 0;
           parity ^= 1u;
         }
-        // One accumulator set per segment: independent mma chains of K16 each.
-        float part[kSegsPerWarp][4];
-#pragma unroll
-        for (int i = 0; i < kSegsPerWarp; ++i) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) part[i][q] = 0.f;
-          const int seg = warp * kSegsPerWarp + i;
-          if (seg >= segs || !arithmetic) continue;
-          ZeroConsts<T, BITS> zc(zero_point_bias(BITS), zero_point_bias(BITS));
-          if constexpr (ZEROS) zc = zero_consts<T, BITS>(zv[i / kSegsPerGroup]);
-          const T* xk = x_lane + (seg0 + seg) * KT;
-          uint32_t bx[4];
-#pragma unroll
-          for (int j = 0; j < K16; ++j) {
-            if (j % 2 == 0) ldmatrix_x4(bx, xk + j * 16);
-            uint32_t a[4];
-            convert_segment_k16<T, BITS, ZEROS>(wv[i], j, zc, a);
-            const uint32_t bb[2] = {bx[(j % 2) * 2], bx[(j % 2) * 2 + 1]};
-            mma_16816<T>(part[i], a, bb);
-          }
-        }
-#pragma unroll
-        for (int g = 0; g < kWarpGroups; ++g) {  // each group's sums, scaled (fixed order)
-          const int seg = warp * kSegsPerWarp + g * kSegsPerGroup;
-          if (seg >= segs || !arithmetic) continue;
-          const float2 sc = pair_to_float2<T>(sv[g]);
-          float s0 = 0.f, s2 = 0.f;
-#pragma unroll
-          for (int i = 0; i < kSegsPerGroup; ++i) {
-            s0 += part[g * kSegsPerGroup + i][0];
-            s2 += part[g * kSegsPerGroup + i][2];
-          }
-          acc[0] += sc.x * s0;
-          acc[2] += sc.y * s2;
-        }
+        if (wsegs > 0 && !(p.skip & kSkipArithmetic))
+          piece_sums(wv, sv, zv, wsegs, x_lane + (seg0 + warp * kSegsPerWarp) * KT, acc);
       }
       // acc[0] / acc[2]: channel gid / gid + 8 of the unit, row m = 2 * t4 (row 0 at t4 = 0).
       // The warps' sums meet in shared memory, added in warp order by threads 0..15, one
