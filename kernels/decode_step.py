@@ -20,6 +20,9 @@ from .layout import GpuWeight
 # more than the SMs): each share is one block's work, at least a 64-token tile, so a short
 # sequence uses few of them; several are merged by the last to finish (csrc/attention.cuh).
 MAX_SHARES = 16
+# A block's units of one linear at most (csrc/decode_step.cuh, step::kMaxStagedUnits): its
+# outputs of a stage are staged in shared memory for their bulk stores.
+MAX_STAGED_UNITS = 32
 
 
 class DecodeStep:
@@ -66,13 +69,16 @@ class DecodeStep:
     def supported(layers: list[tuple[GpuWeight, ...]], device: torch.device) -> bool:
         """Whether the kernel takes these layers' ``(qkv, o, gate_up, down)`` weights here:
         int4 g128, all with zero points or none, fp16/bf16, a hidden size of at most 8192
-        that o maps onto itself (heads x head_dim = hidden), the same shapes in every layer."""
+        that o maps onto itself (heads x head_dim = hidden), at most ``MAX_STAGED_UNITS``
+        n-tiles of a weight an SM, the same shapes in every layer."""
         if device.type != "cuda" or sm_major(device) != 9 or not ops.available():
             return False
         qkv, o, gate_up, down = layers[0]
         hidden = o.N
         if not (o.K == hidden == qkv.K == gate_up.K == down.N and gate_up.N == 2 * down.K and gate_up.swiglu_rows
                 and hidden % 16 == 0 and hidden <= 8192 and down.K % 128 == 0):
+            return False
+        if any(-(-w.n_tiles // sm_count(device)) > MAX_STAGED_UNITS for w in layers[0]):
             return False
         zeros = qkv.zeros is not None
         return all(w.bits == 4 and w.group_size == 128 and (w.zeros is not None) == zeros and w.dtype == o.dtype
@@ -100,7 +106,7 @@ class DecodeStep:
 
     # Measurement only (benchmarks/profile_decode.py; the results are then wrong): a mask of
     # the parts the kernel leaves out -- 1 the attention, 2 the GEMVs' arithmetic, 4 every
-    # wait on another block (csrc/decode_step.cuh, kSkip*).
+    # wait on another block, 8 the weight stream (csrc/decode_step.cuh, kSkip*).
     skip = 0
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

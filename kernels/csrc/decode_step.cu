@@ -54,6 +54,8 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   const int smem = p.region_bytes + p.slots_in_ring * SlotT::kBytes;
   int rotation = 0;
   for (int i = 0; i < step::kLinears; ++i) {
+    // (a block's outputs of a stage are staged in shared memory for their bulk stores)
+    if ((a.n_tiles[i] + grid - 1) / grid > step::kMaxStagedUnits) return cudaErrorInvalidConfiguration;
     p.rotation[i] = rotation % grid;
     rotation += a.n_tiles[i];
     p.n_tiles[i] = a.n_tiles[i];

@@ -20,14 +20,18 @@
 // packed weights, scales and zero points are contiguous in the GPU layout
 // (kernels/layout.py), so a "chunk" of a unit -- kChunkSegs 512-byte segments along K and
 // their groups' scales and zeros -- is three bulk copies (cp.async.bulk, completing on an
-// mbarrier) into one slot of a shared-memory ring. Thread 0 refills a slot as soon as the
-// block has consumed it, with the block's next chunk whatever layer or stage it belongs
-// to: the ring (~170 KB an SM, ~22 MB over an H100) stays full while the block waits for
-// an activation, so DRAM keeps streaming through every dependency.
+// mbarrier) into one slot of a shared-memory ring. One thread (kIssuer) refills a slot as
+// soon as the block has consumed it, with the block's next chunk whatever layer or stage
+// it belongs to: the ring (~170 KB an SM, ~22 MB over an H100) stays full while the block
+// waits for an activation, so DRAM keeps streaming through every dependency. One block
+// barrier a chunk: after it the issuer refills the slot just read and warp 0 adds up the
+// previous unit's sums while the other warps go on (run_units).
 //
 // Dependencies are counters in global memory, one per (layer, stage): every block adds 1
-// (release) when it has written its part of a stage's output, and a block about to read
-// a stage's output waits until the counter reaches the grid size (acquire). Stage inputs:
+// when its part of a stage's output is written, and a block about to read a stage's output
+// waits until the counter reaches the grid size (acquire). The GEMV stages' outputs leave
+// a block as bulk stores whose completion the block awaits, so that adding 1 needs no
+// fence (a gpu-scope fence waits for the ring's loads in flight: bulk_store). Stage inputs:
 //   * qkv and gate/up: RMSNorm of the residual stream h, computed by every block from h
 //     (8 KB at 4096) -- cheaper than one more dependency round trip;
 //   * attention: blocks 0..roles-1 each take one (KV head, share of the live tokens) with
@@ -45,41 +49,43 @@
 // block to leave re-arms every counter for the next launch.
 //
 // Measured (H100, Llama-3-8B-shaped int4 g128, batch 1; docs/bench/decode_step_persistent.md):
-// the engine's batch-1 decode 444.8 tok/s, 71.3 % of roofline (the kernel-per-op step
-// ~422.6 in the same runs), so the model takes it at hidden size 4096 and more
+// the engine's batch-1 decode 464.7 tok/s, 74.4 % of roofline (the kernel-per-op step
+// 421.2 in the same run), so the model takes it at hidden size 4096 and more
 // (CausalLM.persistent_decode); streaming only (no attention, arithmetic or waits, session
 // 45) 1737 / 1705 us a graph step at position 128 / 1024. What mattered most so far:
 //   * the consumer's warps: with 8 a block (255 registers) the GEMVs' arithmetic, not DRAM,
-//     set the stream's pace (with no waits and no attention it cost 372 us a step over
-//     streaming alone); 16 warps of at most 128 registers (76-100 bytes spilled, where
+//     set the stream's pace; 16 warps of at most 128 registers (76-100 bytes spilled, where
 //     not examined) halve each warp's share of a chunk and give each scheduler four warps
-//     to switch between instead of two: 199 us, and the step 107 us faster than the
-//     kernel-per-op step at 128;
+//     to switch between instead of two: the step 107 us faster than the kernel-per-op step;
 //   * any read on the critical path that goes to DRAM, where it queues behind the ring's
-//     weight requests: thread 0's refills reading the layer table from global memory (~30
-//     us a layer: hence the shapes in the kernel parameters and the pointers in shared
-//     memory), and data evicted by the weights themselves (110-240 us a step: hence the
-//     evict_first stream and the prefetched norms, RoPE rows and next layer's cached rows);
-//   * a warp's four mma chains interleaved (piece_sums), not run one after another: gate/up
-//     units 20.8 us (21.9-22.3 before, other machines), about their bytes at the copy
-//     bandwidth, and the engine ~1 % faster.
-// Where a layer's ~58 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
-// against ~39 us of its weight bytes at the copy bandwidth: the units stream at about that
-// pace (qkv 4.5, o 3.1, gate/up 20.8, down 9.7 us), and every wait between stages adds on
-// top -- the attention ~10.4 us from qkv's last release to the last head's, the other
-// boundaries 1-3 us each. The ring (~7 us of DRAM) does not make a wait up afterwards: o's
-// chunks, which land during the attention, take as long a chunk as gate/up's from DRAM
-// (~1.5 us), so the consumer is likely no faster than DRAM; under Nsight Compute 48 % of the
-// warps' samples are in per-layer code, 32 % of all waiting at its block barriers.
+//     weight requests: the refills reading the layer table from global memory (~30 us a
+//     layer: hence the shapes in the kernel parameters and the pointers in shared memory),
+//     and data evicted by the weights themselves (110-240 us a step: hence the evict_first
+//     stream and the prefetched norms, RoPE rows and next layer's cached rows);
+//   * a warp's four mma chains interleaved (piece_sums), not run one after another: the
+//     engine ~1 % faster;
+//   * what the consumer waits for between chunks, and what a release waits for (session 48):
+//     one block barrier a chunk instead of two, the refill and the unit's sums on two
+//     different warps after it, and the stages' outputs as bulk stores so that a release
+//     needs no fence (a gpu-scope fence waited for the ring's loads in flight: 1-2 us a
+//     release, 5 us with the consumer faster): the consumer alone 38.4 us a layer instead
+//     of ~44, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster.
+// Where a layer's ~55 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
+// against ~39 us of its weight bytes at the copy bandwidth: the consumer alone (no stream,
+// attention or waits: kSkip*) takes ~38 us, about DRAM's pace, so every wait between stages
+// adds on top of the units (qkv 4.5, o 3.4, gate/up 19.0, down 10.9 us) -- the attention
+// ~10.8 us from qkv's last release to the last head's, the other boundaries ~1 us each.
 // Tried and removed (docs/bench/decode_step_persistent.md): a producer warp for the refills
 // and sums (17 warps hold 96 registers: units ~15 % faster, the stage boundaries slower,
 // no gain); the refills and sums handed to the last warp through shared-memory counts
 // (every chunk's fence and atomic cost more than the barrier: 5 % slower in the engine);
 // a ring of its own for every warp, refilled by its lane 0, with no block barrier a chunk
-// (every warp then runs its own bulk copies and bookkeeping: 2-3 % slower); the
-// int4 codes' bias removed once a group from the fp32 sums instead of on every register
-// (units no faster -- they are at DRAM's pace -- and the stage inputs' group sums of x
-// made every boundary slower: 1 % slower).
+// (every warp then runs its own bulk copies and bookkeeping: 2-3 % slower); the int4
+// codes' bias removed once a group from the fp32 sums (the stage inputs' group sums of x
+// made every boundary slower: 1 % slower); a bulk store a unit (its fence and wait on warp
+// 0's path: 6 % slower); a block's units as one contiguous range with one bulk store a
+// stage (the weight stream slower: 2 % slower); a stage's last refills held back until its
+// release (no faster release).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -107,13 +113,18 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kSegBytes = 512;           // one n-tile's 16 channels x KT k (a warp's 32 lane loads)
 constexpr int kChunkSegs = 64;           // segments per chunk: 32 KB of weights, 4 a warp
 constexpr int kSegsPerWarp = kChunkSegs / kWarps;
+// The thread that issues the ring's copies: lane 0 of the last warp -- warp 0 adds each
+// unit's sums (run_units) while it refills the slot.
+constexpr int kIssuer = kThreads - 32;
 constexpr int kMaxSlots = 16;
+constexpr int kMaxStagedUnits = 32;      // units of one linear a block takes, at most (launch checks)
 constexpr int kStages = 5;               // counters per layer: qkv, attention, o, gate/up, down
 enum Stage : int { kQkv = 0, kAttention = 1, kO = 2, kGateUp = 3, kDown = 4 };
 // Parts of the step a measurement can leave out (DecodeStepParams::skip; the results are
 // then wrong): the attention, the GEMVs' arithmetic (chunks are still streamed and
-// waited for), every wait on another block.
-constexpr int kSkipAttention = 1, kSkipArithmetic = 2, kSkipWaits = 4;
+// waited for), every wait on another block, the weight stream (a slot's barrier completes
+// with no copy: the consumer runs on whatever the slot holds, at its own pace).
+constexpr int kSkipAttention = 1, kSkipArithmetic = 2, kSkipWaits = 4, kSkipStream = 8;
 constexpr int kLinears = kStepLinears;   // qkv, o, gate/up, down (StepLayer::linear)
 
 // A chunk's slot: its weights, then its groups' scale pairs, then their zero pairs.
@@ -140,6 +151,12 @@ __device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+#if WOQ_STEP_SM90
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
 
@@ -192,6 +209,44 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 #endif
+}
+
+// A stage's outputs leave the block as bulk stores (shared -> global, in the issuing
+// thread's bulk groups), so that the stage's release needs no fence. Why: a gpu-scope
+// fence (the release of red.release / atom.acq_rel) waits for every memory request the SM
+// has in flight, the ring's bulk loads included (step_timeline.py, H100: a release took
+// 0.9-1.9 us with the consumer at DRAM's pace, 5 us with the GEMV arithmetic left out --
+// also with no output stored, also from a thread that issues no loads -- and 0.1 us
+// relaxed). A bulk store's completion (wait_group) waits for the thread's bulk stores only,
+// not the mbarrier-tracked loads; once complete, the outputs are in L2, where every
+// reader's acquire-then-L2 load finds them, so the counter increment after it is relaxed.
+// (This rests on that completion -- the bytes written to L2, the readers' point of
+// coherence -- not on a formal release of the PTX memory model; the GPU tests, logits
+// against the kernel-per-op step and graph replays bit-equal to eager steps, check it.)
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+#if WOQ_STEP_SM90
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Until every bulk store of the thread is complete (its bytes written to global memory).
+__device__ __forceinline__ void bulk_wait_all() {
+#if WOQ_STEP_SM90
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// This thread's shared-memory writes made visible to the bulk copies (the async proxy).
+__device__ __forceinline__ void fence_async_shared() {
+#if WOQ_STEP_SM90
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void add_relaxed(int* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 // Per layer, the pointers the step's control path reads, kept in shared memory (the kernel).
@@ -272,6 +327,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   __shared__ __align__(8) uint64_t full[kMaxSlots];
   __shared__ float red[2][kWarps][16];  // per-warp unit sums, double-buffered by unit parity
   __shared__ float norm_part[kWarps];
+  __shared__ __align__(16) T staging[kMaxStagedUnits][16];  // a stage's outputs of the block (run_units)
   __shared__ DecodeAttention att;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, t4 = lane & 3;
@@ -290,9 +346,9 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       p.trace[(static_cast<long long>(block) * p.n_layers + trace_layer) * kTraceEvents + event] = now_ns();
   };
 
-  // The chunk sequence, walked twice in the same order: by thread 0 issuing copies and by
+  // The chunk sequence, walked twice in the same order: by the issuer's copies and by
   // the block consuming them. Chunk q of the sequence lives in slot q % S, its barrier's
-  // phase parity is (q / S) % 2. Thread 0 issues a chunk between two of the block's chunks,
+  // phase parity is (q / S) % 2. The issuer issues a chunk between two of the block's chunks,
   // so its bookkeeping sits on the block's critical path: it reads only registers, the
   // kernel parameters and, once per (layer, linear), a weight's three pointers from the
   // shared-memory table below.
@@ -325,9 +381,9 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     }
     if (moved) point(c);
   };
-  // The pointers thread 0 and the stages read, copied once into shared memory: read from
+  // The pointers the issuer and the stages read, copied once into shared memory: read from
   // the global table, each was a DRAM miss queued behind the ring's ~7 us of weight
-  // requests, and thread 0's (a new weight's pointers) held the whole block.
+  // requests, and the issuer's (a new weight's pointers) held the whole block.
   for (int layer = tid; layer < p.n_layers; layer += kThreads) {  // (a thread a layer: one round trip)
     const StepLayer& L = p.layers[layer];
     LayerPointers& t = table[layer];
@@ -345,12 +401,12 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   __syncthreads();
   Cursor fetch{0, 0, first_unit(0), 0, nullptr, nullptr, nullptr};
   int fetch_slot = 0;
-  if (tid == 0) {
+  if (tid == kIssuer) {
     point(fetch);
     settle(fetch);
   }
   const bool evict_first = p.cache_hints & kHintEvictFirst;
-  auto issue = [&]() {  // thread 0: the next chunk into its slot (free: consumed, or never used)
+  auto issue = [&]() {  // (kIssuer) the next chunk into its slot (free: consumed, or never used)
     if (fetch.layer >= p.n_layers) return;
     const uint64_t policy = stream_policy(evict_first);
     const int li = fetch.linear, kt = p.ktiles[li];
@@ -358,12 +414,16 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     const int g0 = seg0 / kSegsPerGroup, groups = segs / kSegsPerGroup;
     const uint32_t dst = ring0 + fetch_slot * SlotT::kBytes, bar = full0 + 8u * fetch_slot;
     const uint32_t w_bytes = segs * kSegBytes, pair_bytes = groups * 32;
-    barrier_expect_bytes(bar, w_bytes + (ZEROS ? 2 : 1) * pair_bytes);
-    bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar, policy);
-    const size_t pairs = (static_cast<size_t>(fetch.unit) * p.groups_pad[li] + g0) * 8;  // u32 index
-    bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar, policy);
-    if constexpr (ZEROS)
-      bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar, policy);
+    if (p.skip & kSkipStream) {
+      barrier_arrive(bar);
+    } else {
+      barrier_expect_bytes(bar, w_bytes + (ZEROS ? 2 : 1) * pair_bytes);
+      bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar, policy);
+      const size_t pairs = (static_cast<size_t>(fetch.unit) * p.groups_pad[li] + g0) * 8;  // u32 index
+      bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar, policy);
+      if constexpr (ZEROS)
+        bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar, policy);
+    }
     if (++fetch_slot == S) fetch_slot = 0;
     if (++fetch.chunk == chunks_of(li)) {
       fetch.chunk = 0;
@@ -375,11 +435,11 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
   // The first S chunks before anything else: weights do not depend on the previous kernel.
-  if (tid == 0)
+  if (tid == kIssuer)
     for (int i = 0; i < S; ++i) issue();
   // Every layer's norm weights into L2 ahead (kHintPrefetch; kept there by the stream's
   // evict_first): read from DRAM behind the ring's queue, they were late for the norms.
-  if ((p.cache_hints & kHintPrefetch) && tid == 0)
+  if ((p.cache_hints & kHintPrefetch) && tid == kIssuer)
     for (int i = block; i < 2 * p.n_layers; i += grid) prefetch_l2(table[i / 2].norm[i % 2], p.hidden * sizeof(T));
   // The attention's parameters, once (layer by layer only its caches change). The step's
   // slot, length and position are copied into shared memory after the wait (earlier
@@ -403,9 +463,12 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
 
   // Stage counters: add this block's completion (after all of its threads' stores), wait for all blocks'.
   auto counter = [&](int layer, int stage) { return p.counters + layer * kStages + stage; };
+  // (no fence: every output of the stage left the block as a bulk store, whose completion
+  // each issuing warp awaits here -- run_units, bulk_store)
   auto done = [&](int* c) {
+    if (lane == 0) bulk_wait_all();
     __syncthreads();
-    if (tid == 0) add_release(c, 1);
+    if (tid == 0) add_relaxed(c, 1);
   };
   const bool no_waits = p.skip & kSkipWaits, no_attention = p.skip & kSkipAttention;
   auto wait_all = [&](const int* c) {  // (null: nothing to wait for)
@@ -539,61 +602,83 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       acc[2] += sc.y * s2;
     }
   };
-  auto run_units = [&](int linear, auto store) {
+  auto run_units = [&](int linear, T* outputs, int per_unit, auto store) {
     const int chunks = chunks_of(linear), kt = p.ktiles[linear];
-    for (int unit = first_unit(linear); unit < p.n_tiles[linear]; unit += grid) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int c = 0; c < chunks; ++c) {
-        // The warp's segments and their groups' scale and zero pairs into registers, then
-        // the slot is refilled at once: it is held only for these loads, not for the
-        // arithmetic, so the ring keeps as many bytes in flight as it can.
-        barrier_wait(full0 + 8u * slot, parity);
-        const unsigned char* base = ring + slot * SlotT::kBytes;
-        const uint4* wseg = reinterpret_cast<const uint4*>(base);
-        const uint32_t* sp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes);
-        [[maybe_unused]] const uint32_t* zp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes + SlotT::kPairBytes);
-        const int seg0 = c * kChunkSegs, segs = min(kChunkSegs, kt - seg0);
-        const int wsegs = min(kSegsPerWarp, segs - warp * kSegsPerWarp);
-        uint4 wv[kSegsPerWarp];
-        uint32_t sv[kWarpGroups], zv[kWarpGroups];
+    const int first = first_unit(linear);
+    const int n_units = first < p.n_tiles[linear] ? (p.n_tiles[linear] - first - 1) / grid + 1 : 0;
+    // A unit's sums, added by threads 0..15 from red after the block barrier that follows
+    // them -- the next chunk's (one block barrier a chunk): while warp 0 adds them, the
+    // issuer warp refills the slot and the other warps go on with their pieces.
+    auto reduce = [&](int k, float (*sums)[16]) {
+      const int unit = first + k * grid;
+      auto channel = [&](int r) {
+        float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < kSegsPerWarp; ++i) {
-          const int seg = warp * kSegsPerWarp + i;
-          wv[i] = i < wsegs ? wseg[seg * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
-          if (i % kSegsPerGroup == 0) {
-            sv[i / kSegsPerGroup] = i < wsegs ? sp[seg / kSegsPerGroup * 8 + gid] : 0u;
-            zv[i / kSegsPerGroup] = ZEROS && i < wsegs ? zp[seg / kSegsPerGroup * 8 + gid] : 0u;
-          }
-        }
-        __syncthreads();  // every warp has its share of the slot: refill it
-        if (tid == 0) issue();
-        if (++slot == S) {
-          slot = 0;
-          parity ^= 1u;
-        }
-        if (wsegs > 0 && !(p.skip & kSkipArithmetic))
-          piece_sums(wv, sv, zv, wsegs, x_lane + (seg0 + warp * kSegsPerWarp) * KT, acc);
-      }
-      // acc[0] / acc[2]: channel gid / gid + 8 of the unit, row m = 2 * t4 (row 0 at t4 = 0).
-      // The warps' sums meet in shared memory, added in warp order by threads 0..15, one
-      // channel each (the buffer alternates between units: one block barrier a unit).
-      float (*sums)[16] = red[parity_unit];
-      if (t4 == 0) {
-        sums[warp][gid] = acc[0];
-        sums[warp][gid + 8] = acc[2];
-      }
-      __syncthreads();
-      if (tid < 16) {
-        auto channel = [&](int r) {
-          float sum = 0.f;
+        for (int i = 0; i < kWarps; ++i) sum += sums[i][r];
+        return sum;
+      };
+      store(staging[k], unit, tid, channel(tid), channel(tid ^ 8));  // (its partner row: SwiGLU's gate and up)
+    };
+    int pending = -1;  // the unit whose sums wait in red[parity_unit ^ 1]
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k = 0, c = 0; k < n_units;) {
+      // The warp's segments and their groups' scale and zero pairs into registers, then
+      // the slot is refilled at once: it is held only for these loads, not for the
+      // arithmetic, so the ring keeps as many bytes in flight as it can.
+      barrier_wait(full0 + 8u * slot, parity);
+      const unsigned char* base = ring + slot * SlotT::kBytes;
+      const uint4* wseg = reinterpret_cast<const uint4*>(base);
+      const uint32_t* sp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes);
+      [[maybe_unused]] const uint32_t* zp = reinterpret_cast<const uint32_t*>(base + SlotT::kWBytes + SlotT::kPairBytes);
+      const int seg0 = c * kChunkSegs, segs = min(kChunkSegs, kt - seg0);
+      const int wsegs = min(kSegsPerWarp, segs - warp * kSegsPerWarp);
+      uint4 wv[kSegsPerWarp];
+      uint32_t sv[kWarpGroups], zv[kWarpGroups];
 #pragma unroll
-          for (int i = 0; i < kWarps; ++i) sum += sums[i][r];
-          return sum;
-        };
-        store(unit, tid, channel(tid), channel(tid ^ 8));  // (its partner row: SwiGLU's gate and up)
+      for (int i = 0; i < kSegsPerWarp; ++i) {
+        const int seg = warp * kSegsPerWarp + i;
+        wv[i] = i < wsegs ? wseg[seg * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
+        if (i % kSegsPerGroup == 0) {
+          sv[i / kSegsPerGroup] = i < wsegs ? sp[seg / kSegsPerGroup * 8 + gid] : 0u;
+          zv[i / kSegsPerGroup] = ZEROS && i < wsegs ? zp[seg / kSegsPerGroup * 8 + gid] : 0u;
+        }
       }
-      parity_unit ^= 1;
+      __syncthreads();  // every warp has its share of the slot (refill it), the last unit's sums are in red
+      if (tid == kIssuer) issue();
+      if (pending >= 0 && tid < 16) reduce(pending, red[parity_unit ^ 1]);
+      pending = -1;
+      if (++slot == S) {
+        slot = 0;
+        parity ^= 1u;
+      }
+      if (wsegs > 0 && !(p.skip & kSkipArithmetic))
+        piece_sums(wv, sv, zv, wsegs, x_lane + (seg0 + warp * kSegsPerWarp) * KT, acc);
+      if (++c == chunks) {
+        // acc[0] / acc[2]: channel gid / gid + 8 of the unit, row m = 2 * t4 (row 0 at t4 =
+        // 0). The warps' sums meet in shared memory (the buffer alternates between units),
+        // added in warp order after the next barrier, and staged with the block's other
+        // outputs of the stage.
+        if (t4 == 0) {
+          red[parity_unit][warp][gid] = acc[0];
+          red[parity_unit][warp][gid + 8] = acc[2];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+        pending = k;
+        parity_unit ^= 1;
+        c = 0;
+        ++k;
+      }
     }
+    __syncthreads();
+    if (pending >= 0 && tid < 16) reduce(pending, red[parity_unit ^ 1]);
+    // The staged outputs out: unit k's by lane 0 of warp k % kWarps, the warps' bulk stores
+    // issued side by side (done() awaits them).
+    if (tid < 16) fence_async_shared();
+    __syncthreads();
+    if (lane == 0)
+      for (int unit = first + warp * grid, k = warp; unit < p.n_tiles[linear]; unit += kWarps * grid, k += kWarps)
+        bulk_store(outputs + unit * per_unit, smem_addr(staging[k]), per_unit * sizeof(T));
   };
 
   T* h = static_cast<T*>(p.h);
@@ -603,9 +688,9 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // read (no other block writes channel n in between), kept in shared memory: read from
   // L2 it was a round trip at the end of every o and down unit on warp 0's path, which the
   // block's next chunk waited for.
-  auto add_to_stream = [&](int unit, int r, float y, float) {
-    const int n = 16 * unit + r;
-    h[n] = from_float<T>(to_float(hs[n]) + to_float(from_float<T>(y)));
+  // (store(the unit's staged outputs, unit, row r, y, y of row r ^ 8))
+  auto add_to_stream = [&](T* staged, int unit, int r, float y, float) {
+    staged[r] = from_float<T>(to_float(hs[16 * unit + r]) + to_float(from_float<T>(y)));
   };
 
   for (int layer = 0; layer < p.n_layers; ++layer) {
@@ -613,7 +698,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     // qkv = RMSNorm(h) @ Wqkv^T  (layer 0: h is the embedding, written before this kernel)
     norm_input(table[layer].norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
     mark(kQkvReady);
-    run_units(0, [&](int unit, int r, float y, float) { qkv[16 * unit + r] = from_float<T>(y); });
+    run_units(0, qkv, 16, [&](T* staged, int, int r, float y, float) { staged[r] = from_float<T>(y); });
     mark(kQkvDone);
     done(counter(layer, kQkv));
     mark(kQkvReleased);
@@ -638,7 +723,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
           [&](int i) { mark(kAttentionLoaded + i); });
       // The next layer's cached rows of this share into L2 (kHintPrefetch): their tile is
       // then an L2 hit, not a DRAM read queued behind the weight stream.
-      if ((p.cache_hints & kHintPrefetch) && tid == 0 && layer + 1 < p.n_layers) {
+      if ((p.cache_hints & kHintPrefetch) && tid == kIssuer && layer + 1 < p.n_layers) {
         const AttentionShare s = attention_share(att, block);
         if (s.start < s.end) {
           const long long row0 = sequence[0] * att.cache_slot_stride + s.hkv * att.cache_head_stride +
@@ -657,22 +742,22 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       }
     copy_input(p.attn, p.hidden, nullptr);
     mark(kOReady);
-    run_units(1, add_to_stream);
+    run_units(1, h, 16, add_to_stream);
     mark(kODone);
     done(counter(layer, kO));
     // act = silu(gate) * up of RMSNorm(h) @ Wgate_up^T
     norm_input(table[layer].norm[1], counter(layer, kO));
     mark(kGateUpReady);
-    run_units(2, [&](int unit, int r, float gate, float up) {
+    run_units(2, act, 8, [&](T* staged, int, int r, float gate, float up) {
       // rows 0..7 of a unit are gate, 8..15 up, of channels 8 unit + r (swiglu_column)
-      if (r < 8) act[8 * unit + r] = swiglu<T>(gate, up);
+      if (r < 8) staged[r] = swiglu<T>(gate, up);
     });
     mark(kGateUpDone);
     done(counter(layer, kGateUp));
     // h += act @ Wdown^T
     copy_input(p.act, p.inter, counter(layer, kGateUp));
     mark(kDownReady);
-    run_units(3, add_to_stream);
+    run_units(3, h, 16, add_to_stream);
     mark(kDownDone);
     done(counter(layer, kDown));
     mark(kDownReleased);

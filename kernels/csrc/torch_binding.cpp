@@ -357,7 +357,7 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.max_slots = static_cast<int>(max_slots);
   a.eps = static_cast<float>(eps);
   a.dtype = dtype_of(h);
-  check(skip >= 0 && skip < 8, "skip: a mask of the parts a measurement leaves out (decode_step.cuh)");
+  check(skip >= 0 && skip < 16, "skip: a mask of the parts a measurement leaves out (decode_step.cuh)");
   a.skip = static_cast<int>(skip);
   if (trace) {  // [SMs, n_layers, events] int64 (one block per SM)
     check(trace->is_cuda() && trace->is_contiguous() && trace->scalar_type() == at::kLong &&
