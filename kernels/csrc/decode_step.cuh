@@ -69,7 +69,7 @@
 //     different warps after it, and the stages' outputs as bulk stores so that a release
 //     needs no fence (a gpu-scope fence waited for the ring's loads in flight: 1-2 us a
 //     release, 5 us with the consumer faster): the consumer alone 38.4 us a layer instead
-//     of ~44, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster.
+//     of 41.2, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster.
 // Where a layer's ~55 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
 // against ~39 us of its weight bytes at the copy bandwidth: the consumer alone (no stream,
 // attention or waits: kSkip*) takes ~38 us, about DRAM's pace, so every wait between stages
