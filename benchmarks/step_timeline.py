@@ -12,7 +12,8 @@ position, the median over layers 1..31 and over ``--replays`` eager steps of:
   input ready (the counter seen, the input read; the norm for qkv and gate/up);
 * ``units``: the median block's units of the stage, from its input ready to done;
 * the attention's parts for the roles that hold tokens (``seen`` from qkv's last release;
-  ``loaded``, ``tiles``, ``written``, ``merged`` each from the part before);
+  ``loaded``, ``first tile landed``, ``tiles``, ``written``, ``merged`` each from the part
+  before);
 * ``span``: from the stage before's last release to this stage's last done -- what the
   stage adds to the layer. Their sum is the layer.
 
@@ -39,9 +40,9 @@ from woq.models.kv_cache import KVCache  # noqa: E402
 from woq.models.llama import Batch  # noqa: E402
 
 # csrc/decode_step.cuh's step::TraceEvent, in order
-EVENTS = ("qkv_ready", "qkv_done", "qkv_released", "attention_seen", "attention_loaded", "attention_tiles",
-          "attention_written", "attention_released", "attention_end", "o_ready", "o_done", "gate_up_ready",
-          "gate_up_done", "down_ready", "down_done", "down_released")
+EVENTS = ("qkv_ready", "qkv_done", "qkv_released", "attention_seen", "attention_loaded", "attention_landed",
+          "attention_tiles", "attention_written", "attention_released", "attention_end", "o_ready", "o_done",
+          "gate_up_ready", "gate_up_done", "down_ready", "down_done", "down_released")
 E = {name: i for i, name in enumerate(EVENTS)}
 
 # variant label: DecodeStep settings (the step is rebuilt for each)
@@ -56,6 +57,7 @@ VARIANTS = {
     "no attention, no waits": {"skip": 5},
     "streaming only": {"skip": 7},
     "consumer only (no stream, attention, waits)": {"skip": 13},
+    "no weight stream": {"skip": 8},
 }
 
 
@@ -81,7 +83,8 @@ def layer_intervals(t: torch.Tensor, layer: int) -> dict[str, float]:
         "qkv span": q - last_down,
         "attention: qkv seen": median(ev("attention_seen")[roles].tolist()) - q,
         "attention: loaded, rotated": role("attention_seen", "attention_loaded"),
-        "attention: tiles": role("attention_loaded", "attention_tiles"),
+        "attention: first tile landed": role("attention_loaded", "attention_landed"),
+        "attention: tiles": role("attention_landed", "attention_tiles"),
         "attention: written": role("attention_tiles", "attention_written"),
         "attention: merged, released": role("attention_written", "attention_released", merged),
         "attention span": r - q,

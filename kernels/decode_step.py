@@ -18,7 +18,7 @@ from .layout import GpuWeight
 
 # Shares of the live tokens per KV head, at most (attention roles = kv_heads x this, no
 # more than the SMs): each share is one block's work, at least a 64-token tile, so a short
-# sequence uses few of them; several are merged by the last to finish (csrc/attention.cuh).
+# sequence uses few of them; several are merged by the first (csrc/attention.cuh).
 MAX_SHARES = 16
 # A block's units of one linear at most (csrc/decode_step.cuh, step::kMaxStagedUnits): its
 # outputs of a stage are staged in shared memory for their bulk stores.

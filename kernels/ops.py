@@ -334,6 +334,7 @@ ATTENTION_MAX_SPLITS = 16
 ATTENTION_MAX_PAIRS = 4096
 ATTENTION_MAX_GROUP = 8  # query heads per KV head
 ATTENTION_MAX_GROUP_DIMS = 2048  # query heads per KV head x head_dim
+ATTENTION_MAX_HEAD_DIM = 256
 
 
 def attention_gemv_supported(gw: GpuWeight, batch: int, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -341,7 +342,8 @@ def attention_gemv_supported(gw: GpuWeight, batch: int, heads: int, kv_heads: in
     GEMV's rows, a per-channel or g128 weight, a head shape its roles take."""
     group = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 0
     return (1 <= batch <= STREAM_MAX_M and batch * kv_heads <= ATTENTION_MAX_PAIRS and (gw.per_channel or gw.group_size == 128)
-            and 1 <= group <= ATTENTION_MAX_GROUP and head_dim % 16 == 0 and group * head_dim <= ATTENTION_MAX_GROUP_DIMS
+            and 1 <= group <= ATTENTION_MAX_GROUP and head_dim % 16 == 0 and head_dim <= ATTENTION_MAX_HEAD_DIM
+            and group * head_dim <= ATTENTION_MAX_GROUP_DIMS
             and heads * head_dim == gw.K and not gw.swiglu_rows)
 
 

@@ -80,20 +80,22 @@ def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape,
 
 def test_persistent_step_replays_in_a_cuda_graph():
     """Captured once and replayed at three positions, the step gives the eager step's logits
-    bit for bit (the counters are re-armed by every launch)."""
+    bit for bit (the counters are re-armed by every launch): 64, 65 and 66 live tokens, one
+    attention share a KV head, then two, merged."""
     model = random_llama(torch.float16, "cuda", MAX_LEN, "int4")
     cfg = model.cfg
     caches = [KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
               for _ in range(2)]
     g = torch.Generator(device="cuda").manual_seed(4)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 20), device="cuda", generator=g)
+    P = 63
+    prompt = torch.randint(0, cfg.vocab_size, (1, P), device="cuda", generator=g)
     fed = torch.randint(0, cfg.vocab_size, (3,), device="cuda", generator=g)
     eager = decode(model, caches[0], prompt, fed, persistent=True)[1:]
 
     cache = caches[1]
-    model(prompt, Batch.prefill([20], [1], "cuda"), cache, last_only=True)
+    model(prompt, Batch.prefill([P], [1], "cuda"), cache, last_only=True)
     token = fed[:1].view(1, 1).clone()
-    pos = torch.full((1, 1), 20, device="cuda")
+    pos = torch.full((1, 1), P, device="cuda")
     batch = Batch(pos, torch.tensor([1], device="cuda"), lengths=pos[:, 0] + 1)  # (static: the graph reads them)
     saved, CausalLM.persistent_decode = CausalLM.persistent_decode, True
     try:
@@ -104,7 +106,7 @@ def test_persistent_step_replays_in_a_cuda_graph():
         replayed = []
         for t in range(3):
             token.fill_(int(fed[t]))
-            pos.fill_(20 + t)
+            pos.fill_(P + t)
             batch.lengths.copy_(pos[:, 0] + 1)
             graph.replay()
             replayed.append(logits[0].float().clone())
@@ -195,19 +197,24 @@ def test_the_step_timeline_is_ordered_and_changes_no_result():
         model._decode_steps.clear()
     assert torch.equal(traced, untraced)
 
-    # the last step's stamps [blocks, layers, events] (csrc/decode_step.cuh's TraceEvent: 0 qkv
-    # ready, 1 done, 2 released, 3..8 a role's attention, 9 o ready .. 14 down done, 15 released).
+    # the last step's stamps [blocks, layers, events] (csrc/decode_step.cuh's TraceEvent).
     # A release's own stamp follows it, so a reader is compared with the stamp before it.
-    t = step.trace.view(-1, cfg.num_layers, torch.ops.woq.decode_step_trace_events()).cpu()
-    stages = [0, 1, 2, 9, 10, 11, 12, 13, 14, 15]
+    names = ("qkv_ready", "qkv_done", "qkv_released", "attention_seen", "attention_loaded", "attention_landed",
+             "attention_tiles", "attention_written", "attention_released", "attention_end", "o_ready", "o_done",
+             "gate_up_ready", "gate_up_done", "down_ready", "down_done", "down_released")
+    assert torch.ops.woq.decode_step_trace_events() == len(names)
+    E = {name: i for i, name in enumerate(names)}
+    t = step.trace.view(-1, cfg.num_layers, len(names)).cpu()
+    stages = [E[n] for n in ("qkv_ready", "qkv_done", "qkv_released", "o_ready", "o_done", "gate_up_ready",
+                             "gate_up_done", "down_ready", "down_done", "down_released")]
     assert (t[:, :, stages] > 0).all() and (t[:, :, stages].diff(dim=2) >= 0).all()
-    last = lambda event: t[:, :, event].max(dim=0).values  # noqa: E731  (per layer, over blocks)
-    assert (t[:, 1:, 0] >= last(14)[:-1]).all(), "a layer's qkv waits for every block's down"
-    assert (t[:, :, 11] >= last(10)).all(), "gate/up waits for every block's o"
-    assert (t[:, :, 13] >= last(12)).all(), "down waits for every block's gate/up"
-    roles = t[:, :, 3] > 0  # (blocks holding tokens)
+    last = lambda event: t[:, :, E[event]].max(dim=0).values  # noqa: E731  (per layer, over blocks)
+    assert (t[:, 1:, E["qkv_ready"]] >= last("down_done")[:-1]).all(), "a layer's qkv waits for every block's down"
+    assert (t[:, :, E["gate_up_ready"]] >= last("o_done")).all(), "gate/up waits for every block's o"
+    assert (t[:, :, E["down_ready"]] >= last("gate_up_done")).all(), "down waits for every block's gate/up"
+    roles = t[:, :, E["attention_seen"]] > 0  # (blocks holding tokens)
     assert roles.any(dim=0).all()
-    attention = t[:, :, 3:7][roles]  # seen, loaded, tiles, written
+    attention = t[:, :, E["attention_seen"]:E["attention_written"] + 1][roles]  # seen .. written, in order
     assert (attention > 0).all() and (attention.diff(dim=1) >= 0).all()
-    assert (t[:, :, 3] >= last(1))[roles].all(), "a role sees qkv after every block's"
-    assert (t[:, :, 9] >= last(6)).all(), "o waits for every role's output"
+    assert (t[:, :, E["attention_seen"]] >= last("qkv_done"))[roles].all(), "a role sees qkv after every block's"
+    assert (t[:, :, E["o_ready"]] >= last("attention_written")).all(), "o waits for every role's output"

@@ -19,20 +19,28 @@
 //   * after it: q and the new k rotated (RoPE, rounded like the torch reference: each
 //     product to the activation type, then the sum), the new k and v stored at the
 //     position by the share that holds it and patched into its tile;
-//   * per tile of kTile tokens: scores (fp32), an online softmax per head, p @ v into fp32
-//     accumulators;
+//   * per tile of kTile tokens: scores (fp32), an online softmax per head (each thread
+//     keeps its head's running maximum and sum: no thread waits for another's update),
+//     p @ v into fp32 accumulators;
 //   * a share alone writes the output; several leave fp32 partial outputs and their
-//     log-sum-exp, and the last of a head's shares to finish (a counter per (sequence, KV
-//     head), re-armed by that block) merges them in share order;
+//     log-sum-exp, and the head's share 0, once the others have counted theirs released
+//     (a counter per (sequence, KV head), re-armed by share 0), merges them in share order;
 //   * whoever wrote a head's output adds 1 to `flags[0]` (release). Every block of the
 //     grid waits until it reads B * Hkv there (acquire), then reads the output as its x.
 //     The last block past that wait re-arms both flags (flags[1] counts them).
-// Measured (H100, Llama-3-8B int4 batch-1 graph step): so far 156-289 us a step slower than
-// the Triton kernel apart, so the model leaves it off (docs/bench/attention_in_o.md: the
-// roles' tiles come one after another and their scores and p @ v are scalar loops).
+// A tile's scores and p @ v are mma (m16n8k16, fp32 sums): the G query heads are the rows
+// of A (the other rows zero); p, fp32, enters as two T operands, p's rounding and the
+// rest (hi + lo), so it keeps ~16 of its bits rather than T's 8 or 11. As scalar fp32 loops
+// (a thread per (head, token), then per (head, two dims), 64 dependent steps each) a
+// 64-token tile took ~4.7 us of the persistent decode step's ~10.8 us attention; as mma,
+// 1.7 us (H100, docs/bench/decode_step_persistent.md, session 49).
+// Measured in the o GEMV (H100, Llama-3-8B int4 batch-1 graph step, with the scalar loops):
+// 156-289 us a step slower than the Triton kernel apart, so the model leaves it off
+// (docs/bench/attention_in_o.md).
 // No block ever waits for a block that is not running: the grid is at most one resident
 // wave (checked at launch), so every role is resident or will be once the previous
-// kernel's blocks leave, and roles wait only for the previous kernel.
+// kernel's blocks leave; roles wait for the previous kernel, and a head's share 0 for the
+// head's other shares, which wait for nothing of it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,12 +57,15 @@ constexpr int kAttentionTile = 64;  // tokens per tile: 2 x 64 x 136 x 2 B of k 
 constexpr int kMaxShares = kAttentionMaxSplits;
 
 // Shared memory of a role, in bytes (the GEMV's dynamic shared memory is at least this
-// when the grid holds roles): k and v tiles (rows padded by 8 elements: the score loop's
-// 16-byte row reads are conflict-free), q (fp32), the new k and v, scores, softmax state.
+// when the grid holds roles): k and v tiles, q, the new k and v, scores, the score warps'
+// maxima and sums.
+// Rows of k, v and q are padded by 8 elements: row r starts 4 r banks further (mod 32), so
+// the 8 rows of an ldmatrix matrix, or 8 lanes' 4-byte reads of 8 rows, are conflict-free.
+// (q takes G (D + 8) elements of T, within the G D floats counted for it.)
 template <typename T>
 __host__ __device__ constexpr int attention_smem_bytes(int D, int G) {
   return 2 * kAttentionTile * (D + 8) * static_cast<int>(sizeof(T)) + G * D * 4 + 2 * D * static_cast<int>(sizeof(T)) +
-         G * kAttentionTile * 4 + 3 * kAttentionMaxGroup * 4 + 16;
+         G * kAttentionTile * 4 + 2 * (kAttentionTile / 8) * kAttentionMaxGroup * 4 + 16;
 }
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -92,22 +103,25 @@ struct NoMark {  // (attend_share's timeline hook, unused)
 
 // Role `role` of the grid's attention (see above); false if its share holds no token (it
 // did nothing, not even the wait). THREADS threads (256 in the o GEMV's grid, 512 in the
-// persistent decode step). `wait()` returns once the qkv rows are
+// persistent decode step), head_dim at most MAX_D (its p @ v accumulators). `wait()` returns once the qkv rows are
 // written (every thread calls it): the previous grid's completion here, a counter in the
 // persistent decode step (decode_step.cuh).
-// `mark(i)` (every thread calls it; a timeline's hook, benchmarks only) at four points:
-// 0 q and the new k and v loaded and rotated, 1 the share's tiles done, 2 its output (or
-// partials and the merge counter) written, 3 the head's output released.
+// `mark(i)` (every thread calls it; a timeline's hook, benchmarks only) at five points:
+// 0 q and the new k and v loaded and rotated, 1 the first tile in shared memory, 2 the
+// share's tiles done, 3 its output (or partials and the merge counter) written, 4 the
+// head's output released.
 // (Inlined, taking the kernel parameter by reference: a call copied the 300-byte struct to
 // every thread's stack -- ~86 KB of local-memory stores per block -- and the step was
 // ~10 us a layer slower.)
-template <typename T, int THREADS = 256, typename Wait, typename Mark = NoMark>
+template <typename T, int THREADS = 256, int MAX_D = kAttentionMaxHeadDim, typename Wait, typename Mark = NoMark>
 __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait, Mark&& mark = Mark{}) {
   extern __shared__ uint4 smem_attention[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int kThreads = THREADS, TT = kAttentionTile;
-  constexpr int kAcc = kAttentionMaxGroupDims / 2 / kThreads;  // (head, two dims) accumulators a thread holds
-  static_assert(kThreads % 256 == 0 && kAcc >= 1, "whole multiples of 256 threads");
+  constexpr int kThreads = THREADS, TT = kAttentionTile, W = THREADS / 32;
+  // p @ v: warp w takes the 8-dim n-tiles w, w + W, ... of the head dimension.
+  constexpr int kPvTiles = (MAX_D / 8 + W - 1) / W;  // (MAX_D: the largest head_dim the caller takes)
+  static_assert(kThreads % 256 == 0 && W >= TT / 8 && kPvTiles >= 1, "whole multiples of 256 threads");
+  const int gid = lane >> 2, t4 = lane & 3;  // (an mma fragment's row and column pair)
   const int D = a.head_dim, G = a.heads / a.kv_heads, S = a.splits, RS = D + 8;  // RS: padded row
   const AttentionShare share = attention_share(a, role);
   const int b = share.b, hkv = share.hkv, split = share.split, used = share.used, start = share.start, end = share.end;
@@ -117,14 +131,12 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
 
   T* k_s = reinterpret_cast<T*>(smem_attention);
   T* v_s = k_s + TT * RS;
-  float* q_s = reinterpret_cast<float*>(v_s + TT * RS);
-  T* kn = reinterpret_cast<T*>(q_s + G * D);
+  T* q_s = v_s + TT * RS;  // [G][RS]: rounded to T by the rotation, so exact in T
+  T* kn = reinterpret_cast<T*>(reinterpret_cast<float*>(q_s) + G * D);
   T* vn = kn + D;
   float* sc = reinterpret_cast<float*>(vn + D);
-  float* m_s = sc + G * TT;
-  float* l_s = m_s + kAttentionMaxGroup;
-  float* alpha_s = l_s + kAttentionMaxGroup;
-  int* last_s = reinterpret_cast<int*>(alpha_s + kAttentionMaxGroup);
+  float* warp_max = sc + G * TT;  // [TT / 8][kAttentionMaxGroup]: a score warp's per head
+  float* warp_sum = warp_max + TT / 8 * kAttentionMaxGroup;
 
   T* k_head = static_cast<T*>(a.k_cache) + slot * a.cache_slot_stride + hkv * a.cache_head_stride;
   T* v_head = static_cast<T*>(a.v_cache) + slot * a.cache_slot_stride + hkv * a.cache_head_stride;
@@ -170,24 +182,27 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       v = round_to<T>(round_to<T>(v * c) + round_to<T>((d < D / 2 ? -pv[j] : pv[j]) * s));
     }
     if (h < G) {
-      q_s[h * D + d] = v;
+      q_s[h * RS + d] = from_float<T>(v);
     } else {
       (h == G ? kn : vn)[d] = from_float<T>(v);
       if (mine) (h == G ? k_head : v_head)[static_cast<long long>(pos) * a.cache_pos_stride + d] = from_float<T>(v);
     }
   }
-  if (tid < kAttentionMaxGroup) {
-    m_s[tid] = -INFINITY;
-    l_s[tid] = 0.f;
-  }
   mark(0);
 
-  float acc[kAcc][2] = {};
-  const int pairs = G * D / 2;
+  // p @ v accumulators: (head gid, dims 8 nt + 2 t4, + 1) in acc[j][0..1] for the warp's
+  // n-tiles nt = warp + j W, the products with p's rounding; acc_lo with its rest (two
+  // chains of dependent mma, not one). Rows gid + 8 of the mma, [2..3], stay zero.
+  float acc[kPvTiles][4] = {}, acc_lo[kPvTiles][4] = {};
+  // Head gid's online softmax state, the same in every thread of that gid (so no thread
+  // waits for another's update): the running maximum and sum of exp(score - maximum).
+  float m_run = -INFINITY, l_run = 0.f;
+  const uint32_t* q_row = reinterpret_cast<const uint32_t*>(q_s + gid * RS + 2 * t4);  // (rows < G only)
   for (int t0 = start; t0 < end; t0 += TT) {
     if (t0 != start) fetch_tile(t0);  // (the previous tile was consumed: barrier at the loop's end)
     cp_async_wait<0>();
     __syncthreads();
+    if (t0 == start) mark(1);
     if (pos >= t0 && pos < t0 + TT && pos < end) {
       for (int d = tid; d < D; d += kThreads) {
         k_s[(pos - t0) * RS + d] = kn[d];
@@ -196,76 +211,114 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       __syncthreads();
     }
     const int n = min(TT, end - t0);
-    for (int i = tid; i < G * TT; i += kThreads) {  // a warp: 32 tokens of one head
-      const int g = i / TT, t = i % TT;
-      float s = -INFINITY;
-      if (t < n) {
-        s = 0.f;
-        const float* q = q_s + g * D;
-        for (int d = 0; d < D; d += 8) {
-          const uint4 u = *reinterpret_cast<const uint4*>(k_s + t * RS + d);
-          const T* k8 = reinterpret_cast<const T*>(&u);
+    // Scores: warp w < TT / 8 takes tokens 8w..8w+7 (B: k's rows, as ldmatrix reads them)
+    // against the G heads (A: q, rows gid < G), 32 dims an ldmatrix; two accumulators
+    // halve the chain of dependent mma. Rows past n are zero-filled (finite) and masked.
+    // Lane (gid, t4) holds head gid's scores of tokens 8w + 2 t4 + e; the warp's maximum per
+    // head (over t4) goes to warp_max.
+    float score[2] = {-INFINITY, -INFINITY};
+    if (warp < TT / 8) {
+      float c[2][4] = {};
+      const T* k_lane = k_s + (warp * 8 + (lane & 7)) * RS + 8 * (lane >> 3);
+      for (int k0 = 0; k0 < D; k0 += 32) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, k_lane + k0);  // dims k0..k0+31 (past D: padding or the next row, unused)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) s = fmaf(q[d + j], to_float(k8[j]), s);
+        for (int h = 0; h < 2; ++h) {
+          if (h == 1 && k0 + 16 >= D) break;
+          const int k = k0 + 16 * h;
+          const uint32_t qa[4] = {gid < G ? q_row[k / 2] : 0u, 0u, gid < G ? q_row[k / 2 + 4] : 0u, 0u};
+          const uint32_t b[2] = {kb[2 * h], kb[2 * h + 1]};
+          mma_16816<T>(c[h], qa, b);
         }
-        s *= a.scale;
       }
-      sc[i] = s;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (warp * 8 + 2 * t4 + e < n) score[e] = (c[0][e] + c[1][e]) * a.scale;
+      float mx = fmaxf(score[0], score[1]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (t4 == 0 && gid < G) warp_max[warp * kAttentionMaxGroup + gid] = mx;
     }
     __syncthreads();
-    if (warp < G) {  // online softmax, warp g for head g
-      float mx = -INFINITY;
-      for (int t = lane; t < TT; t += 32) mx = fmaxf(mx, sc[warp * TT + t]);
+    // Every thread: head gid's new maximum (warp order: the same bits everywhere); the score
+    // warps' p = exp(score - maximum) -> sc, their sums per head -> warp_sum.
+    float m_tile = -INFINITY;
+    if (gid < G) {
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float m_new = fmaxf(m_s[warp], mx);
-      float sum = 0.f;
-      for (int t = lane; t < TT; t += 32) {
-        const float p = t < n ? expf(sc[warp * TT + t] - m_new) : 0.f;
-        sc[warp * TT + t] = p;
-        sum += p;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      __syncwarp();
-      if (lane == 0) {
-        const float alpha = expf(m_s[warp] - m_new);  // 0 on the first tile (m = -inf)
-        alpha_s[warp] = alpha;
-        l_s[warp] = l_s[warp] * alpha + sum;
-        m_s[warp] = m_new;
-      }
+      for (int w = 0; w < TT / 8; ++w) m_tile = fmaxf(m_tile, warp_max[w * kAttentionMaxGroup + gid]);
+    }
+    const float m_new = fmaxf(m_run, m_tile);  // (finite for gid < G: the tile holds a token)
+    if (warp < TT / 8) {
+      const float p0 = gid < G ? expf(score[0] - m_new) : 0.f, p1 = gid < G ? expf(score[1] - m_new) : 0.f;
+      if (gid < G) *reinterpret_cast<float2*>(sc + gid * TT + warp * 8 + 2 * t4) = make_float2(p0, p1);
+      float sum = p0 + p1;
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (t4 == 0 && gid < G) warp_sum[warp * kAttentionMaxGroup + gid] = sum;
     }
     __syncthreads();
+    float tile_sum = 0.f;
+    if (gid < G) {
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j) {  // (head, two dims) per thread
-      const int i = tid + j * kThreads;
-      if (i >= pairs) break;
-      const int g = i / (D / 2), d = (i % (D / 2)) * 2;
-      const float alpha = alpha_s[g];
-      float x0 = acc[j][0] * alpha, x1 = acc[j][1] * alpha;
-      for (int t = 0; t < n; ++t) {
-        const float p = sc[g * TT + t];
-        x0 = fmaf(p, to_float(v_s[t * RS + d]), x0);
-        x1 = fmaf(p, to_float(v_s[t * RS + d + 1]), x1);
-      }
-      acc[j][0] = x0;
-      acc[j][1] = x1;
+      for (int w = 0; w < TT / 8; ++w) tile_sum += warp_sum[w * kAttentionMaxGroup + gid];
     }
-    __syncthreads();  // the tile and the scores are free again
+    const float alpha = gid < G ? expf(m_run - m_new) : 0.f;  // 0 on the first tile (m_run = -inf)
+    l_run = l_run * alpha + tile_sum;
+    m_run = m_new;
+    // p @ v: A = p (rows gid < G; tokens past n have p = 0 and zero-filled v), fp32 p as
+    // its rounding to T plus the rest, each an mma; B = v's rows through ldmatrix.trans.
+    uint32_t p_hi[TT / 16][2], p_lo[TT / 16][2];
+#pragma unroll
+    for (int ks = 0; ks < TT / 16; ++ks)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float2 pv = gid < G ? *reinterpret_cast<const float2*>(sc + gid * TT + ks * 16 + 8 * i + 2 * t4)
+                                  : make_float2(0.f, 0.f);
+        p_hi[ks][i] = float2_to_pair<T>(pv.x, pv.y);
+        const float2 hi = pair_to_float2<T>(p_hi[ks][i]);
+        p_lo[ks][i] = float2_to_pair<T>(pv.x - hi.x, pv.y - hi.y);
+      }
+#pragma unroll
+    for (int j = 0; j < kPvTiles; ++j) {
+      const int nt = warp + j * W;
+      if (nt >= D / 8) break;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        acc[j][i] *= alpha;
+        acc_lo[j][i] *= alpha;
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < TT; k0 += 32) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_s + (k0 + lane) * RS + nt * 8);  // tokens k0..k0+31 of dims 8 nt..8 nt+7
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ks = k0 / 16 + h;
+          const uint32_t b[2] = {vb[2 * h], vb[2 * h + 1]};
+          const uint32_t ahi[4] = {p_hi[ks][0], 0u, p_hi[ks][1], 0u};
+          const uint32_t alo[4] = {p_lo[ks][0], 0u, p_lo[ks][1], 0u};
+          mma_16816<T>(acc[j], ahi, b);
+          mma_16816<T>(acc_lo[j], alo, b);
+        }
+      }
+    }
+    __syncthreads();  // the tile, the scores and the warps' maxima and sums are free again
   }
-  mark(1);
+  mark(2);
 
   const int H = a.heads, head0 = hkv * G;
   T* out = static_cast<T*>(a.out) + static_cast<long long>(b) * H * D;
   // Each accumulator pair over its head's sum: store(offset in [H, D], value, value of the next dim).
   auto for_each_output = [&](auto store) {
+    if (gid >= G) return;
+    const float inv = 1.f / l_run;
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j) {
-      const int i = tid + j * kThreads;
-      if (i >= pairs) break;
-      const int g = i / (D / 2), d = (i % (D / 2)) * 2;
-      const float inv = 1.f / l_s[g];
-      store((head0 + g) * D + d, acc[j][0] * inv, acc[j][1] * inv);
+    for (int j = 0; j < kPvTiles; ++j) {
+      const int nt = warp + j * W;
+      if (nt >= D / 8) break;
+      store((head0 + gid) * D + nt * 8 + 2 * t4, (acc[j][0] + acc_lo[j][0]) * inv,
+            (acc[j][1] + acc_lo[j][1]) * inv);
     }
   };
   if (used == 1) {
@@ -273,22 +326,32 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       out[o] = from_float<T>(x0);
       out[o + 1] = from_float<T>(x1);
     });
-    mark(2);
+    mark(3);
   } else {
-    // Partial outputs [B, S, H, D] and log-sum-exps [B, S, H]; the last share merges.
+    // Partial outputs [B, S, H, D] and log-sum-exps [B, S, H]; share 0 merges.
     float* part = a.part + (static_cast<long long>(b) * S + split) * H * D;
     for_each_output([&](int o, float x0, float x1) {
       part[o] = x0;
       part[o + 1] = x1;
     });
-    if (tid < G) a.lse[(static_cast<long long>(b) * S + split) * H + head0 + tid] = m_s[tid] + logf(l_s[tid]);
+    if (warp == 0 && t4 == 0 && gid < G)
+      a.lse[(static_cast<long long>(b) * S + split) * H + head0 + gid] = m_run + logf(l_run);
     __syncthreads();  // every partial written before thread 0 releases them
+    // Share 0 merges, once the others have released theirs: they leave at once, and share 0
+    // waits one round trip less than a last-to-finish merger would (an atomic's return).
     int* counter = a.merge_counters + b * a.kv_heads + hkv;
-    if (tid == 0) *last_s = atomic_add_acq_rel(counter, 1) == used - 1;
+    if (split != 0) {
+      if (tid == 0) add_release(counter, 1);
+      mark(3);
+      return true;
+    }
+    if (tid == 0) {
+      while (load_acquire(counter) < used - 1) {
+      }
+      *counter = 0;  // re-armed: every other share has added its 1 (the next layer's or launch's come later)
+    }
     __syncthreads();
-    mark(2);
-    if (!*last_s) return true;
-    if (tid == 0) *counter = 0;  // re-armed for the next launch
+    mark(3);
     const float* lse0 = a.lse + static_cast<long long>(b) * S * H;
     const float* part0 = a.part + static_cast<long long>(b) * S * H * D;
     for (int i = tid; i < G * D; i += kThreads) {  // in share order: deterministic
@@ -314,7 +377,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   }
   __syncthreads();  // the head's output written before thread 0 releases it
   if (tid == 0) add_release(a.flags, 1);
-  mark(3);
+  mark(4);
   return true;
 }
 

@@ -49,8 +49,8 @@
 // block to leave re-arms every counter for the next launch.
 //
 // Measured (H100, Llama-3-8B-shaped int4 g128, batch 1; docs/bench/decode_step_persistent.md):
-// the engine's batch-1 decode 464.7 tok/s, 74.4 % of roofline (the kernel-per-op step
-// 421.2 in the same run), so the model takes it at hidden size 4096 and more
+// the engine's batch-1 decode 482-488 tok/s, 77-80 % of roofline (the kernel-per-op step
+// 420-423 in the same runs), so the model takes it at hidden size 4096 and more
 // (CausalLM.persistent_decode); streaming only (no attention, arithmetic or waits, session
 // 45) 1737 / 1705 us a graph step at position 128 / 1024. What mattered most so far:
 //   * the consumer's warps: with 8 a block (255 registers) the GEMVs' arithmetic, not DRAM,
@@ -69,12 +69,17 @@
 //     different warps after it, and the stages' outputs as bulk stores so that a release
 //     needs no fence (a gpu-scope fence waited for the ring's loads in flight: 1-2 us a
 //     release, 5 us with the consumer faster): the consumer alone 38.4 us a layer instead
-//     of 41.2, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster.
-// Where a layer's ~55 us go (position 128, benchmarks/step_timeline.py: TraceEvent below),
-// against ~39 us of its weight bytes at the copy bandwidth: the consumer alone (no stream,
-// attention or waits: kSkip*) takes ~38 us, about DRAM's pace, so every wait between stages
-// adds on top of the units (qkv 4.5, o 3.4, gate/up 19.0, down 10.9 us) -- the attention
-// ~10.8 us from qkv's last release to the last head's, the other boundaries ~1 us each.
+//     of 41.2, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster;
+//   * the attention roles' tiles as mma (attention.cuh, session 49): a 64-token tile 1.7 us
+//     instead of 4.7, the layer ~51.5 us at 128 instead of 55.2, the engine ~4 % faster.
+// Where a layer's ~51.5 us go (position 128, benchmarks/step_timeline.py: TraceEvent
+// below), against ~39 us of its weight bytes at the copy bandwidth: the consumer alone (no
+// stream, attention or waits: kSkip*) takes ~38 us, about DRAM's pace, so every wait
+// between stages adds on top of the units (qkv 4.5, o 3.3, gate/up 19, down 10 us) -- the
+// attention ~8.3 us from qkv's last release to the last head's (a chain of ~1 us steps:
+// qkv seen, its rows loaded, the tile, the partials counted, the merge), the other
+// boundaries ~1-2 us each. Without the weight stream at all (skip 8) the layer is still
+// ~48 us.
 // Tried and removed (docs/bench/decode_step_persistent.md): a producer warp for the refills
 // and sums (17 warps hold 96 registers: units ~15 % faster, the stage boundaries slower,
 // no gain); the refills and sums handed to the last warp through shared-memory counts
@@ -85,7 +90,10 @@
 // made every boundary slower: 1 % slower); a bulk store a unit (its fence and wait on warp
 // 0's path: 6 % slower); a block's units as one contiguous range with one bulk store a
 // stage (the weight stream slower: 2 % slower); a stage's last refills held back until its
-// release (no faster release).
+// release (no faster release); o's readers merging the attention shares' partials
+// themselves (the attention span 2 us shorter, o's input 2.5 us later); the counters polled
+// with four relaxed loads in flight (qkv seen 0.7 us later); the roles' cached rows
+// prefetched into L2 again as the layer starts (the first tile had landed already).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -266,6 +274,7 @@ enum TraceEvent : int {
   kQkvReleased,        // after it
   kAttentionSeen,      // qkv's counter seen
   kAttentionLoaded,    // q, the new k and v loaded and rotated
+  kAttentionLanded,    // the share's first k/v tile in shared memory
   kAttentionTiles,     // scores, softmax and p @ v over the share
   kAttentionWritten,   // the output (or the partials and the merge counter) written
   kAttentionReleased,  // the head's output released (after the merge)
@@ -711,7 +720,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       }
       __syncthreads();
       const int* qkv_ready = counter(layer, kQkv);
-      attend_share<T, kThreads>(
+      attend_share<T, kThreads, 128>(  // (head_dim <= 128: decode_step_plan)
           att, block,
           [&] {
             if (tid == 0 && !no_waits)

@@ -66,6 +66,18 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
 #endif
 }
 
+// The same, each matrix transposed: lane l receives elements (2 * (l % 4), l / 4) and
+// (2 * (l % 4) + 1, l / 4) -- for row-major [k][n] data in shared memory, an mma's B
+// fragment (b[0] from matrix 0, b[1] from matrix 1).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+}
+
 // The L2 prefetch-size hint of every cp.async (WOQ_L2_PREFETCH: 0, 64, 128 or 256 bytes):
 // on a miss the L2 fetches the aligned run from DRAM rather than just the 32-byte
 // sectors asked for. A warp's 16-byte lane copies cover whole 512-byte weight segments, and

@@ -200,9 +200,10 @@ at::Tensor attention_gemv(const at::Tensor& qkv, const at::Tensor& positions, co
   check(heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= woq::kAttentionMaxGroup,
         "heads must be a multiple of the cache's " + str(kv_heads) + " KV heads, at most " +
             str(woq::kAttentionMaxGroup) + " per KV head");
-  check(head_dim == k_cache.size(3) && head_dim % 16 == 0 && heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
-        "head_dim must match the cache, be a multiple of 16, and query heads per KV head x head_dim at most " +
-            str(woq::kAttentionMaxGroupDims));
+  check(head_dim == k_cache.size(3) && head_dim % 16 == 0 && head_dim <= woq::kAttentionMaxHeadDim &&
+            heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
+        "head_dim must match the cache, be a multiple of 16 up to " + str(woq::kAttentionMaxHeadDim) +
+            ", and query heads per KV head x head_dim at most " + str(woq::kAttentionMaxGroupDims));
   check(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv rows must be (heads + 2 kv_heads) * head_dim long");
   check(heads * head_dim == k, "the o projection takes heads * head_dim = " + str(heads * head_dim) + " inputs, not " + str(k));
   for (const at::Tensor* t : {&positions, &slots, &lengths})

@@ -306,7 +306,8 @@ cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
     const DecodeAttention& at = *a.attention;
     if (a.pipeline != GemvPipeline::kRegisterStream || a.epilogue != GemvEpilogue::kNone) return cudaErrorInvalidValue;
     if (at.kv_heads < 1 || at.heads % at.kv_heads != 0 || at.heads / at.kv_heads > kAttentionMaxGroup ||
-        at.head_dim < 16 || at.head_dim % 16 != 0 || at.heads / at.kv_heads * at.head_dim > kAttentionMaxGroupDims ||
+        at.head_dim < 16 || at.head_dim % 16 != 0 || at.head_dim > kAttentionMaxHeadDim ||
+        at.heads / at.kv_heads * at.head_dim > kAttentionMaxGroupDims ||
         at.heads * at.head_dim != a.weight.K || at.out != a.x || at.splits < 1 || at.splits > kAttentionMaxSplits)
       return cudaErrorInvalidValue;
   }

@@ -40,10 +40,12 @@ enum class GemvEpilogue : int { kNone = 0, kSwiGLU = 1 };
 
 // A decode step's attention, done by the first blocks of the o projection's register-stream
 // GEMV (attention.cuh), whose x is then `out`. One query token per sequence.
-// What its roles take: up to 8 query heads per KV head (a warp each for the softmax), and
-// query heads x head_dim of a KV head up to 2048 (accumulators of 256 threads).
+// What its roles take: up to 8 query heads per KV head (rows 0..7 of an mma's A, the rows
+// 8..15 zero), query heads x head_dim of a KV head up to 2048 (q and the new k and v in
+// registers), head_dim up to 256 (a warp's p @ v accumulators).
 constexpr int kAttentionMaxGroup = 8;
 constexpr int kAttentionMaxGroupDims = 2048;
+constexpr int kAttentionMaxHeadDim = 256;
 constexpr int kAttentionMaxSplits = 16;  // shares per (sequence, KV head)
 struct DecodeAttention {
   const void* qkv;            // [batch, (heads + 2 kv_heads) head_dim] the qkv projection's rows
