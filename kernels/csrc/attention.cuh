@@ -103,9 +103,9 @@ struct NoMark {  // (attend_share's timeline hook, unused)
 
 // Role `role` of the grid's attention (see above); false if its share holds no token (it
 // did nothing, not even the wait). THREADS threads (256 in the o GEMV's grid, 512 in the
-// persistent decode step), head_dim at most MAX_D (its p @ v accumulators). `wait()` returns once the qkv rows are
-// written (every thread calls it): the previous grid's completion here, a counter in the
-// persistent decode step (decode_step.cuh).
+// persistent decode step), head_dim at most MAX_D (its p @ v accumulators). `wait()`
+// returns once the qkv rows are written (every thread calls it): the previous grid's
+// completion here, a counter in the persistent decode step (decode_step.cuh).
 // `mark(i)` (every thread calls it; a timeline's hook, benchmarks only) at five points:
 // 0 q and the new k and v loaded and rotated, 1 the first tile in shared memory, 2 the
 // share's tiles done, 3 its output (or partials and the merge counter) written, 4 the

@@ -93,7 +93,9 @@
 // release (no faster release); o's readers merging the attention shares' partials
 // themselves (the attention span 2 us shorter, o's input 2.5 us later); the counters polled
 // with four relaxed loads in flight (qkv seen 0.7 us later); the roles' cached rows
-// prefetched into L2 again as the layer starts (the first tile had landed already).
+// prefetched into L2 again as the layer starts (the first tile had landed already); the
+// shares' partials read by share 0 until none is a NaN sentinel, with no count (its spins
+// and re-arming cost more than the round trip: 1.5 % slower).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
