@@ -4,6 +4,8 @@
 # the tree with the files under $AB_DIR in place of theirs (B), then the tree restored.
 # $AB_DIR mirrors the repository's paths (e.g. $AB_DIR/kernels/csrc/decode_step.cuh); it
 # must travel with the tree (untracked and not ignored, or carried).
+# $B_ENV: NAME=VALUE words (no spaces in a value) set for B only, e.g. B_ENV=PERSISTENTAB_ARGS=
+# where A's arguments name settings B lacks.
 # Results: $OUT/ab.tgz (a/ and b/: each side's gpu_check output; only 8 files come back).
 #   AB_DIR=ab_b STAGES_A="build pytest steptimeline persistentab" STAGES_B="build steptimeline persistentab" \
 #     PYTEST_K=decode_step bash benchmarks/ab_files.sh
@@ -20,7 +22,7 @@ OUT=$WORK/a bash benchmarks/gpu_check.sh $STAGES_A
 if [ -n "$STAGES_B" ]; then
   files=$(cd "$AB_DIR" && find . -type f | sed 's|^\./||')
   for f in $files; do mkdir -p "$WORK/saved/$(dirname "$f")"; cp "$f" "$WORK/saved/$f"; cp "$AB_DIR/$f" "$f"; done
-  OUT=$WORK/b bash benchmarks/gpu_check.sh $STAGES_B
+  OUT=$WORK/b env ${B_ENV:-} bash benchmarks/gpu_check.sh $STAGES_B
   for f in $files; do cp "$WORK/saved/$f" "$f"; done
 fi
 rm -rf "$WORK/saved" "$WORK"/*/pip.log

@@ -15,6 +15,7 @@ static cache), and the cost of the per-kernel metrics at their default sampling 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -253,38 +254,71 @@ def bytes_per_token(config, wbytes: int) -> float:
     return wbytes + kv_bytes * (PROMPT + NEW / 2)
 
 
-def persistent_ab(name: str, out: Path, repeats: int = 5) -> str:
+def parse_step_settings(text: str) -> dict[str, dict]:
+    """``"ring_slots=3;max_shares=4,cache_hints=1"`` -> ``{label: {setting: int}}``: DecodeStep
+    settings, or another class's as ``DenseLinear.dense_gemv_rows=0`` (persistent_ab)."""
+    variants = {}
+    for spec in filter(None, text.split(";")):
+        variants[spec] = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    return variants
+
+
+def persistent_ab(name: str, out: Path, repeats: int = 5, step_variants: dict[str, dict] | None = None) -> str:
     """Batch-1 decode tok/s and % of roofline of the int4 model with the kernel-per-op step
-    and with the persistent step (models/llama.py, ``CausalLM.persistent_decode``): two
-    engines whose graphs were captured each way, runs alternating."""
+    and with the persistent step (models/llama.py, ``CausalLM.persistent_decode``), and with
+    the persistent step under each of ``step_variants`` (class settings: DecodeStep's by
+    default, e.g. ``ring_slots``, or ``DenseLinear.dense_gemv_rows``): an engine whose graphs
+    were captured each way, runs alternating."""
+    from woq.kernels.decode_step import DecodeStep
     from woq.models.llama import CausalLM
+    from woq.models.quant_linear import DenseLinear
+
+    def owner(key: str):  # -> (class, attribute)
+        cls, _, attr = key.rpartition(".")
+        return {"": DecodeStep, "DecodeStep": DecodeStep, "DenseLinear": DenseLinear}[cls], attr
 
     config = configs()[name]
     bw = copy_bandwidth()
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
                         progress=False)
     per_token = bytes_per_token(config, weight_bytes(model))
-    saved = CausalLM.persistent_decode
+    # label: (persistent_decode, class settings)
+    ways = {"kernel per op": (False, {}), "persistent step": (True, {})}
+    ways.update({f"persistent step, {label}": (True, s) for label, s in (step_variants or {}).items()})
+
+    @contextlib.contextmanager
+    def way(label):  # (the settings are read as the step is built and its graphs captured)
+        on, settings = ways[label]
+        saved = {k: getattr(*owner(k)) for k in settings}, CausalLM.persistent_decode
+        CausalLM.persistent_decode = on
+        for k, v in settings.items():
+            setattr(*owner(k), v)
+        try:
+            yield
+        finally:
+            for k, v in saved[0].items():
+                setattr(*owner(k), v)
+            CausalLM.persistent_decode = saved[1]
+
     engines = {}
     try:
-        for on in (False, True):
-            CausalLM.persistent_decode = on  # (read as the graphs are captured)
-            engines[on] = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
-            engines[on].generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
-        rates = {False: [], True: []}
+        for label in ways:
+            with way(label):  # (each engine its own cache, so its own step)
+                engines[label] = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
+                engines[label].generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
+        rates = {label: [] for label in ways}
         for _ in range(repeats):
-            for on in (False, True):
-                CausalLM.persistent_decode = on
-                rates[on].append(decode_tps(engines[on], config.vocab_size, 1).steady_tps)
+            for label in ways:
+                with way(label):
+                    rates[label].append(decode_tps(engines[label], config.vocab_size, 1).steady_tps)
     finally:
-        CausalLM.persistent_decode = saved
         for e in engines.values():
             e.shutdown()
     lines = []
-    for on, label in ((False, "kernel per op"), (True, "persistent step")):
-        tps = statistics.median(rates[on])
+    for label in ways:
+        tps = statistics.median(rates[label])
         lines.append([f"{name} int4-g128", label, tps, 1e6 / tps, 100 * tps * per_token / bw,
-                      ", ".join(f"{r:.1f}" for r in rates[on])])
+                      ", ".join(f"{r:.1f}" for r in rates[label])])
         print(lines[-1], flush=True)
     table = markdown_table(["model", "decode step", "decode tok/s b1", "µs / token", "% roofline b1", "runs"], lines)
     (out / "persistent_ab.md").write_text(
@@ -418,10 +452,13 @@ def main() -> None:
                     help="only the cost of the kernel metrics, by part (int4, each of --models)")
     ap.add_argument("--pdl-ab", action="store_true", help="only programmatic launches on/off (8B int4)")
     ap.add_argument("--persistent-ab", action="store_true", help="only the persistent decode step off/on (8B int4, b1)")
+    ap.add_argument("--step-settings", default="",
+                    help="with --persistent-ab, more persistent steps: DecodeStep settings, e.g. "
+                         "'ring_slots=3;max_shares=4', or DenseLinear.dense_gemv_rows=0")
     a = ap.parse_args()
     if a.persistent_ab:
         a.out.mkdir(parents=True, exist_ok=True)
-        print(persistent_ab("llama3-8b", a.out))
+        print(persistent_ab("llama3-8b", a.out, step_variants=parse_step_settings(a.step_settings)))
         return
     if a.pdl_ab:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 # carried wheels, build the kernels, run the GPU tests, compute-sanitizer, benchmarks.
 # Results and logs go to $OUT. Usage: bash benchmarks/gpu_check.sh STAGE... (two versions of
 # some files on one machine: benchmarks/ab_files.sh)
-#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline chaincost ablation prefill overhead pdlab persistentab steptimeline stepncu serving bench msweep
+#   stages: env build test errors sanitize racecheck model e2e enginetests engine profile timeline chaincost ablation prefill overhead pdlab persistentab densegemv stepkernels steptimeline stepncu serving bench msweep
 #           dequant grid gemmcfg gemmtest pytest variants probe ncu stalls sass opcodes gdb tune aot gptq
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,9 @@ for stage in "$@"; do
     prefill) run prefill $PY benchmarks/prefill_host.py --out "$OUT" ${PREFILL_ARGS:-} ;;
     overhead) run overhead $PY benchmarks/engine.py --metrics-overhead --out "$OUT" ${OVERHEAD_ARGS:-} ;;
     pdlab) run pdlab $PY benchmarks/engine.py --pdl-ab --out "$OUT" ;;
-    persistentab) run persistentab $PY benchmarks/engine.py --persistent-ab --out "$OUT" ;;
+    stepkernels) run stepkernels $PY benchmarks/step_kernels.py --out "$OUT" ${STEPKERNELS_ARGS:-} ;;
+    densegemv) run densegemv $PY benchmarks/dense_gemv.py --out "$OUT" ${DENSEGEMV_ARGS:-} ;;
+    persistentab) run persistentab $PY benchmarks/engine.py --persistent-ab --out "$OUT" ${PERSISTENTAB_ARGS:-} ;;
     steptimeline) run steptimeline $PY benchmarks/step_timeline.py --out "$OUT" ${STEPTIMELINE_ARGS:-} ;;
     stepncu)  # the persistent step's kernel under Nsight Compute: stall reasons, per-instruction samples (SASS)
       run stepncu bash -c "ncu --clock-control none --kernel-name regex:decode_step_kernel --launch-skip 1 --launch-count 1 \

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import gpu_info, markdown_table, write_json  # noqa: E402
-from engine import CONTEXT, configs, random_state  # noqa: E402
+from engine import CONTEXT, configs, parse_step_settings, random_state  # noqa: E402
 from profile_decode import _persistent_decode, step_inputs  # noqa: E402
 
 from woq.kernels import ops  # noqa: E402
@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--positions", default="128,1024")
     ap.add_argument("--variants", default="", help="comma-separated parts of VARIANTS' labels (default: all)")
     ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--step-settings", default="",
+                    help="more variants: DecodeStep settings, e.g. 'ring_slots=3;max_shares=4,cache_hints=1'")
     args = ap.parse_args()
     if not ops.available():
         raise SystemExit("the woq CUDA kernels did not load")
@@ -145,6 +147,7 @@ def main() -> None:
     cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
     only = [v for v in args.variants.split(",") if v]
     variants = {k: v for k, v in VARIANTS.items() if not only or any(o in k for o in only)}
+    variants.update({f"persistent step, {label}": v for label, v in parse_step_settings(args.step_settings).items()})
     results = []
     for position in (int(p) for p in args.positions.split(",")):
         for label, settings in variants.items():

@@ -55,7 +55,7 @@ class DecodeStep:
         self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
         self.act = torch.empty(down0.K, device=device, dtype=dtype)
         self.part = torch.empty(1, shares, heads, head_dim, device=device, dtype=torch.float32)
-        self.lse = torch.empty(1, shares, heads, device=device, dtype=torch.float32)
+        self.lse = torch.empty(1, shares, kv_heads, ops.ATTENTION_MAX_GROUP, device=device, dtype=torch.float32)
         self.merge_counters = torch.zeros(kv_heads, device=device, dtype=torch.int32)
         # (one per layer and stage, and the exit count: decode_step_counters in csrc/decode_step.cu)
         self.counters = torch.zeros(len(layers) * 5 + 1, device=device, dtype=torch.int32)

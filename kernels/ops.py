@@ -157,6 +157,10 @@ def _register_fakes() -> None:
     def _gemm_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, config, splits, workspace, counters):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("woq::dense_gemv")
+    def _dense_gemv_fake(x, weight, bias, float_out):
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if float_out else x.dtype)
+
     @torch.library.register_fake("woq::dequantize")
     def _dequantize_fake(qweight, scales, zeros, bits, group_size, n, k, out):
         return None
@@ -371,7 +375,8 @@ def attention_gemv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
     k_warps = tuned_k_warps if k_warps is None else k_warps
     s = scratch(qkv.device)
     part = torch.empty(B, ATTENTION_MAX_SPLITS, heads, head_dim, dtype=torch.float32, device=qkv.device)
-    lse = torch.empty(B, ATTENTION_MAX_SPLITS, heads, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(B, ATTENTION_MAX_SPLITS, k_cache.shape[1], ATTENTION_MAX_GROUP, dtype=torch.float32,
+                      device=qkv.device)  # (a KV head's group in one 32-byte slot: csrc/attention.cuh)
     flags, merge = s.attention_counters[:2], s.attention_counters[2:]
     return torch.ops.woq.attention_gemv(qkv, positions, slots, lengths, cos, sin, k_cache, v_cache, heads, head_dim,
                                         part, lse, merge, flags, gw.qweight, gw.scales, gw.zeros, bias, gw.bits,
@@ -404,6 +409,33 @@ def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, confi
     s = scratch(x.device)
     return torch.ops.woq.gemm(x, gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N, gw.K,
                               config, splits, s.workspace, s.counters)
+
+
+# The dense GEMV (csrc/dense_gemv.cuh): rows of x it takes, and the bytes of x as fp32 its
+# blocks hold (csrc/woq_kernels.h, kDenseGemvMaxRows, kDenseGemvMaxXBytes).
+DENSE_GEMV_MAX_M = 4
+DENSE_GEMV_MAX_X_BYTES = 64 * 1024
+
+
+def dense_gemv_max_rows(weight: torch.Tensor) -> int:
+    """Rows of x the dense GEMV takes for ``weight`` ``[N, K]`` (0: none -- not a contiguous
+    16-byte aligned fp16/bf16 CUDA tensor with K a multiple of 8)."""
+    n, k = weight.shape
+    if not (weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16) and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0 and k % 8 == 0 and k >= 8 and n >= 1):
+        return 0
+    return min(DENSE_GEMV_MAX_M, DENSE_GEMV_MAX_X_BYTES // (4 * k))
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               float_out: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias`` for an unquantized ``weight`` ``[N, K]`` and ``x`` ``[M, K]``,
+    M <= ``dense_gemv_max_rows(weight)``: fp32 sums, the output rounded to the dtype (with
+    ``float_out`` stored as float32 after that rounding: ``y.float()`` in one kernel)."""
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # (a view into the middle of a row; the kernel loads 16-byte units)
+        x = x.clone()
+    return torch.ops.woq.dense_gemv(x, weight, bias, float_out)
 
 
 def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Names of the implementations a linear layer can run through (see ``models/dispatch.py``)."""
 
 DENSE = "dense"  # unquantized layer: F.linear
+DENSE_GEMV = "dense_gemv"  # unquantized layer, CUDA, M <= 2 (decode): the in-repo dense GEMV kernel
 CPU_REFERENCE = "cpu_reference"  # quantized, off CUDA (or no compiled kernels): torch reference
 GEMV = "gemv"  # CUDA, M <= 16 (8 to 32 as measured per shape): weight-only GEMV kernel
 MIXED_GEMM = "mixed_gemm"  # CUDA, mid M: tensor-core GEMM with fused dequantization
@@ -11,7 +12,7 @@ ATTENTION_GEMV = "attention_gemv"
 # CUDA batch-1 decode step: every decoder layer (their linears, norms and attention) in one
 # persistent kernel (kernels/csrc/decode_step.cuh), one call a step
 DECODE_STEP = "decode_step"
-PATHS = (DENSE, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS, ATTENTION_GEMV, DECODE_STEP)
+PATHS = (DENSE, DENSE_GEMV, CPU_REFERENCE, GEMV, MIXED_GEMM, DEQUANT_CUBLAS, ATTENTION_GEMV, DECODE_STEP)
 
 GEMV_MAX_M = 16  # rows the GEMV path takes, any weight (row blocks MB = 1, 2), unless the
 # tuner gives 9..16 to the mixed GEMM (GpuWeight.gemv_max_m = 8; tuning._gemv_reach).

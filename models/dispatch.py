@@ -6,7 +6,9 @@ batch × tokens). ``choose_path`` picks the implementation from (device, M, shap
 =================  ===========================================================
 path               when
 =================  ===========================================================
-``dense``          unquantized layer (``--quant none``): ``F.linear``
+``dense``          unquantized layer (``--quant none``, an unquantized LM head):
+                   ``F.linear``
+``dense_gemv``     unquantized layer, CUDA, M <= 2 (decode): the in-repo dense GEMV
 ``cpu_reference``  quantized layer off CUDA, or CUDA without the compiled kernels
 ``gemv``           CUDA, M <= 16 (decode): the weight-only GEMV kernel; up to 32
                    rows, or only 8, as measured against the mixed GEMM for the shape
@@ -35,7 +37,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..kernels.paths import (  # noqa: F401
-    ATTENTION_GEMV, CPU_REFERENCE, DECODE_STEP, DENSE, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS,
+    ATTENTION_GEMV, CPU_REFERENCE, DECODE_STEP, DENSE, DENSE_GEMV, DEQUANT_CUBLAS, GEMV, GEMV_MAX_M, MIXED_GEMM, PATHS,
 )
 
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -76,19 +78,21 @@ class Dispatchable(Protocol):
         """Whether the layer holds its weight in the GPU kernels' layout."""
 
     def gemv_max_rows(self) -> int:
-        """Largest M the layer's GEMV serves (16; 8 or up to 32 as measured for the shape)."""
+        """Largest M the layer's GEMV serves (16; 8 or up to 32 as measured for the shape; an
+        unquantized layer: the dense GEMV's, 0 where it does not run)."""
 
     def kernel_max_rows(self) -> int:
         """Largest M the layer's kernels serve before dequantize + cuBLAS is faster."""
 
-    def run(self, path: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        """Compute the layer through ``path`` (with ``swiglu``: SwiGLU's ``silu(gate) * up`` of it)."""
+    def run(self, path: str, x: torch.Tensor, swiglu: bool = False, float_out: bool = False) -> torch.Tensor:
+        """Compute the layer through ``path`` (with ``swiglu``: SwiGLU's ``silu(gate) * up`` of it;
+        with ``float_out``: as float32, the values those of ``y.float()``)."""
 
 
 def choose_path(x: torch.Tensor, layer: Dispatchable) -> str:
     """The path for this call, from (device, M, shape, bits)."""
     if layer.bits == 16:
-        return DENSE
+        return DENSE_GEMV if x.is_cuda and x.shape[0] <= layer.gemv_max_rows() else DENSE
     if not (x.is_cuda and layer.has_gpu_kernels()):
         return CPU_REFERENCE
     m = x.shape[0]
@@ -148,15 +152,16 @@ def flush_observer() -> None:
         _timing.drain(wait=True)
 
 
-def linear(x: torch.Tensor, layer: Dispatchable, swiglu: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: Dispatchable, swiglu: bool = False, float_out: bool = False) -> torch.Tensor:
     """``y = layer(x)`` for 2-D ``x``, through the path chosen for this call; with ``swiglu``
-    (a SwiGLU MLP's fused gate/up layer) ``silu(gate) * up`` of it, which the timing includes."""
+    (a SwiGLU MLP's fused gate/up layer) ``silu(gate) * up`` of it, which the timing includes;
+    with ``float_out`` (logits) ``y.float()``, converted by the kernel where it can."""
     path = choose_path(x, layer)
     timing = _timing
     if timing is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return layer.run(path, x, swiglu)
+        return layer.run(path, x, swiglu, float_out)
     call = KernelCall(path, layer.layer_kind, layer.bits, x.shape[0], layer.out_features, layer.in_features)
-    return timing.run(call, lambda: layer.run(path, x, swiglu), x.is_cuda)
+    return timing.run(call, lambda: layer.run(path, x, swiglu, float_out), x.is_cuda)
 
 
 def attention_linear(layer: Dispatchable, m: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:

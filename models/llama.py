@@ -320,8 +320,8 @@ class CausalLM(nn.Module):
     # kernel (kernels/decode_step.py, csrc/decode_step.cuh) where the model qualifies:
     # int4 g128 weights on an sm_90 GPU, no biases; elsewhere the kernel-per-op step. None
     # (the default): True for models of hidden size persistent_min_hidden or more, where it
-    # was measured faster -- H100, Llama-3-8B int4, the engine's batch-1 decode: 488.9 vs
-    # 421.2 tok/s (docs/bench/persistent_ab.md); graph step 2319 vs 2426 us at position 128,
+    # was measured faster -- H100, Llama-3-8B int4, the engine's batch-1 decode: 503.5 vs
+    # 431.4 tok/s (docs/bench/persistent_ab.md); graph step 2319 vs 2426 us at position 128,
     # even at 1024 (session 45, docs/bench/decode_step_persistent.md). Not measured on
     # narrower models (SmolLM2's 576), whose kernel-per-op layers are short next to the
     # step's fixed cost a layer (the attention's round trips, five grid-wide waits).
@@ -414,4 +414,4 @@ class CausalLM(nn.Module):
         h = self.hidden_states(input_ids, batch, cache)
         if last_only:
             h = batch.last_rows(h)
-        return self.lm_head(h).float()
+        return self.lm_head.logits(h)

@@ -2,7 +2,8 @@
 
 ``WeightOnlyLinear`` holds a weight in the logical quantized format (``kernels/format.py``)
 and, on CUDA, the same weight repacked once into the GPU kernels' layout.
-``DenseLinear`` is the unquantized twin (``--quant none``), so that metrics see every layer.
+``DenseLinear`` is the unquantized twin (``--quant none``, and an LM head left unquantized),
+so that metrics see every layer; on CUDA its decode rows go through the in-repo dense GEMV.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from ..kernels.format import GATE_UP_BLOCK, QuantizedWeight, QuantSpec, quantize
 from . import dispatch
 
 
-def _forward(layer: dispatch.Dispatchable, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    y = dispatch.linear(x.reshape(-1, x.shape[-1]), layer, swiglu)
+def _forward(layer: dispatch.Dispatchable, x: torch.Tensor, swiglu: bool, float_out: bool = False) -> torch.Tensor:
+    y = dispatch.linear(x.reshape(-1, x.shape[-1]), layer, swiglu, float_out)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -35,6 +36,11 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class DenseLinear(nn.Module):
     bits = 16
+    # Rows of x the dense GEMV serves (path dense_gemv) where it takes the weight, at most
+    # ops.DENSE_GEMV_MAX_M; more go to cuBLAS (F.linear). 0 turns it off. 2: at 4 rows it was
+    # slower than cuBLAS for some shapes (0.70-0.84x at SmolLM2's LM head and Llama-3-8B's
+    # qkv and o; H100, docs/bench/dense_gemv.md), at 1 and 2 faster for all (1.06-1.23x).
+    dense_gemv_rows = 2
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layer_kind: str):
         super().__init__()
@@ -42,19 +48,36 @@ class DenseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.layer_kind = layer_kind
         self.out_features, self.in_features = weight.shape
+        self._gemv_rows: tuple[int, int] | None = None  # (the weight's address, its rows): see gemv_max_rows
 
     def has_gpu_kernels(self) -> bool:
         return False
 
     def gemv_max_rows(self) -> int:
-        return 0
+        """Rows the dense GEMV takes for this weight: 0 off CUDA or without the kernels."""
+        w = self.weight
+        if not w.is_cuda:
+            return 0
+        if self._gemv_rows is None or self._gemv_rows[0] != w.data_ptr():  # (found once per placement)
+            from ..kernels import ops
+
+            self._gemv_rows = (w.data_ptr(), ops.dense_gemv_max_rows(w) if ops.available() else 0)
+        return min(self._gemv_rows[1], self.dense_gemv_rows)
 
     def kernel_max_rows(self) -> int:
         return 0
 
-    def run(self, path: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return _silu_mul(y) if swiglu else y
+    def run(self, path: str, x: torch.Tensor, swiglu: bool = False, float_out: bool = False) -> torch.Tensor:
+        if path == dispatch.DENSE_GEMV:
+            from ..kernels import ops
+
+            if not swiglu:  # (logits: the kernel stores float32, no conversion kernel after it)
+                return ops.dense_gemv(x, self.weight, self.bias, float_out)
+            y = ops.dense_gemv(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        y = _silu_mul(y) if swiglu else y
+        return y.float() if float_out else y
 
     def gate_and_up(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A SwiGLU layer's output split into its gate and up projections."""
@@ -64,6 +87,10 @@ class DenseLinear(nn.Module):
         """``x @ W.T + b``, or with ``swiglu`` (the fused gate/up layer of a SwiGLU MLP)
         ``silu(gate) * up`` of it."""
         return _forward(self, x, swiglu)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()``, an LM head's logits (the dense GEMV writes them as float32)."""
+        return _forward(self, x, False, float_out=True)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -148,13 +175,15 @@ class WeightOnlyLinear(nn.Module):
             self._dequantized = reference.dequantize(self.qweight, dtype)
         return self._dequantized
 
-    def run(self, path: str, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    def run(self, path: str, x: torch.Tensor, swiglu: bool = False, float_out: bool = False) -> torch.Tensor:
         if path == dispatch.CPU_REFERENCE:
             y = reference.linear(x, self.qweight, self.bias, weight=self._cpu_weight(x.dtype))
-            return _silu_mul(y) if swiglu else y
-        from ..kernels import ops
+            y = _silu_mul(y) if swiglu else y
+        else:
+            from ..kernels import ops
 
-        return ops.run_path(path, x, self.gpu, self.gpu_bias, swiglu)
+            y = ops.run_path(path, x, self.gpu, self.gpu_bias, swiglu)
+        return y.float() if float_out else y
 
     def attends(self, batch: int, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether, as a decode step's o projection, this layer's GEMV can do the step's
@@ -190,3 +219,7 @@ class WeightOnlyLinear(nn.Module):
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
         return _forward(self, x, swiglu)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()``, an LM head's logits."""
+        return self(x).float()

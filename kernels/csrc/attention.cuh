@@ -78,6 +78,45 @@ __device__ __forceinline__ void add_release(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
+// Outputs that leave a block as bulk stores (shared -> global, in the issuing thread's bulk
+// groups) need no fence before their release: the persistent decode step's stages
+// (decode_step.cuh) and its attention roles (BULK_OUT below). Why: a gpu-scope
+// fence (the release of red.release / atom.acq_rel) waits for every memory request the SM
+// has in flight, the ring's bulk loads included (step_timeline.py, H100: a release took
+// 0.9-1.9 us with the consumer at DRAM's pace, 5 us with the GEMV arithmetic left out --
+// also with no output stored, also from a thread that issues no loads -- and 0.1 us
+// relaxed). A bulk store's completion (wait_group) waits for the thread's bulk stores only,
+// not the mbarrier-tracked loads; once complete, the outputs are in L2, where every
+// reader's acquire-then-L2 load finds them, so the counter increment after it is relaxed.
+// (This rests on that completion -- the bytes written to L2, the readers' point of
+// coherence -- not on a formal release of the PTX memory model; the GPU tests, logits
+// against the kernel-per-op step and graph replays bit-equal to eager steps, check it.)
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Until every bulk store of the thread is complete (its bytes written to global memory).
+__device__ __forceinline__ void bulk_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// This thread's shared-memory writes made visible to the bulk copies (the async proxy).
+__device__ __forceinline__ void fence_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void add_relaxed(int* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {  // through the activation type, as the reference rounds
   return to_float(from_float<T>(v));
@@ -97,6 +136,36 @@ __device__ __forceinline__ AttentionShare attention_share(const DecodeAttention&
   return {b, hkv, split, start, min(start + share, length), (length + share - 1) / share};
 }
 
+// A KV head's output [G, D] (-> out) from its `used` shares' partials (share s's at
+// part + s part_share, [G, D]) and log-sum-exps (at lse + s lse_share, [G]), in share order
+// (deterministic). Not inlined: its loads, every share's in flight together, need registers
+// that the persistent decode step's kernel, at its 128, otherwise took from its other
+// values (spilled 240 bytes instead of 92).
+template <typename T, int THREADS>
+__device__ __noinline__ void merge_shares(const float* part, int part_share, const float* lse, int lse_share, int used,
+                                          int G, int D, T* out) {
+  for (int i = threadIdx.x; i < G * D; i += THREADS) {
+    const int h = i / D;
+    float lse_s[kMaxShares], part_s[kMaxShares];
+#pragma unroll
+    for (int s = 0; s < kMaxShares; ++s) {
+      lse_s[s] = s < used ? __ldcg(lse + s * lse_share + h) : -INFINITY;
+      part_s[s] = s < used ? __ldcg(part + static_cast<long long>(s) * part_share + i) : 0.f;
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxShares; ++s) mx = fmaxf(mx, lse_s[s]);
+    float total = 0.f, weight = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxShares; ++s) {
+      const float w = s < used ? __expf(lse_s[s] - mx) : 0.f;
+      total = fmaf(w, part_s[s], total);
+      weight += w;
+    }
+    out[i] = from_float<T>(total / weight);
+  }
+}
+
 struct NoMark {  // (attend_share's timeline hook, unused)
   __device__ void operator()(int) const {}
 };
@@ -109,11 +178,13 @@ struct NoMark {  // (attend_share's timeline hook, unused)
 // `mark(i)` (every thread calls it; a timeline's hook, benchmarks only) at five points:
 // 0 q and the new k and v loaded and rotated, 1 the first tile in shared memory, 2 the
 // share's tiles done, 3 its output (or partials and the merge counter) written, 4 the
-// head's output released.
+// head's output released. BULK_OUT (sm_90 only): the outputs and partials leave as bulk
+// stores and are released without a fence (see below).
 // (Inlined, taking the kernel parameter by reference: a call copied the 300-byte struct to
 // every thread's stack -- ~86 KB of local-memory stores per block -- and the step was
 // ~10 us a layer slower.)
-template <typename T, int THREADS = 256, int MAX_D = kAttentionMaxHeadDim, typename Wait, typename Mark = NoMark>
+template <typename T, int THREADS = 256, int MAX_D = kAttentionMaxHeadDim, bool BULK_OUT = false, typename Wait,
+          typename Mark = NoMark>
 __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait, Mark&& mark = Mark{}) {
   extern __shared__ uint4 smem_attention[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -308,8 +379,29 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   mark(2);
 
   const int H = a.heads, head0 = hkv * G;
-  T* out = static_cast<T*>(a.out) + static_cast<long long>(b) * H * D;
-  // Each accumulator pair over its head's sum: store(offset in [H, D], value, value of the next dim).
+  T* out = static_cast<T*>(a.out) + (static_cast<long long>(b) * H + head0) * D;  // the group's heads: [G, D]
+  // BULK_OUT: the outputs are staged in shared memory (the k tile, free now) and leave as
+  // bulk stores whose completion the releasing thread awaits, so that its counter increment
+  // needs no fence (bulk_store: a gpu-scope fence waits for the SM's weight loads in flight;
+  // in the persistent decode step the two releases took ~0.4 us each). Otherwise they are
+  // stored straight to global memory and released through a fence.
+  // (G D floats and a slot <= 8 KB + 32 B, within the k tile's 64 (D + 8) elements: 2048 >= G D, 8 >= G)
+  float* staged = reinterpret_cast<float*>(k_s);  // partials [G, D], then the lse slot
+  T* staged_out = k_s;                            // or the output [G, D]
+  auto to_shared = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
+  auto staged_written = [&] {  // (every thread, after its writes to `staged`)
+    if constexpr (BULK_OUT) fence_async_shared();
+    __syncthreads();
+  };
+  auto release = [&](int* counter) {  // (thread 0, after its bulk stores)
+    if constexpr (BULK_OUT) {
+      bulk_wait_all();
+      add_relaxed(counter, 1);
+    } else {
+      add_release(counter, 1);
+    }
+  };
+  // Each accumulator pair over its head's sum: store(offset in the group's [G, D], value, value of the next dim).
   auto for_each_output = [&](auto store) {
     if (gid >= G) return;
     const float inv = 1.f / l_run;
@@ -317,66 +409,60 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     for (int j = 0; j < kPvTiles; ++j) {
       const int nt = warp + j * W;
       if (nt >= D / 8) break;
-      store((head0 + gid) * D + nt * 8 + 2 * t4, (acc[j][0] + acc_lo[j][0]) * inv,
-            (acc[j][1] + acc_lo[j][1]) * inv);
+      store(gid * D + nt * 8 + 2 * t4, (acc[j][0] + acc_lo[j][0]) * inv, (acc[j][1] + acc_lo[j][1]) * inv);
     }
   };
+  T* out_to = BULK_OUT ? staged_out : out;
   if (used == 1) {
     for_each_output([&](int o, float x0, float x1) {
-      out[o] = from_float<T>(x0);
-      out[o + 1] = from_float<T>(x1);
+      out_to[o] = from_float<T>(x0);
+      out_to[o + 1] = from_float<T>(x1);
     });
     mark(3);
   } else {
-    // Partial outputs [B, S, H, D] and log-sum-exps [B, S, H]; share 0 merges.
-    float* part = a.part + (static_cast<long long>(b) * S + split) * H * D;
+    // Partial outputs [B, S, H, D] and log-sum-exps [B, S, kv_heads, kAttentionMaxGroup] (a
+    // group's G in a 32-byte slot: one bulk store); share 0 merges.
+    float* part = a.part + ((static_cast<long long>(b) * S + split) * H + head0) * D;
+    float* lse = a.lse + ((static_cast<long long>(b) * S + split) * a.kv_heads + hkv) * kAttentionMaxGroup;
+    float* part_to = BULK_OUT ? staged : part;
+    float* lse_to = BULK_OUT ? staged + G * D : lse;
     for_each_output([&](int o, float x0, float x1) {
-      part[o] = x0;
-      part[o + 1] = x1;
+      part_to[o] = x0;
+      part_to[o + 1] = x1;
     });
-    if (warp == 0 && t4 == 0 && gid < G)
-      a.lse[(static_cast<long long>(b) * S + split) * H + head0 + gid] = m_run + logf(l_run);
-    __syncthreads();  // every partial written before thread 0 releases them
+    if (warp == 0 && t4 == 0 && gid < G) lse_to[gid] = m_run + logf(l_run);
+    staged_written();  // every partial written before thread 0 releases them
+    if constexpr (BULK_OUT) {
+      if (tid == 0) {
+        bulk_store(part, to_shared(staged), G * D * 4);
+        bulk_store(lse, to_shared(staged + G * D), kAttentionMaxGroup * 4);
+      }
+    }
     // Share 0 merges, once the others have released theirs: they leave at once, and share 0
     // waits one round trip less than a last-to-finish merger would (an atomic's return).
     int* counter = a.merge_counters + b * a.kv_heads + hkv;
     if (split != 0) {
-      if (tid == 0) add_release(counter, 1);
+      if (tid == 0) release(counter);
       mark(3);
       return true;
     }
     if (tid == 0) {
+      if constexpr (BULK_OUT) bulk_wait_all();  // (its own partials, read back below; `staged` is rewritten)
       while (load_acquire(counter) < used - 1) {
       }
       *counter = 0;  // re-armed: every other share has added its 1 (the next layer's or launch's come later)
     }
     __syncthreads();
     mark(3);
-    const float* lse0 = a.lse + static_cast<long long>(b) * S * H;
-    const float* part0 = a.part + static_cast<long long>(b) * S * H * D;
-    for (int i = tid; i < G * D; i += kThreads) {  // in share order: deterministic
-      const int h = head0 + i / D, d = i % D;
-      float lse[kMaxShares], part[kMaxShares];  // (every share's loads in flight together)
-#pragma unroll
-      for (int s = 0; s < kMaxShares; ++s) {
-        lse[s] = s < used ? __ldcg(lse0 + s * H + h) : -INFINITY;
-        part[s] = s < used ? __ldcg(part0 + (static_cast<long long>(s) * H + h) * D + d) : 0.f;
-      }
-      float mx = -INFINITY;
-#pragma unroll
-      for (int s = 0; s < kMaxShares; ++s) mx = fmaxf(mx, lse[s]);
-      float total = 0.f, weight = 0.f;
-#pragma unroll
-      for (int s = 0; s < kMaxShares; ++s) {
-        const float w = s < used ? __expf(lse[s] - mx) : 0.f;
-        total = fmaf(w, part[s], total);
-        weight += w;
-      }
-      out[h * D + d] = from_float<T>(total / weight);
-    }
+    merge_shares<T, kThreads>(a.part + (static_cast<long long>(b) * S * H + head0) * D, H * D,
+                              a.lse + (static_cast<long long>(b) * S * a.kv_heads + hkv) * kAttentionMaxGroup,
+                              a.kv_heads * kAttentionMaxGroup, used, G, D, out_to);
   }
-  __syncthreads();  // the head's output written before thread 0 releases it
-  if (tid == 0) add_release(a.flags, 1);
+  staged_written();  // the head's output written before thread 0 releases it
+  if (tid == 0) {
+    if constexpr (BULK_OUT) bulk_store(out, to_shared(staged_out), G * D * static_cast<int>(sizeof(T)));
+    release(a.flags);
+  }
   mark(4);
   return true;
 }

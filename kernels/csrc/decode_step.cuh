@@ -49,10 +49,11 @@
 // block to leave re-arms every counter for the next launch.
 //
 // Measured (H100, Llama-3-8B-shaped int4 g128, batch 1; docs/bench/decode_step_persistent.md):
-// the engine's batch-1 decode 482-488 tok/s, 77-80 % of roofline (the kernel-per-op step
-// 420-423 in the same runs), so the model takes it at hidden size 4096 and more
-// (CausalLM.persistent_decode); streaming only (no attention, arithmetic or waits, session
-// 45) 1737 / 1705 us a graph step at position 128 / 1024. What mattered most so far:
+// the engine's batch-1 decode ~500 tok/s, ~80 % of roofline with the dense GEMV's LM head
+// (dense_gemv.cuh; the kernel-per-op step ~430 in the same runs), so the model takes it at
+// hidden size 4096 and more (CausalLM.persistent_decode); streaming only (no attention,
+// arithmetic or waits, session 45) 1737 / 1705 us a graph step at position 128 / 1024.
+// What mattered most so far:
 //   * the consumer's warps: with 8 a block (255 registers) the GEMVs' arithmetic, not DRAM,
 //     set the stream's pace; 16 warps of at most 128 registers (76-100 bytes spilled, where
 //     not examined) halve each warp's share of a chunk and give each scheduler four warps
@@ -71,8 +72,11 @@
 //     release, 5 us with the consumer faster): the consumer alone 38.4 us a layer instead
 //     of 41.2, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster;
 //   * the attention roles' tiles as mma (attention.cuh, session 49): a 64-token tile 1.7 us
-//     instead of 4.7, the layer ~51.5 us at 128 instead of 55.2, the engine ~4 % faster.
-// Where a layer's ~51.5 us go (position 128, benchmarks/step_timeline.py: TraceEvent
+//     instead of 4.7, the layer ~51.5 us at 128 instead of 55.2, the engine ~4 % faster;
+//   * the attention roles' outputs as bulk stores too, their releases without a fence
+//     (attend_share's BULK_OUT, session 50): the layer 50.7 us at 128 instead of 51.5, the
+//     engine 0.5 % faster.
+// Where a layer's ~51 us go (position 128, benchmarks/step_timeline.py: TraceEvent
 // below), against ~39 us of its weight bytes at the copy bandwidth: the consumer alone (no
 // stream, attention or waits: kSkip*) takes ~38 us, about DRAM's pace, so every wait
 // between stages adds on top of the units (qkv 4.5, o 3.3, gate/up 19, down 10 us) -- the
@@ -95,7 +99,10 @@
 // with four relaxed loads in flight (qkv seen 0.7 us later); the roles' cached rows
 // prefetched into L2 again as the layer starts (the first tile had landed already); the
 // shares' partials read by share 0 until none is a NaN sentinel, with no count (its spins
-// and re-arming cost more than the round trip: 1.5 % slower).
+// and re-arming cost more than the round trip: 1.5 % slower); the weight stream prefetched
+// into L2 beyond the ring again (session 50, the L2 hints on: 2-16 chunks ahead, with every
+// refill or only at the stage inputs' waits -- the units ran slower from L2-prefetched
+// chunks than from DRAM: 7-20 % slower in the engine).
 //
 // sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
 // empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
@@ -219,44 +226,6 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 #endif
-}
-
-// A stage's outputs leave the block as bulk stores (shared -> global, in the issuing
-// thread's bulk groups), so that the stage's release needs no fence. Why: a gpu-scope
-// fence (the release of red.release / atom.acq_rel) waits for every memory request the SM
-// has in flight, the ring's bulk loads included (step_timeline.py, H100: a release took
-// 0.9-1.9 us with the consumer at DRAM's pace, 5 us with the GEMV arithmetic left out --
-// also with no output stored, also from a thread that issues no loads -- and 0.1 us
-// relaxed). A bulk store's completion (wait_group) waits for the thread's bulk stores only,
-// not the mbarrier-tracked loads; once complete, the outputs are in L2, where every
-// reader's acquire-then-L2 load finds them, so the counter increment after it is relaxed.
-// (This rests on that completion -- the bytes written to L2, the readers' point of
-// coherence -- not on a formal release of the PTX memory model; the GPU tests, logits
-// against the kernel-per-op step and graph replays bit-equal to eager steps, check it.)
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-#if WOQ_STEP_SM90
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Until every bulk store of the thread is complete (its bytes written to global memory).
-__device__ __forceinline__ void bulk_wait_all() {
-#if WOQ_STEP_SM90
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
-}
-
-// This thread's shared-memory writes made visible to the bulk copies (the async proxy).
-__device__ __forceinline__ void fence_async_shared() {
-#if WOQ_STEP_SM90
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void add_relaxed(int* p, int v) {
-  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 // Per layer, the pointers the step's control path reads, kept in shared memory (the kernel).
@@ -722,7 +691,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       }
       __syncthreads();
       const int* qkv_ready = counter(layer, kQkv);
-      attend_share<T, kThreads, 128>(  // (head_dim <= 128: decode_step_plan)
+      attend_share<T, kThreads, 128, true>(  // (head_dim <= 128: decode_step_plan; outputs as bulk stores)
           att, block,
           [&] {
             if (tid == 0 && !no_waits)

@@ -180,7 +180,7 @@ woq::DecodeAttention decode_attention(const at::Tensor& qkv, int64_t qkv_stride,
 // A decode step's attention and the o projection of its output in one register-stream GEMV
 // launch (attention.cuh): q, k, v from `qkv` [B, (heads + 2 kv_heads) head_dim], RoPE at
 // `positions`, k and v cached at that position of slot `slots[b]`, attention over
-// `lengths[b]` positions; `part` [B, splits, heads, head_dim] and `lse` [B, splits, heads]
+// `lengths[b]` positions; `part` [B, splits, heads, head_dim] and `lse` [B, splits, kv_heads, 8]
 // (float32) hold the shares' partial results, `merge_counters` (>= B * kv_heads) and
 // `flags` (2) are int32 zeros the kernel leaves zero. Returns o's output [B, n].
 at::Tensor attention_gemv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slots,
@@ -217,8 +217,8 @@ at::Tensor attention_gemv(const at::Tensor& qkv, const at::Tensor& positions, co
             part.size(0) == B && part.size(2) == heads && part.size(3) == head_dim,
         "part must be a contiguous float32 [B, splits, heads, head_dim] CUDA tensor");
   check(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-            lse.sizes() == at::IntArrayRef({B, part.size(1), heads}),
-        "lse must be a contiguous float32 [B, splits, heads] CUDA tensor");
+            lse.sizes() == at::IntArrayRef({B, part.size(1), kv_heads, woq::kAttentionMaxGroup}),
+        "lse must be a contiguous float32 [B, splits, kv_heads, 8] CUDA tensor");
   check(merge_counters.is_cuda() && merge_counters.scalar_type() == at::kInt && merge_counters.numel() >= B * kv_heads,
         "merge_counters must be an int32 CUDA tensor of at least B * kv_heads elements");
   check(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.numel() >= 2, "flags must be 2 int32 CUDA zeros");
@@ -262,8 +262,8 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
         "qkv must hold (heads + 2 kv_heads) * head_dim, attn heads * head_dim elements");
   check(part.scalar_type() == at::kFloat && part.is_contiguous() && part.dim() == 4 && part.size(0) == 1 &&
             part.size(2) == heads && part.size(3) == head_dim && lse.scalar_type() == at::kFloat &&
-            lse.is_contiguous() && lse.sizes() == at::IntArrayRef({1, part.size(1), heads}),
-        "part must be float32 [1, splits, heads, head_dim], lse float32 [1, splits, heads]");
+            lse.is_contiguous() && lse.sizes() == at::IntArrayRef({1, part.size(1), kv_heads, woq::kAttentionMaxGroup}),
+        "part must be float32 [1, splits, heads, head_dim], lse float32 [1, splits, kv_heads, 8]");
   check(merge_counters.scalar_type() == at::kInt && merge_counters.numel() >= kv_heads, "merge_counters: int32, >= kv_heads");
   check(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == head_dim && cos.stride(1) == 1 &&
             sin.sizes() == cos.sizes() && sin.strides() == cos.strides(),
@@ -420,6 +420,42 @@ void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::
   check(err == cudaSuccess, std::string("dequantize launch failed: ") + cudaGetErrorString(err));
 }
 
+// y = x weight^T (+ bias) for an unquantized weight [N, K] and x [M, K] at M <= 4
+// (dense_gemv.cuh): fp16 or bf16, contiguous, 16-byte aligned, K a multiple of 8. y in x's
+// dtype, or float32 with float_out (the values rounded to x's dtype first, as y.float()).
+at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      bool float_out) {
+  check(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && weight.is_cuda() && weight.dim() == 2 &&
+            weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
+        "dense_gemv: x [M, K] and weight [N, K] must be contiguous CUDA tensors of one dtype on one device");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  check(weight.size(1) == K, "dense_gemv: weight has " + str(weight.size(1)) + " input features, x " + str(K));
+  check(M >= 1 && M <= woq::kDenseGemvMaxRows && K % 8 == 0 && K >= 8 &&
+            M * K * 4 <= woq::kDenseGemvMaxXBytes,
+        "dense_gemv: M must be 1.." + str(woq::kDenseGemvMaxRows) + ", K a multiple of 8, M K 4 bytes <= " +
+            str(woq::kDenseGemvMaxXBytes) + " (got M = " + str(M) + ", K = " + str(K) + ")");
+  check(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+        "dense_gemv: x and weight must be 16-byte aligned");
+  if (bias)
+    check(bias->is_cuda() && bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
+          "dense_gemv: bias must be a contiguous CUDA tensor of N elements of x's dtype");
+  at::Tensor y = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  const c10::cuda::CUDAGuard guard(x.device());
+  woq::DenseGemvArgs a;
+  a.float_out = float_out;
+  a.x = x.data_ptr();
+  a.w = weight.data_ptr();
+  a.bias = bias ? bias->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.M = static_cast<int>(M);
+  a.N = static_cast<int>(N);
+  a.K = static_cast<int>(K);
+  a.dtype = dtype_of(x);
+  const cudaError_t err = woq::launch_dense_gemv(a, at::cuda::getCurrentCUDAStream());
+  check(err == cudaSuccess, std::string("dense GEMV launch failed: ") + cudaGetErrorString(err));
+  return y;
+}
+
 // Whether the mixed GEMM's wgmma configurations run on the current device (woq_kernels.h).
 bool wgmma_available() { return woq::wgmma_available(); }
 
@@ -471,6 +507,7 @@ TORCH_LIBRARY(woq, m) {
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
       "float eps, int roles, int kv_heads, int cache_hints, int max_slots, int skip, "
       "Tensor(f!)? trace=None) -> ()");
+  m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("decode_step_trace_events() -> int", [] { return static_cast<int64_t>(woq::decode_step_trace_events()); });
   m.def("wgmma_available() -> bool", &wgmma_available);
@@ -485,4 +522,5 @@ TORCH_LIBRARY_IMPL(woq, CUDA, m) {
   m.impl("decode_step", &decode_step);
   m.impl("gemm", &gemm);
   m.impl("dequantize", &dequantize);
+  m.impl("dense_gemv", &dense_gemv);
 }

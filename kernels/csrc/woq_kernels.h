@@ -60,7 +60,7 @@ struct DecodeAttention {
   const float* sin;
   long long rope_stride;
   float* part;                // [batch, splits, heads, head_dim] partial outputs of the shares
-  float* lse;                 // [batch, splits, heads] their log-sum-exps
+  float* lse;                 // [batch, splits, kv_heads, kAttentionMaxGroup] their log-sum-exps (32-byte slots)
   int* merge_counters;        // [batch * kv_heads], zero, re-armed
   int* flags;                 // [2], zero, re-armed: heads written, blocks past the wait
   void* out;                  // [batch, heads * head_dim]: the attention output, the GEMV's x
@@ -161,6 +161,24 @@ struct DequantArgs {
   void* out;  // [N, K] row-major
   DType dtype;
 };
+
+// The dense (unquantized) GEMV (dense_gemv.cuh): y = x w^T (+ bias), x [M, K], w [N, K]
+// row-major, y [M, N], all of `dtype` (y float32 with float_out, its values rounded to
+// `dtype` first), 16-byte aligned, K a multiple of 8. It holds x as fp32 in shared memory:
+// M <= kDenseGemvMaxRows and M K 4 bytes <= kDenseGemvMaxXBytes.
+constexpr int kDenseGemvMaxRows = 4;
+constexpr int kDenseGemvMaxXBytes = 64 * 1024;
+struct DenseGemvArgs {
+  const void* x;
+  const void* w;
+  const void* bias;  // [N] or nullptr
+  void* y;
+  int M, N, K;
+  DType dtype;
+  bool float_out = false;
+};
+// cudaErrorInvalidValue: arguments outside the above.
+cudaError_t launch_dense_gemv(const DenseGemvArgs& args, cudaStream_t stream);
 
 // Columns of the narrowest kind (one n-tile of 16 output channels: the register stream at 8
 // k-warps): the number of counters the GEMV needs.
