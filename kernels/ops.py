@@ -411,6 +411,13 @@ def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, confi
                               config, splits, s.workspace, s.counters)
 
 
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous and 16-byte aligned, as the kernels load it (16-byte units); a copy
+    only where it is not (e.g. a view into the middle of a row)."""
+    x = x.contiguous()
+    return x.clone() if x.data_ptr() % 16 else x
+
+
 # The dense GEMV (csrc/dense_gemv.cuh): rows of x it takes, and the bytes of x as fp32 its
 # blocks hold (csrc/woq_kernels.h, kDenseGemvMaxRows, kDenseGemvMaxXBytes).
 DENSE_GEMV_MAX_M = 4
@@ -432,10 +439,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """``x @ weight.T + bias`` for an unquantized ``weight`` ``[N, K]`` and ``x`` ``[M, K]``,
     M <= ``dense_gemv_max_rows(weight)``: fp32 sums, the output rounded to the dtype (with
     ``float_out`` stored as float32 after that rounding: ``y.float()`` in one kernel)."""
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # (a view into the middle of a row; the kernel loads 16-byte units)
-        x = x.clone()
-    return torch.ops.woq.dense_gemv(x, weight, bias, float_out)
+    return torch.ops.woq.dense_gemv(_kernel_rows(x), weight, bias, float_out)
 
 
 def dequantize(gw: GpuWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -454,9 +458,7 @@ def run_path(path: str, x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | Non
     in the GEMV's epilogue where the rows allow, else by ``fused.silu_mul``."""
     if x.dtype != gw.dtype:
         raise TypeError(f"activations are {x.dtype}, the weight was packed for {gw.dtype}")
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # a view into the middle of a row; the kernels copy 16-byte units
-        x = x.clone()
+    x = _kernel_rows(x)
     if path == GEMV:
         epilogue = swiglu and gw.swiglu_rows
         y = gemv(x, gw, bias, swiglu=epilogue)

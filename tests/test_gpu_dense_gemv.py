@@ -15,6 +15,7 @@ if torch.cuda.is_available():
 def kernels_built():
     assert ops.available(), "the CUDA kernels failed to build"
 
+
 # (N, K): N not a multiple of the block's 8 rows; K short of one 32-lane pass, of several
 # passes with a partial last one (U = 4, 8, 16), an LM head's
 SHAPES = [(1001, 72), (4099, 1544), (517, 2056), (3001, 14336), (49157, 576), (32003, 4096)]
