@@ -1,46 +1,27 @@
-// Decode attention run by the first blocks of the o projection's GEMV (gemv_stream.cuh),
-// instead of a kernel of its own between the qkv and o projections.
+// Decode attention as "roles" of the persistent decode step (decode_step.cuh): blocks
+// 0..roles-1 each take one (sequence, KV head, share of the live tokens), one query token
+// per sequence.
 //
-// Why. At batch 1 the attention kernel moves a few hundred KB, so what it costs is the
-// latency it adds to the chain qkv -> attention -> o: its own launch and wait, and o's
-// blocks, which do not fit beside its 176-register programs, starting only once it has
-// begun (H100, Llama-3-8B int4, position 128: 9.6 us from qkv's last block to o's first
-// returned wait, docs/bench/decode_timeline.md). Here o's GEMV grid does it: blocks
-// 0..roles-1 each take one (sequence, KV head, share of the live tokens) and then their
-// share of o; every block has its o weights in flight (or, for a working role, in L2)
-// before it waits, and the blocks wait for the attention output on a counter in global
-// memory rather than on a kernel boundary.
-//
-// What a role does, for its KV head's G = H / Hkv query heads (grouped-query attention:
-// the KV bytes are read once per group), over its share [start, end) of the live tokens
-// (as kernels/decode_attention.py: `splits` equal shares, multiples of 16 tokens, at
-// least a tile):
+// What a role does, for its KV head's G = H / Hkv query heads (grouped-query attention: the
+// KV bytes are read once per group), over its share [start, end) of the live tokens
+// (`splits` equal shares, multiples of 16 tokens, at least a tile):
 //   * before the wait: the share's first tile of cached k and v -> shared memory (cp.async);
 //   * after it: q and the new k rotated (RoPE, rounded like the torch reference: each
 //     product to the activation type, then the sum), the new k and v stored at the
 //     position by the share that holds it and patched into its tile;
-//   * per tile of kTile tokens: scores (fp32), an online softmax per head (each thread
-//     keeps its head's running maximum and sum: no thread waits for another's update),
-//     p @ v into fp32 accumulators;
+//   * per tile of kAttentionTile tokens: scores (fp32), an online softmax per head (each
+//     thread keeps its head's running maximum and sum: no thread waits for another's
+//     update), p @ v into fp32 accumulators;
 //   * a share alone writes the output; several leave fp32 partial outputs and their
 //     log-sum-exp, and the head's share 0, once the others have counted theirs released
 //     (a counter per (sequence, KV head), re-armed by share 0), merges them in share order;
-//   * whoever wrote a head's output adds 1 to `flags[0]` (release). Every block of the
-//     grid waits until it reads B * Hkv there (acquire), then reads the output as its x.
-//     The last block past that wait re-arms both flags (flags[1] counts them).
+//   * whoever wrote a head's output adds 1 to `flags[0]` -- the step's attention counter.
 // A tile's scores and p @ v are mma (m16n8k16, fp32 sums): the G query heads are the rows
-// of A (the other rows zero); p, fp32, enters as two T operands, p's rounding and the
-// rest (hi + lo), so it keeps ~16 of its bits rather than T's 8 or 11. As scalar fp32 loops
-// (a thread per (head, token), then per (head, two dims), 64 dependent steps each) a
-// 64-token tile took ~4.7 us of the persistent decode step's ~10.8 us attention; as mma,
-// 1.7 us (H100, docs/bench/decode_step_persistent.md, session 49).
-// Measured in the o GEMV (H100, Llama-3-8B int4 batch-1 graph step, with the scalar loops):
-// 156-289 us a step slower than the Triton kernel apart, so the model leaves it off
-// (docs/bench/attention_in_o.md).
-// No block ever waits for a block that is not running: the grid is at most one resident
-// wave (checked at launch), so every role is resident or will be once the previous
-// kernel's blocks leave; roles wait for the previous kernel, and a head's share 0 for the
-// head's other shares, which wait for nothing of it.
+// of A (the other rows zero); p, fp32, enters as two T operands, its rounding and the rest
+// (hi + lo), so it keeps ~16 of its bits rather than T's 8 or 11.
+// No role waits for a block that is not running: the step's grid is one resident block per
+// SM; roles wait for the qkv stage, and a head's share 0 for the head's other shares, which
+// wait for nothing of it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,12 +37,11 @@ namespace woq {
 constexpr int kAttentionTile = 64;  // tokens per tile: 2 x 64 x 136 x 2 B of k and v at D = 128
 constexpr int kMaxShares = kAttentionMaxSplits;
 
-// Shared memory of a role, in bytes (the GEMV's dynamic shared memory is at least this
-// when the grid holds roles): k and v tiles, q, the new k and v, scores, the score warps'
-// maxima and sums.
-// Rows of k, v and q are padded by 8 elements: row r starts 4 r banks further (mod 32), so
-// the 8 rows of an ldmatrix matrix, or 8 lanes' 4-byte reads of 8 rows, are conflict-free.
-// (q takes G (D + 8) elements of T, within the G D floats counted for it.)
+// Shared memory of a role, in bytes: k and v tiles, q, the new k and v, scores, the score
+// warps' maxima and sums. Rows of k, v and q are padded by 8 elements: row r starts 4 r
+// banks further (mod 32), so the 8 rows of an ldmatrix matrix, or 8 lanes' 4-byte reads of
+// 8 rows, are conflict-free. (q takes G (D + 8) elements of T, within the G D floats
+// counted for it.)
 template <typename T>
 __host__ __device__ constexpr int attention_smem_bytes(int D, int G) {
   return 2 * kAttentionTile * (D + 8) * static_cast<int>(sizeof(T)) + G * D * 4 + 2 * D * static_cast<int>(sizeof(T)) +
@@ -74,23 +54,16 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-__device__ __forceinline__ void add_release(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
 // Outputs that leave a block as bulk stores (shared -> global, in the issuing thread's bulk
-// groups) need no fence before their release: the persistent decode step's stages
-// (decode_step.cuh) and its attention roles (BULK_OUT below). Why: a gpu-scope
-// fence (the release of red.release / atom.acq_rel) waits for every memory request the SM
-// has in flight, the ring's bulk loads included (step_timeline.py, H100: a release took
-// 0.9-1.9 us with the consumer at DRAM's pace, 5 us with the GEMV arithmetic left out --
-// also with no output stored, also from a thread that issues no loads -- and 0.1 us
-// relaxed). A bulk store's completion (wait_group) waits for the thread's bulk stores only,
-// not the mbarrier-tracked loads; once complete, the outputs are in L2, where every
-// reader's acquire-then-L2 load finds them, so the counter increment after it is relaxed.
-// (This rests on that completion -- the bytes written to L2, the readers' point of
-// coherence -- not on a formal release of the PTX memory model; the GPU tests, logits
-// against the kernel-per-op step and graph replays bit-equal to eager steps, check it.)
+// groups) need no fence before their release: the decode step's stages and its attention
+// roles. A gpu-scope fence (the release of red.release / atom.acq_rel) waits for every
+// memory request the SM has in flight, the ring's bulk loads included (~1-2 us on H100).
+// A bulk store's completion (wait_group) waits for the thread's bulk stores only; once
+// complete, the outputs are in L2, where every reader's acquire-then-L2 load finds them, so
+// the counter increment after it is relaxed. (This rests on that completion -- the bytes
+// written to L2, the readers' point of coherence -- not on a formal release of the PTX
+// memory model; the GPU tests, logits against the kernel-per-op step and graph replays
+// bit-equal to eager steps, check it.)
 __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
@@ -139,8 +112,8 @@ __device__ __forceinline__ AttentionShare attention_share(const DecodeAttention&
 // A KV head's output [G, D] (-> out) from its `used` shares' partials (share s's at
 // part + s part_share, [G, D]) and log-sum-exps (at lse + s lse_share, [G]), in share order
 // (deterministic). Not inlined: its loads, every share's in flight together, need registers
-// that the persistent decode step's kernel, at its 128, otherwise took from its other
-// values (spilled 240 bytes instead of 92).
+// that the decode step's kernel, at its 128, would otherwise take from its other values
+// (more spills).
 template <typename T, int THREADS>
 __device__ __noinline__ void merge_shares(const float* part, int part_share, const float* lse, int lse_share, int used,
                                           int G, int D, T* out) {
@@ -166,26 +139,14 @@ __device__ __noinline__ void merge_shares(const float* part, int part_share, con
   }
 }
 
-struct NoMark {  // (attend_share's timeline hook, unused)
-  __device__ void operator()(int) const {}
-};
-
-// Role `role` of the grid's attention (see above); false if its share holds no token (it
-// did nothing, not even the wait). THREADS threads (256 in the o GEMV's grid, 512 in the
-// persistent decode step), head_dim at most MAX_D (its p @ v accumulators). `wait()`
-// returns once the qkv rows are written (every thread calls it): the previous grid's
-// completion here, a counter in the persistent decode step (decode_step.cuh).
-// `mark(i)` (every thread calls it; a timeline's hook, benchmarks only) at five points:
-// 0 q and the new k and v loaded and rotated, 1 the first tile in shared memory, 2 the
-// share's tiles done, 3 its output (or partials and the merge counter) written, 4 the
-// head's output released. BULK_OUT (sm_90 only): the outputs and partials leave as bulk
-// stores and are released without a fence (see below).
-// (Inlined, taking the kernel parameter by reference: a call copied the 300-byte struct to
-// every thread's stack -- ~86 KB of local-memory stores per block -- and the step was
-// ~10 us a layer slower.)
-template <typename T, int THREADS = 256, int MAX_D = kAttentionMaxHeadDim, bool BULK_OUT = false, typename Wait,
-          typename Mark = NoMark>
-__device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait, Mark&& mark = Mark{}) {
+// Role `role` of the attention (see above); false if its share holds no token (it did
+// nothing, not even the wait). THREADS threads, head_dim at most MAX_D (its p @ v
+// accumulators). `wait()` returns once the qkv rows are written (every thread calls it).
+// The outputs and partials leave as bulk stores and are released without a fence
+// (bulk_store). Inlined, taking the kernel parameter by reference: a call copied the
+// 300-byte struct to every thread's stack.
+template <typename T, int THREADS, int MAX_D, typename Wait>
+__device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role, Wait&& wait) {
   extern __shared__ uint4 smem_attention[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kThreads = THREADS, TT = kAttentionTile, W = THREADS / 32;
@@ -231,7 +192,7 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   const T* row = static_cast<const T*>(a.qkv) + static_cast<long long>(b) * a.qkv_stride;
   const bool mine = pos >= start && pos < end;
   // (all loads first: one L2 round trip, not one per element a thread takes)
-  constexpr int kPerThread = (kAttentionMaxGroupDims + 2 * 256) / kThreads;  // (G + 2) * D <= this * kThreads
+  constexpr int kPerThread = (kAttentionMaxGroupDims + 2 * 256) / kThreads;  // (G + 2) * D <= this * kThreads (D <= 256)
   float xv[kPerThread], pv[kPerThread], cv[kPerThread], sv[kPerThread];
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
@@ -259,7 +220,6 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       if (mine) (h == G ? k_head : v_head)[static_cast<long long>(pos) * a.cache_pos_stride + d] = from_float<T>(v);
     }
   }
-  mark(0);
 
   // p @ v accumulators: (head gid, dims 8 nt + 2 t4, + 1) in acc[j][0..1] for the warp's
   // n-tiles nt = warp + j W, the products with p's rounding; acc_lo with its rest (two
@@ -273,7 +233,6 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     if (t0 != start) fetch_tile(t0);  // (the previous tile was consumed: barrier at the loop's end)
     cp_async_wait<0>();
     __syncthreads();
-    if (t0 == start) mark(1);
     if (pos >= t0 && pos < t0 + TT && pos < end) {
       for (int d = tid; d < D; d += kThreads) {
         k_s[(pos - t0) * RS + d] = kn[d];
@@ -376,30 +335,23 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
     }
     __syncthreads();  // the tile, the scores and the warps' maxima and sums are free again
   }
-  mark(2);
 
   const int H = a.heads, head0 = hkv * G;
   T* out = static_cast<T*>(a.out) + (static_cast<long long>(b) * H + head0) * D;  // the group's heads: [G, D]
-  // BULK_OUT: the outputs are staged in shared memory (the k tile, free now) and leave as
-  // bulk stores whose completion the releasing thread awaits, so that its counter increment
-  // needs no fence (bulk_store: a gpu-scope fence waits for the SM's weight loads in flight;
-  // in the persistent decode step the two releases took ~0.4 us each). Otherwise they are
-  // stored straight to global memory and released through a fence.
+  // The outputs are staged in shared memory (the k tile, free now) and leave as bulk stores
+  // whose completion the releasing thread awaits, so that its counter increment needs no
+  // fence (bulk_store).
   // (G D floats and a slot <= 8 KB + 32 B, within the k tile's 64 (D + 8) elements: 2048 >= G D, 8 >= G)
   float* staged = reinterpret_cast<float*>(k_s);  // partials [G, D], then the lse slot
   T* staged_out = k_s;                            // or the output [G, D]
   auto to_shared = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
   auto staged_written = [&] {  // (every thread, after its writes to `staged`)
-    if constexpr (BULK_OUT) fence_async_shared();
+    fence_async_shared();
     __syncthreads();
   };
   auto release = [&](int* counter) {  // (thread 0, after its bulk stores)
-    if constexpr (BULK_OUT) {
-      bulk_wait_all();
-      add_relaxed(counter, 1);
-    } else {
-      add_release(counter, 1);
-    }
+    bulk_wait_all();
+    add_relaxed(counter, 1);
   };
   // Each accumulator pair over its head's sum: store(offset in the group's [G, D], value, value of the next dim).
   auto for_each_output = [&](auto store) {
@@ -412,73 +364,50 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       store(gid * D + nt * 8 + 2 * t4, (acc[j][0] + acc_lo[j][0]) * inv, (acc[j][1] + acc_lo[j][1]) * inv);
     }
   };
-  T* out_to = BULK_OUT ? staged_out : out;
   if (used == 1) {
     for_each_output([&](int o, float x0, float x1) {
-      out_to[o] = from_float<T>(x0);
-      out_to[o + 1] = from_float<T>(x1);
+      staged_out[o] = from_float<T>(x0);
+      staged_out[o + 1] = from_float<T>(x1);
     });
-    mark(3);
   } else {
     // Partial outputs [B, S, H, D] and log-sum-exps [B, S, kv_heads, kAttentionMaxGroup] (a
     // group's G in a 32-byte slot: one bulk store); share 0 merges.
     float* part = a.part + ((static_cast<long long>(b) * S + split) * H + head0) * D;
     float* lse = a.lse + ((static_cast<long long>(b) * S + split) * a.kv_heads + hkv) * kAttentionMaxGroup;
-    float* part_to = BULK_OUT ? staged : part;
-    float* lse_to = BULK_OUT ? staged + G * D : lse;
     for_each_output([&](int o, float x0, float x1) {
-      part_to[o] = x0;
-      part_to[o + 1] = x1;
+      staged[o] = x0;
+      staged[o + 1] = x1;
     });
-    if (warp == 0 && t4 == 0 && gid < G) lse_to[gid] = m_run + logf(l_run);
+    if (warp == 0 && t4 == 0 && gid < G) staged[G * D + gid] = m_run + logf(l_run);
     staged_written();  // every partial written before thread 0 releases them
-    if constexpr (BULK_OUT) {
-      if (tid == 0) {
-        bulk_store(part, to_shared(staged), G * D * 4);
-        bulk_store(lse, to_shared(staged + G * D), kAttentionMaxGroup * 4);
-      }
+    if (tid == 0) {
+      bulk_store(part, to_shared(staged), G * D * 4);
+      bulk_store(lse, to_shared(staged + G * D), kAttentionMaxGroup * 4);
     }
     // Share 0 merges, once the others have released theirs: they leave at once, and share 0
     // waits one round trip less than a last-to-finish merger would (an atomic's return).
     int* counter = a.merge_counters + b * a.kv_heads + hkv;
     if (split != 0) {
       if (tid == 0) release(counter);
-      mark(3);
       return true;
     }
     if (tid == 0) {
-      if constexpr (BULK_OUT) bulk_wait_all();  // (its own partials, read back below; `staged` is rewritten)
+      bulk_wait_all();  // (its own partials, read back below; `staged` is rewritten)
       while (load_acquire(counter) < used - 1) {
       }
       *counter = 0;  // re-armed: every other share has added its 1 (the next layer's or launch's come later)
     }
     __syncthreads();
-    mark(3);
     merge_shares<T, kThreads>(a.part + (static_cast<long long>(b) * S * H + head0) * D, H * D,
                               a.lse + (static_cast<long long>(b) * S * a.kv_heads + hkv) * kAttentionMaxGroup,
-                              a.kv_heads * kAttentionMaxGroup, used, G, D, out_to);
+                              a.kv_heads * kAttentionMaxGroup, used, G, D, staged_out);
   }
   staged_written();  // the head's output written before thread 0 releases it
   if (tid == 0) {
-    if constexpr (BULK_OUT) bulk_store(out, to_shared(staged_out), G * D * static_cast<int>(sizeof(T)));
+    bulk_store(out, to_shared(staged_out), G * D * static_cast<int>(sizeof(T)));
     release(a.flags);
   }
-  mark(4);
   return true;
-}
-
-// Every block: wait until all B * Hkv heads' outputs are written; the last block past the
-// wait re-arms the flags (no block reads them again in this launch).
-__device__ __forceinline__ void wait_for_attention(const DecodeAttention& a) {
-  if (threadIdx.x == 0) {
-    const int target = a.batch * a.kv_heads;
-    while (load_acquire(a.flags) < target) __nanosleep(32);
-    if (atomicAdd(a.flags + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      a.flags[0] = 0;
-      a.flags[1] = 0;
-    }
-  }
-  __syncthreads();
 }
 
 }  // namespace woq

@@ -19,10 +19,8 @@
 //                                          lsb: 0xC300 = -2^7, 0xC380 = -2^8)
 //            A + B                       = Y - 128           (one fma with 1: exact)
 //          two LOP3s and an fma per pair, plus an fma of (128 - z) for zero points
-//          (exact: |Y - z| < 256 needs 8 significant bits, which bf16 has). This
-//          replaced a route through fp32 (PRMT into 0x4B000000, an fp32 subtraction,
-//          PRMT of the high halves: 10 instructions per word against 7 here, 9 with
-//          zero points).
+//          (exact: |Y - z| < 256 needs 8 significant bits, which bf16 has): 7
+//          instructions per word (9 with zero points), against 10 through fp32.
 //
 // Codes are stored *unsigned* (the logical format's symmetric codes are biased by 128 or
 // 8), so no sign extension is ever needed; the bias/zero point is folded into the
@@ -51,10 +49,6 @@
 //             0x000f000f from word, word>>4, word>>8, word>>12 (same layout): three
 //             shifts, as a 16-bit lane has room for one nibble window, and with the
 //             fma that removes 128 + z, 11 instructions per 8 codes against fp16's 9.
-//             Tried in the GEMVs, both slower or no faster at M = 1..8 on the H100
-//             (docs/bench/gemv_bf16_zero_mma_tried.md): leaving 128 + code in A and
-//             taking the zero point off with a second mma on the same x, or with
-//             (128 + z) * sum(x) per group, the sums taken while loading x.
 #pragma once
 
 #include <cstdint>

@@ -9,7 +9,6 @@
 namespace woq {
 
 int decode_step_counters(int n_layers) { return n_layers * step::kStages + 1; }
-int decode_step_trace_events() { return step::kTraceEvents; }
 
 namespace {
 
@@ -37,11 +36,9 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   p.kv_heads = a.kv_heads;
   p.cache_hints = a.cache_hints;
   p.eps = a.eps;
-  p.skip = a.skip;
-  p.trace = a.trace;
   const int grid = gemv_sm_count();
-  // (the attention's smem at the largest group the roles take: head_dim 128, 8 query heads a KV head)
-  const int attention = attention_smem_bytes<T>(128, kAttentionMaxGroup);
+  // (the attention's smem at the largest group the roles take)
+  const int attention = attention_smem_bytes<T>(kStepMaxHeadDim, kAttentionMaxGroup);
   const int x_bytes = std::max(a.hidden, a.inter) * static_cast<int>(sizeof(T));
   const int table_bytes = a.n_layers * static_cast<int>(sizeof(step::LayerPointers));
   p.residual_offset = (std::max(attention, x_bytes) + 15) / 16 * 16;
@@ -80,7 +77,7 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
 cudaError_t launch_decode_step(const DecodeStepArgs& a, cudaStream_t stream) {
   if (device_cc_major() < 9) return cudaErrorNotSupported;
   if (a.bits != 4 || a.group_size != 128) return cudaErrorNotSupported;
-  if (a.hidden % 16 != 0 || a.hidden > 8192 || a.inter % 16 != 0 || a.n_layers < 1) return cudaErrorInvalidValue;
+  if (a.hidden % 16 != 0 || a.hidden > kStepMaxHidden || a.inter % 16 != 0 || a.n_layers < 1) return cudaErrorInvalidValue;
   if (a.dtype == DType::kFloat16)
     return a.zeros ? launch_step<__half, 4, 128, true>(a, stream) : launch_step<__half, 4, 128, false>(a, stream);
   return a.zeros ? launch_step<__nv_bfloat16, 4, 128, true>(a, stream)

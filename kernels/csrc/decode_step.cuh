@@ -1,111 +1,42 @@
 // A whole batch-1 decode step of a Llama-family decoder in one persistent kernel: every
 // layer's qkv projection, attention (RoPE, the cache write), o projection, residual adds,
-// RMSNorms, gate/up with SwiGLU and down projection -- the embedding before it and the
-// final norm and LM head after it stay separate kernels.
+// RMSNorms, gate/up with SwiGLU and down projection. The embedding before it and the final
+// norm and LM head after it stay separate kernels.
 //
-// Why. As separate kernels the step's 128 GEMVs (Llama-3-8B, int4 g128) span ~1680 us
-// against a ~1250 us roofline, and the step ~2400 (docs/bench/decode_timeline.md): each
-// GEMV boundary is a dependent chain (the previous grid completes, the wait returns, x
-// comes from L2, the sums are reduced and stored) during which DRAM idles, 2.3-2.9 us for
-// the smaller GEMVs even back to back (gemv_chain_cost.md), and the attention and norms
-// between them add ~8 us a layer of it. Programmatic launches let the next kernel's
-// blocks load their own first weights early, but no further: nothing loads the weights
-// of the GEMV after next. Here the weight stream never waits for activations.
+// Why: as separate kernels, each GEMV boundary is a dependent chain (the previous grid
+// completes, x comes from L2, sums are reduced and stored) during which DRAM idles, and
+// programmatic launches can prefetch only the next kernel's first weights. Here the weight
+// stream never waits for activations.
 //
-// How. One block of 16 warps per SM, all resident for the kernel's life. Each block owns
-// a fixed list of "units" -- one n-tile (16 output channels, all of K) of one weight --
-// in the order the step uses them: layer 0's qkv units, its o units, gate/up, down, then
-// layer 1's... (unit u of a weight goes to block (u + rotation) % grid, the rotation keeping
-// every block's share of each layer's bytes within one unit of the others'). The unit's
-// packed weights, scales and zero points are contiguous in the GPU layout
-// (kernels/layout.py), so a "chunk" of a unit -- kChunkSegs 512-byte segments along K and
-// their groups' scales and zeros -- is three bulk copies (cp.async.bulk, completing on an
-// mbarrier) into one slot of a shared-memory ring. One thread (kIssuer) refills a slot as
-// soon as the block has consumed it, with the block's next chunk whatever layer or stage
-// it belongs to: the ring (~170 KB an SM, ~22 MB over an H100) stays full while the block
-// waits for an activation, so DRAM keeps streaming through every dependency. One block
-// barrier a chunk: after it the issuer refills the slot just read and warp 0 adds up the
-// previous unit's sums while the other warps go on (run_units).
+// How. One block of 16 warps per SM, all resident for the kernel's life. Each block owns a
+// fixed list of "units" -- one n-tile (16 output channels, all of K) of one weight -- in
+// the order the step uses them: layer 0's qkv units, o, gate/up, down, then layer 1's...
+// (unit u of a weight goes to block (u + rotation) % grid; the rotation keeps every block's
+// share of a layer's bytes within one unit of the others'). A unit's packed weights, scales
+// and zero points are contiguous in the GPU layout (kernels/layout.py), so a "chunk" --
+// kChunkSegs 512-byte segments along K with their groups' scales and zeros -- is three bulk
+// copies (cp.async.bulk, completing on an mbarrier) into one slot of a shared-memory ring.
+// One thread (kIssuer) refills a slot as soon as the block has consumed it, with the
+// block's next chunk whatever layer or stage it belongs to: the ring stays full while the
+// block waits for an activation, so DRAM keeps streaming through every dependency.
 //
 // Dependencies are counters in global memory, one per (layer, stage): every block adds 1
 // when its part of a stage's output is written, and a block about to read a stage's output
-// waits until the counter reaches the grid size (acquire). The GEMV stages' outputs leave
-// a block as bulk stores whose completion the block awaits, so that adding 1 needs no
-// fence (a gpu-scope fence waits for the ring's loads in flight: bulk_store). Stage inputs:
-//   * qkv and gate/up: RMSNorm of the residual stream h, computed by every block from h
-//     (8 KB at 4096) -- cheaper than one more dependency round trip;
-//   * attention: blocks 0..roles-1 each take one (KV head, share of the live tokens) with
-//     attention.cuh's role, its first k/v tile fetched before it waits for qkv;
-//   * o and down: the attention output, the SwiGLU output; their units add their outputs
-//     into h (one writer per channel) -- the residual adds.
-// Rounding follows the model's torch path (models/llama.py, kernels/fused.py): sums in
-// fp32, each projection's output rounded to T, the residual add rounded once, the
-// normalised value rounded before the weight multiply, SiLU and its product as the GEMV's
-// SwiGLU epilogue.
+// waits until the counter reaches the grid size (acquire). Outputs leave a block as bulk
+// stores whose completion it awaits, so adding 1 needs no fence (attention.cuh, bulk_store).
+//   * qkv and gate/up inputs: RMSNorm of the residual stream h, computed by every block
+//     (cheaper than one more dependency round trip);
+//   * attention: blocks 0..roles-1 each run one attention.cuh role;
+//   * o and down: their units add their outputs into h (one writer per channel).
+// Rounding follows the model's torch path (models/llama.py, kernels/fused.py): fp32 sums,
+// each projection's output rounded to T, the residual add rounded once, the normalised
+// value rounded before the weight multiply, SiLU and its product as the GEMV's epilogue.
 //
-// Deadlock freedom: the grid is at most one resident block per SM (checked at launch), so
-// every block a counter waits on is running or will be once the previous kernel's blocks
-// leave; no block waits on a later stage than the one it is working towards. The last
-// block to leave re-arms every counter for the next launch.
-//
-// Measured (H100, Llama-3-8B-shaped int4 g128, batch 1; docs/bench/decode_step_persistent.md):
-// the engine's batch-1 decode ~500 tok/s, ~80 % of roofline with the dense GEMV's LM head
-// (dense_gemv.cuh; the kernel-per-op step ~430 in the same runs), so the model takes it at
-// hidden size 4096 and more (CausalLM.persistent_decode); streaming only (no attention,
-// arithmetic or waits, session 45) 1737 / 1705 us a graph step at position 128 / 1024.
-// What mattered most so far:
-//   * the consumer's warps: with 8 a block (255 registers) the GEMVs' arithmetic, not DRAM,
-//     set the stream's pace; 16 warps of at most 128 registers (76-100 bytes spilled, where
-//     not examined) halve each warp's share of a chunk and give each scheduler four warps
-//     to switch between instead of two: the step 107 us faster than the kernel-per-op step;
-//   * any read on the critical path that goes to DRAM, where it queues behind the ring's
-//     weight requests: the refills reading the layer table from global memory (~30 us a
-//     layer: hence the shapes in the kernel parameters and the pointers in shared memory),
-//     and data evicted by the weights themselves (110-240 us a step: hence the evict_first
-//     stream and the prefetched norms, RoPE rows and next layer's cached rows);
-//   * a warp's four mma chains interleaved (piece_sums), not run one after another: the
-//     engine ~1 % faster;
-//   * what the consumer waits for between chunks, and what a release waits for (session 48):
-//     one block barrier a chunk instead of two, the refill and the unit's sums on two
-//     different warps after it, and the stages' outputs as bulk stores so that a release
-//     needs no fence (a gpu-scope fence waited for the ring's loads in flight: 1-2 us a
-//     release, 5 us with the consumer faster): the consumer alone 38.4 us a layer instead
-//     of 41.2, the layer 55.3 us at position 128 instead of ~58, the engine 3.7 % faster;
-//   * the attention roles' tiles as mma (attention.cuh, session 49): a 64-token tile 1.7 us
-//     instead of 4.7, the layer ~51.5 us at 128 instead of 55.2, the engine ~4 % faster;
-//   * the attention roles' outputs as bulk stores too, their releases without a fence
-//     (attend_share's BULK_OUT, session 50): the layer 50.7 us at 128 instead of 51.5, the
-//     engine 0.5 % faster.
-// Where a layer's ~51 us go (position 128, benchmarks/step_timeline.py: TraceEvent
-// below), against ~39 us of its weight bytes at the copy bandwidth: the consumer alone (no
-// stream, attention or waits: kSkip*) takes ~38 us, about DRAM's pace, so every wait
-// between stages adds on top of the units (qkv 4.5, o 3.3, gate/up 19, down 10 us) -- the
-// attention ~8.3 us from qkv's last release to the last head's (a chain of ~1 us steps:
-// qkv seen, its rows loaded, the tile, the partials counted, the merge), the other
-// boundaries ~1-2 us each. Without the weight stream at all (skip 8) the layer is still
-// ~48 us.
-// Tried and removed (docs/bench/decode_step_persistent.md): a producer warp for the refills
-// and sums (17 warps hold 96 registers: units ~15 % faster, the stage boundaries slower,
-// no gain); the refills and sums handed to the last warp through shared-memory counts
-// (every chunk's fence and atomic cost more than the barrier: 5 % slower in the engine);
-// a ring of its own for every warp, refilled by its lane 0, with no block barrier a chunk
-// (every warp then runs its own bulk copies and bookkeeping: 2-3 % slower); the int4
-// codes' bias removed once a group from the fp32 sums (the stage inputs' group sums of x
-// made every boundary slower: 1 % slower); a bulk store a unit (its fence and wait on warp
-// 0's path: 6 % slower); a block's units as one contiguous range with one bulk store a
-// stage (the weight stream slower: 2 % slower); a stage's last refills held back until its
-// release (no faster release); o's readers merging the attention shares' partials
-// themselves (the attention span 2 us shorter, o's input 2.5 us later); the counters polled
-// with four relaxed loads in flight (qkv seen 0.7 us later); the roles' cached rows
-// prefetched into L2 again as the layer starts (the first tile had landed already); the
-// shares' partials read by share 0 until none is a NaN sentinel, with no count (its spins
-// and re-arming cost more than the round trip: 1.5 % slower); the weight stream prefetched
-// into L2 beyond the ring again (session 50, the L2 hints on: 2-16 chunks ahead, with every
-// refill or only at the stage inputs' waits -- the units ran slower from L2-prefetched
-// chunks than from DRAM: 7-20 % slower in the engine).
-//
-// sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the kernel body is
-// empty and the launcher refuses (models/llama.py then keeps the kernel-per-op step).
+// Deadlock freedom: one resident block per SM (checked at launch), so every block a counter
+// waits on is running or will be once the previous kernel's blocks leave; no block waits on
+// a later stage than the one it is working towards. The last block out re-arms the counters.
+// sm_90 only (bulk copies, mbarrier transaction counts); elsewhere the body is empty and
+// the launcher refuses.
 #pragma once
 
 #include <cstdint>
@@ -125,7 +56,7 @@ namespace woq {
 
 namespace step {
 
-constexpr int kThreads = 512;            // 16 warps (with 8, the GEMVs' arithmetic, not DRAM, set the pace)
+constexpr int kThreads = 512;            // 16 warps of <= 128 registers: with 8, the arithmetic, not DRAM, set the pace
 constexpr int kWarps = kThreads / 32;
 constexpr int kSegBytes = 512;           // one n-tile's 16 channels x KT k (a warp's 32 lane loads)
 constexpr int kChunkSegs = 64;           // segments per chunk: 32 KB of weights, 4 a warp
@@ -134,14 +65,9 @@ constexpr int kSegsPerWarp = kChunkSegs / kWarps;
 // unit's sums (run_units) while it refills the slot.
 constexpr int kIssuer = kThreads - 32;
 constexpr int kMaxSlots = 16;
-constexpr int kMaxStagedUnits = 32;      // units of one linear a block takes, at most (launch checks)
-constexpr int kStages = 5;               // counters per layer: qkv, attention, o, gate/up, down
+constexpr int kMaxStagedUnits = kStepMaxStagedUnits;  // units of one linear a block takes, at most (launch checks)
+constexpr int kStages = kStepStages;     // counters per layer: qkv, attention, o, gate/up, down
 enum Stage : int { kQkv = 0, kAttention = 1, kO = 2, kGateUp = 3, kDown = 4 };
-// Parts of the step a measurement can leave out (DecodeStepParams::skip; the results are
-// then wrong): the attention, the GEMVs' arithmetic (chunks are still streamed and
-// waited for), every wait on another block, the weight stream (a slot's barrier completes
-// with no copy: the consumer runs on whatever the slot holds, at its own pace).
-constexpr int kSkipAttention = 1, kSkipArithmetic = 2, kSkipWaits = 4, kSkipStream = 8;
 constexpr int kLinears = kStepLinears;   // qkv, o, gate/up, down (StepLayer::linear)
 
 // A chunk's slot: its weights, then its groups' scale pairs, then their zero pairs.
@@ -168,12 +94,6 @@ __device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
-#if WOQ_STEP_SM90
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
 
@@ -219,9 +139,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 
 // `bytes` (a multiple of 16, 16-byte aligned) fetched into L2, no completion: small data
-// the step will need (kHintPrefetch). (Weights prefetched this way a few chunks beyond the
-// ring made the step 130-870 us slower, likely as each prefetched chunk deepened the DRAM
-// queue the critical path's misses wait in; docs/bench/decode_step_persistent.md.)
+// the step will need (kHintPrefetch). Not for the weights: prefetched beyond the ring they
+// deepen the DRAM queue the critical path's misses wait in.
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
@@ -235,36 +154,6 @@ struct LayerPointers {
   const void* cache[2];        // the layer's k and v caches
 };
 constexpr int kHintEvictFirst = 1, kHintPrefetch = 2;  // DecodeStepParams::cache_hints
-
-// A timeline of the step (DecodeStepParams::trace, benchmarks/step_timeline.py): thread 0
-// of every block stores %globaltimer (ns) at these points of every layer. Roles only: the
-// kAttention* points.
-enum TraceEvent : int {
-  kQkvReady,           // qkv's input normalised (the previous layer's down seen)
-  kQkvDone,            // qkv's units summed and stored, before the release
-  kQkvReleased,        // after it
-  kAttentionSeen,      // qkv's counter seen
-  kAttentionLoaded,    // q, the new k and v loaded and rotated
-  kAttentionLanded,    // the share's first k/v tile in shared memory
-  kAttentionTiles,     // scores, softmax and p @ v over the share
-  kAttentionWritten,   // the output (or the partials and the merge counter) written
-  kAttentionReleased,  // the head's output released (after the merge)
-  kAttentionEnd,       // the next layer's rows prefetched: the role's attention stage over
-  kOReady,             // every head's output seen and copied in
-  kODone,              // o's units done, before the release
-  kGateUpReady,
-  kGateUpDone,
-  kDownReady,
-  kDownDone,
-  kDownReleased,
-  kTraceEvents
-};
-
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 }  // namespace step
 
@@ -292,8 +181,6 @@ struct DecodeStepParams {
   int ktiles[step::kLinears];
   int groups_pad[step::kLinears];
   float eps;
-  int skip;  // measurement only (benchmarks/profile_decode.py): a mask of kSkip*, results then wrong
-  unsigned long long* trace;  // measurement only: [grid, n_layers, kTraceEvents] ns, or null
 };
 
 template <typename T, int BITS, int GROUP, bool ZEROS>
@@ -320,11 +207,6 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   const uint32_t ring0 = smem_addr(ring), full0 = smem_addr(full);
   const int S = p.slots_in_ring;
   T* hs = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(smem) + p.residual_offset);  // h, as the norm read it
-  int trace_layer = 0;  // (the layer the trace's points belong to)
-  auto mark = [&](int event) {
-    if (p.trace != nullptr && tid == 0)
-      p.trace[(static_cast<long long>(block) * p.n_layers + trace_layer) * kTraceEvents + event] = now_ns();
-  };
 
   // The chunk sequence, walked twice in the same order: by the issuer's copies and by
   // the block consuming them. Chunk q of the sequence lives in slot q % S, its barrier's
@@ -394,16 +276,12 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     const int g0 = seg0 / kSegsPerGroup, groups = segs / kSegsPerGroup;
     const uint32_t dst = ring0 + fetch_slot * SlotT::kBytes, bar = full0 + 8u * fetch_slot;
     const uint32_t w_bytes = segs * kSegBytes, pair_bytes = groups * 32;
-    if (p.skip & kSkipStream) {
-      barrier_arrive(bar);
-    } else {
-      barrier_expect_bytes(bar, w_bytes + (ZEROS ? 2 : 1) * pair_bytes);
-      bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar, policy);
-      const size_t pairs = (static_cast<size_t>(fetch.unit) * p.groups_pad[li] + g0) * 8;  // u32 index
-      bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar, policy);
-      if constexpr (ZEROS)
-        bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar, policy);
-    }
+    barrier_expect_bytes(bar, w_bytes + (ZEROS ? 2 : 1) * pair_bytes);
+    bulk_copy(dst, fetch.w + (static_cast<size_t>(fetch.unit) * kt + seg0) * 32, w_bytes, bar, policy);
+    const size_t pairs = (static_cast<size_t>(fetch.unit) * p.groups_pad[li] + g0) * 8;  // u32 index
+    bulk_copy(dst + SlotT::kWBytes, fetch.s + pairs, pair_bytes, bar, policy);
+    if constexpr (ZEROS)
+      bulk_copy(dst + SlotT::kWBytes + SlotT::kPairBytes, fetch.z + pairs, pair_bytes, bar, policy);
     if (++fetch_slot == S) fetch_slot = 0;
     if (++fetch.chunk == chunks_of(li)) {
       fetch.chunk = 0;
@@ -450,9 +328,8 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     __syncthreads();
     if (tid == 0) add_relaxed(c, 1);
   };
-  const bool no_waits = p.skip & kSkipWaits, no_attention = p.skip & kSkipAttention;
   auto wait_all = [&](const int* c) {  // (null: nothing to wait for)
-    if (tid == 0 && c != nullptr && !no_waits)
+    if (tid == 0 && c != nullptr)
       while (load_acquire(c) < grid) {
       }
     __syncthreads();
@@ -462,7 +339,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // fp32 sum of squares, the normalised value rounded to T before the weight multiply;
   // h itself -> hs, the old value of the stage's residual adds. The weight is loaded
   // before the wait. (Fixed summation order: every block gets the same x bit for bit.)
-  constexpr int kNormUnits = 8192 / 8 / kThreads;  // 16-byte units a thread holds (hidden <= 8192)
+  constexpr int kNormUnits = kStepMaxHidden / 8 / kThreads;  // 16-byte units a thread holds
   auto norm_input = [&](const void* weight, const int* ready) {
     const uint4* w8 = static_cast<const uint4*>(weight);
     const uint4* h8 = static_cast<const uint4*>(p.h);
@@ -535,7 +412,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // M = 1), fp32 sums per group, scaled. The segments' mma chains are interleaved k16 block
   // by k16 block, with no branch between them: with a branch a segment (`continue` past
   // the valid ones) the compiler ran the four chains one after another, each mma waiting
-  // for the one before (Nsight Compute, session 47). Segments past `segs` compute on zero
+  // for the one before. Segments past `segs` compute on zero
   // weights and x beyond the stage's (still the block's shared memory) and are dropped
   // with their group.
   constexpr int kWarpGroups = kSegsPerWarp / kSegsPerGroup;
@@ -631,7 +508,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
         slot = 0;
         parity ^= 1u;
       }
-      if (wsegs > 0 && !(p.skip & kSkipArithmetic))
+      if (wsegs > 0)
         piece_sums(wv, sv, zv, wsegs, x_lane + (seg0 + warp * kSegsPerWarp) * KT, acc);
       if (++c == chunks) {
         // acc[0] / acc[2]: channel gid / gid + 8 of the unit, row m = 2 * t4 (row 0 at t4 =
@@ -674,16 +551,12 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   };
 
   for (int layer = 0; layer < p.n_layers; ++layer) {
-    trace_layer = layer;
     // qkv = RMSNorm(h) @ Wqkv^T  (layer 0: h is the embedding, written before this kernel)
     norm_input(table[layer].norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
-    mark(kQkvReady);
     run_units(0, qkv, 16, [&](T* staged, int, int r, float y, float) { staged[r] = from_float<T>(y); });
-    mark(kQkvDone);
     done(counter(layer, kQkv));
-    mark(kQkvReleased);
     // attention: RoPE, the cache write, softmax(q k^T) v over the live tokens
-    if (block < p.roles && !no_attention) {
+    if (block < p.roles) {
       if (tid == 0) {  // (the layers' entries differ only in their caches: decode_step_plan)
         att.k_cache = const_cast<void*>(table[layer].cache[0]);
         att.v_cache = const_cast<void*>(table[layer].cache[1]);
@@ -691,16 +564,12 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       }
       __syncthreads();
       const int* qkv_ready = counter(layer, kQkv);
-      attend_share<T, kThreads, 128, true>(  // (head_dim <= 128: decode_step_plan; outputs as bulk stores)
-          att, block,
-          [&] {
-            if (tid == 0 && !no_waits)
-              while (load_acquire(qkv_ready) < grid) {
-              }
-            __syncthreads();
-            mark(kAttentionSeen);
-          },
-          [&](int i) { mark(kAttentionLoaded + i); });
+      attend_share<T, kThreads, kStepMaxHeadDim>(att, block, [&] {
+        if (tid == 0)
+          while (load_acquire(qkv_ready) < grid) {
+          }
+        __syncthreads();
+      });
       // The next layer's cached rows of this share into L2 (kHintPrefetch): their tile is
       // then an L2 hit, not a DRAM read queued behind the weight stream.
       if ((p.cache_hints & kHintPrefetch) && tid == kIssuer && layer + 1 < p.n_layers) {
@@ -714,33 +583,25 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
         }
       }
       __syncthreads();
-      mark(kAttentionEnd);
     }
     // h += attn @ Wo^T  (the attention counter counts heads written, not blocks)
-    if (tid == 0 && !no_waits && !no_attention)
+    if (tid == 0)
       while (load_acquire(counter(layer, kAttention)) < p.kv_heads) {
       }
     copy_input(p.attn, p.hidden, nullptr);
-    mark(kOReady);
     run_units(1, h, 16, add_to_stream);
-    mark(kODone);
     done(counter(layer, kO));
     // act = silu(gate) * up of RMSNorm(h) @ Wgate_up^T
     norm_input(table[layer].norm[1], counter(layer, kO));
-    mark(kGateUpReady);
     run_units(2, act, 8, [&](T* staged, int, int r, float gate, float up) {
       // rows 0..7 of a unit are gate, 8..15 up, of channels 8 unit + r (swiglu_column)
       if (r < 8) staged[r] = swiglu<T>(gate, up);
     });
-    mark(kGateUpDone);
     done(counter(layer, kGateUp));
     // h += act @ Wdown^T
     copy_input(p.act, p.inter, counter(layer, kGateUp));
-    mark(kDownReady);
     run_units(3, h, 16, add_to_stream);
-    mark(kDownDone);
     done(counter(layer, kDown));
-    mark(kDownReleased);
   }
 
   // The last block out re-arms the counters for the next launch (stream-ordered after this one).

@@ -3,13 +3,10 @@
 // fp32 accumulators). It serves layers left unquantized, above all an LM head: Llama-3-8B's
 // is 128256 x 4096 fp16, 1.05 GB -- a fifth of what a batch-1 int4 decode step reads.
 //
-// Why not cuBLAS. At M = 1 on an H100, in a CUDA graph, cuBLAS's kernel for that head
-// (nvjet_sm90_hsh_384x8...) reads 2.81-2.83 TB/s (370-374 us), after a memset that also
-// keeps it from launching programmatically behind the norm; a torch sum over 2 GB reads
-// 3.03 TB/s. A GEMV at M = 1 is one pass over w with almost no arithmetic per byte, so it
-// can run at the read bandwidth if enough bytes are in flight: this one reads 3.10 TB/s
-// (338 us), and the 8B int4 engine decodes ~2.6 % faster at batch 1 (benchmarks/
-// dense_gemv.py, engine.py --persistent-ab; docs/bench/dense_gemv.md).
+// Why not cuBLAS: a GEMV at M = 1 is one pass over w with almost no arithmetic per byte,
+// so it can run at the read bandwidth if enough bytes are in flight, and this kernel keeps
+// more in flight than cuBLAS's (which also needs a memset before it, so it cannot launch
+// programmatically behind the norm).
 //
 // How.
 //   * A warp takes one row of w at a time -- rows warp, warp + warps, ... of the grid, so
@@ -17,9 +14,9 @@
 //     all U loads of a lane issued before any is used (U = 16: a 4096-wide fp16 row in one
 //     pass, 8 KB a warp in flight). A block of 8 warps holds x in shared memory; at two
 //     blocks an SM (~100-127 registers a thread at U = 16) that is up to 128 KB in flight
-//     an SM, several times what DRAM's latency at 3 TB/s needs (~23 KB an SM a
-//     microsecond), so the warps' gaps between rows do not starve it; and a warp issues
-//     its next row's loads before it reduces the current row's sums.
+//     an SM, several times what DRAM's latency needs at full bandwidth, so the warps'
+//     gaps between rows do not starve it; and a warp issues its next row's loads before
+//     it reduces the current row's sums.
 //   * The loads bypass L1 (ld.global.nc.L1::no_allocate: nothing is read twice) and ask L2
 //     for 256-byte lines (.L2::256B: whole DRAM bursts for a sequential stream).
 //   * x is kept as fp32 in two planes, elements 8v..8v+3 and 8v+4..8v+7 of each 16-byte

@@ -2,143 +2,35 @@
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W int8/int4 in the GEMV's packed layout,
 // x fp16/bf16, fp32 accumulation.
 //
-// Why a second kernel: the GEMV gives each warp one 16-channel n-tile and *all* rows, so
-// every warp re-reads the whole activation tile from shared memory. Past 16 rows that
-// traffic outgrows the weight stream (at 64 rows, 16 bytes of x per byte of int4 weight:
-// the GEMV measured 2.4x its 16-row time on 28672 x 8192). Here a block owns a BM x BN
-// output tile and its 8 warps a 2-D grid of warp tiles (WM along M, WN along N), so a
-// converted weight fragment feeds MBW row blocks and a loaded x fragment feeds NTW
-// n-tiles -- the classic GEMM reuse, in registers.
+// Why a second kernel: every GEMV warp re-reads the whole activation tile from shared
+// memory, which past 16 rows outgrows the weight stream. Here a block owns a BM x BN output
+// tile and its 8 warps a 2-D grid of warp tiles, so a converted weight fragment feeds MBW
+// row blocks and a loaded x fragment feeds NTW n-tiles -- the classic GEMM reuse.
 //
-// Operand roles as in the GEMV ("y^T = W x^T"): weights are mma.m16n8k16's A operand
-// (16 channels), x the B operand (8 rows). The weight layout (kernels/layout.py) already
-// gives each lane its A fragments from one 16-byte load per 512-byte segment, so weights
-// need no ldmatrix: cp.async puts a tile's segments in shared memory as they lie in
-// global memory, and each lane reads back its own 16 bytes (conflict-free: a warp reads
-// 512 contiguous bytes). x goes through ldmatrix.x4 from rows padded by 16 bytes.
+// Operands as in the GEMV ("y^T = W x^T"): weights are mma.m16n8k16's A operand (16
+// channels), x the B operand (8 rows). The packed layout gives each lane its A fragments
+// from one 16-byte load per 512-byte segment, so weights need no ldmatrix: cp.async puts a
+// tile's segments in shared memory as they lie in global memory and each lane reads back
+// its own 16 bytes (conflict-free). mma configs read x through ldmatrix.x4 from rows
+// padded by 16 bytes; wgmma configs (5..9, sm_90a, wgmma.cuh) let each warpgroup issue one
+// wgmma.m64nBMk16 per 64-channel slice with B, the stage's x tile, read by the tensor
+// cores from shared memory in the 128-byte swizzle (the weight layout already matches
+// wgmma's register A fragments: warp w of a warpgroup holds rows 16w..16w+15).
+// Tile configurations: kGemmTileConfigs (woq_kernels.h); the tuner picks one per shape and M.
 //
-// Tile configurations (chosen per shape and M by kernels/tuning.py):
-//
-//   config   WM x WN   warp tile (rows x channels)   block tile BM x BN   blocks/SM
-//     0      1 x 8     32 x 32   (MBW 4, NTW 2)       32 x 256           1
-//     1      2 x 4     32 x 64   (MBW 4, NTW 4)       64 x 256           1
-//     2      2 x 4     64 x 32   (MBW 8, NTW 2)      128 x 128           1
-//     3      2 x 4     32 x 32   (MBW 4, NTW 2)       64 x 128           2
-//     4      1 x 8     32 x 16   (MBW 4, NTW 1)       32 x 128           2
-//
-// Every warp keeps MBW * NTW * 4 fp32 accumulators (64 for configs 1 and 2). The tuner's
-// picks on the H100 (kernels/tuned/) before the wgmma configurations: 0 or 4 at M <= 32 (0
-// on the large shapes, which its 256-channel tiles fill; 4 on the small), 1 or 4 at
-// M <= 64, 2 beyond (3 on some). With them: wgmma 5 / 6 / 7-8 at M <= 32 / 64 / beyond on
-// about half the shape-format entries (all the large ones), mma 4 (M <= 64) or 3 (M = 128)
-// on the rest. A 128 x 64 tile with two blocks per SM never won by more
-// than 4 % and was dropped (build time).
-//
-// Where the time goes (ncu, 28672 x 8192, M = 128, config 2): the tensor pipe is active
-// 43 % of the cycles, ~240 TFLOP/s; the top stall is "wait" (fixed-latency dependencies
-// between the converts and the mma), with 2 warps per scheduler. mma.sync on an H100
-// reaches about half of its wgmma peak at best, so this kernel wins against dequantize +
-// cuBLAS, and against fp16 cuBLAS only while the weight bytes dominate (M <= ~64-128).
-//
-// wgmma configurations (5..9; sm_90a builds on an H100/H200, wgmma.cuh). Each warpgroup
-// (warps 0-3, 4-7) owns NTW 64-channel slices of the block's channels and all BM rows:
-// per k16 step its warps convert their A fragments exactly as above (the weight layout
-// already matches wgmma's register fragments: the A fragment of warp w is rows 16w..16w+15)
-// and it issues one wgmma.m64nBMk16 per slice, B = the stage's x tile, which the tensor
-// cores read from shared memory in the 128-byte swizzle layout (fetch_x writes it so).
-//
-//   config   warpgroup tile (channels x rows)   block tile BM x BN   accumulators/thread
-//     5      128 x 32   (NTW 2, m64n32k16)         32 x 256           32 (int4: 256 k a stage)
-//     6      128 x 64   (NTW 2, m64n64k16)         64 x 256           64
-//     7       64 x 128  (NTW 1, m64n128k16)       128 x 128           64
-//     8      128 x 128  (NTW 2, m64n128k16)       128 x 256          128
-//     9      128 x 16   (NTW 2, m64n16k16)         16 x 256            8 (int4: 256 k a stage)
-//
-// Config 9 is config 5 at half the rows, for decode batches of 9..16 rows (M <= 16 is the
-// GEMV's by default; the tuner gives those rows to this tile where it measures faster,
-// kernels/tuning.py): the per-weight-byte work -- copies, conversions, scales -- is the
-// GEMV's, but the tensor cores read the 16 rows of x from shared memory, where each GEMV
-// warp loads them into registers (see above). Measured on the H100 (gemm_configs.py,
-// stream-K, M = 16, us, config 5 -> 9): int4 g128 28672 x 8192 58.6 -> 53.3, 21504 x 14336
-// 72.1 -> 66.2; int8 85.0 -> 83.8 (split 1), 114.5 -> 109.8; the GEMV at 16 rows: int4 59.6
-// and 72.5, int8 94.1 and 123.8 (docs/bench/kernels.md).
-//
-// Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, 28672 x 8192, stream-K, us,
-// best mma config -> best wgmma config): M = 32 82.6 -> 68.0; M = 64 126.9 -> 90.9; M = 128
-// 231.6 -> 164.4; M = 256 457.2 -> 310.8; M = 512 961.6 -> 593.3. Those wgmma times had the
-// tensor cores drain at every stage: ptxas waited for all wgmma groups at the back edge of
-// the main loop (see the main loop). With that gone, 28672 x 8192 int4 g128, dispatched
-// (docs/bench/kernels_msweep.md, previous build -> this one, us): M = 32 68.0 -> 65.9, M =
-// 64 88.7 -> 82.3, M = 128 154.4 -> 130.0, M = 256 284.6 -> 256.6; int8 M = 256 362.2 ->
-// 291.7; 21504 x 14336 int4 M = 128 200.8 -> 173.9. Then config 5's 256-k int4 stages and
-// the weight prefetch (GemmTile, compute_wgmma), dispatched int4 g128 M = 32: 28672 x 8192
-// 65.9 -> 58.2 (2.82x cuBLAS fp16), 21504 x 14336 85.1 -> 73.0 (3.15x); M = 17 60.9 -> 57.0
-// and 75.3 -> 71.7. Still far from the tensor peak (M = 128: ~460 TFLOP/s of ~990): one
-// block of 8 warps per SM issues the copies, the conversions and the wgmma in one
-// instruction stream each, with 2 warps per scheduler to hide their latencies. Measured
-// with the drain still there: 1, 2 and 4 wgmma groups in flight ran alike, and so did
-// keeping the tensor cores busy through the stage barrier (both kept: they cost nothing);
-// config 5 built for two blocks per SM (128 registers instead of 241: ~100 bytes of spills)
-// was slower, M = 32, gemm_configs.py, us: 28672 x 8192 int4 69.2 -> 93.2, 21504 x 14336
-// 85.0 -> 116.6, and with 2 groups in flight (<= 48 bytes of spills) 72.9 and 88.2.
-// Re-measured with the drain gone: two blocks with 1 group in flight (4-8 bytes of spills)
-// 67.1 -> 64.4 at M = 32 and 128.5 -> 115.0 at M = 48 on 28672 x 8192, but its int8 tile no
-// longer fits wgmma's three stages per block, and config 5's 256-k stages (GemmTile) won
-// more. Bulk copies (cp.async.bulk, one per n-tile, 1 KB for int4 at 128 k a stage,
-// completing on an mbarrier) instead of every thread's cp.async for the weights: int4 g128
-// M = 32 68.0 -> 81.7 us (and 134.1 with the scales' 32-byte runs bulk-copied too), int8
-// alike (86.4 -> 82.4 at M = 32, 152.4 -> 156.1 at M = 128): the copies' instructions were
-// not what bounds the kernel. ncu at M = 32 (config 5): ~520 instructions per warp per
-// stage, issue slots half busy, 2 warps per scheduler; the top stall was the wait at each
-// stage's barrier and the first shared-memory loads after it. Then two changes, each timed
-// against the block barrier in one device call (gemm_configs.py, stream-K, fp16, int4 g128,
-// us, best tile; docs/bench/gemm_ring.md):
-//  - ring barriers (an mbarrier pair per ring slot instead of a block barrier per stage,
-//    see the main loop), with the copies as they were: M = 32 (config 5) 28672 x 8192
-//    60.1 -> 58.0, 21504 x 14336 73.1 -> 71.5; M = 128 (config 8) 150.4 -> 133.4 and
-//    181.0 -> 175.1; M = 16 (config 9) 53.7 -> 52.2 and 67.1 -> 65.9.
-//  - copies indexed per thread (fetch_weights, fetch_x): config 5's copy code had been ~15
-//    instructions per 16-byte copy, a quarter of its instructions per unit (SASS), and
-//    its registers went from 253 to 211. With them, block barrier -> ring barriers: M = 32
-//    55.6 -> 54.7 and 67.4 -> 68.1, M = 128 141.3 -> 140.9 and 180.0 -> 177.8, M = 16
-//    50.5 -> 51.0 and 63.2 -> 63.2: the copies were most of what the ring had saved, and
-//    the two synchronizations now run alike within the noise between runs (config 8 at M
-//    = 128 took 133.4 in the first call). The ring stays: the shipped measurements
-//    (kernels_msweep.md) are with it, and the producer warpgroup below was built on it.
-// ncu with the ring barriers and the old copies, M = 32, config 5 (stalls per issued
-// instruction): "wait" (fixed-latency dependencies) 0.84, long scoreboard 0.40, dispatch
-// 0.33, math-pipe throttle 0.26, barrier 0.12; the tensor pipe active 26 % of the cycles
-// (50 % at M = 128, config 8). Warp specialization -- a producer warpgroup issuing every
-// copy, the two computing warpgroups only converting and multiplying, registers moved to
-// them with setmaxnreg (232 / 40) -- was built and measured: int8 per-channel alike, int4
-// g128 3-9 % slower (M = 128: 133.0 -> 136.6 and 165.1 -> 170.8 us; it spilled under the
-// cap), so not kept (docs/bench/gemm_producer_tried.md). Not tried: bigger tiles per SM,
-// x shared between SMs (clusters).
-//
-// Group scales are applied to the converted weights, not to the accumulators:
-// (code - z) is an exact small integer and the scale a T, so their product is exact in
-// fp32 and one rounding to T gives exactly the weight dequant + cuBLAS would use
-// (dequant.cuh rounds the fp32 product once too). One packed multiply per fragment
-// register costs less than the GEMV's per-group fp32 rescaling of NTW * MBW * 4
-// accumulators, and needs no second set of them. Per-channel scales stay on the fp32
-// accumulators (applied once, at the end).
+// Group scales multiply the converted weights, not the accumulators: (code - z) is an
+// exact small integer and the scale a T, so the product is exact in fp32 and one rounding
+// to T gives exactly the weight dequant + cuBLAS would use. Per-channel scales stay on the
+// fp32 accumulators (applied once, at the end).
 //
 // Work decomposition, "stream-K" as in the GEMV: the (output tile, stage) units of the
-// whole product -- tile after tile, each tile's stages of 128 k in order -- are cut into
-// gridDim.x balanced contiguous runs, one per block. Tiles are numbered column-major with
-// the M tiles of one column adjacent, so the blocks that read the same weights run
-// together and all but the first find them in L2. The grid is either one resident wave
-// (`splits` 0: every SM gets the same number of stages, whatever the tile count -- at 21504
-// x 14336, M = 128, the 64 x 128 tile's 336 tiles made 1.27 waves of 264 resident
-// blocks, i.e. two with the second three-quarters idle) or `splits` blocks per tile (the
-// classic split-K, kept for the shapes where the tuner measures it faster). Measured on
-// the H100 (docs/bench/kernels_msweep.md, dispatched int4 g128, before -> after): 21504 x
-// 14336 M = 64 205.9 -> 164.2 us, M = 128 359.4 -> 300.4; 28672 x 8192 M = 128 239.3 ->
-// 235.0 (its 224 tiles of 128 x 128 already made 1.7 waves of 132). A tile cut
-// between blocks leaves fp32 partial sums in a workspace (two slots per block: its first
-// and its last tile can be partial, the ones between are whole); the tile's last finishing
-// contributor adds them in block order (deterministic) and re-arms the tile's counter
-// (CUDA-graph safe). Partials are in fragment order (thread-contiguous: coalesced).
+// whole product are cut into gridDim.x balanced contiguous runs, one per block. Tiles are
+// numbered column-major with the M tiles of one column adjacent, so blocks reading the same
+// weights run together and all but the first find them in L2. The grid is one resident
+// wave (`splits` 0) or `splits` blocks per tile (classic split-K). A tile cut between
+// blocks leaves fp32 partials in the workspace (two slots per block: only its first and
+// last tile can be partial); the tile's last contributor adds them in block order
+// (deterministic) and re-arms the tile's counter (CUDA-graph safe).
 #pragma once
 
 #include <cstdint>
@@ -148,66 +40,26 @@
 
 namespace woq {
 
-constexpr int kGemmWarps = 8;
-constexpr int kGemmStageK = 128;  // k per pipeline stage (but see GemmTile::kStageK4)
-// Shared-memory ring depth, at most (gemm_launch.cuh). A build-time macro only so that
-// deeper rings can be timed (WOQ_NVCC_FLAGS="-DWOQ_GEMM_STAGES=8"): more bytes in flight
-// did not help, H100, gemm_configs.py, int4 g128 M = 32, config 5 at 128 k a stage, us, 4 /
-// 6 / 8 stages: 28672 x 8192 68.0 / 67.0 / 66.5, 21504 x 14336 86.7 / 84.8 / 83.8.
-#ifndef WOQ_GEMM_STAGES
-#define WOQ_GEMM_STAGES 4
-#endif
-constexpr int kGemmMaxStages = WOQ_GEMM_STAGES;
-// wgmma configurations: the ring's slots handed over through mbarriers (a "full" and an
-// "empty" barrier per slot) instead of a block barrier per stage; see the main loop. A
-// build-time macro so that the block barrier can still be timed against it
-// (WOQ_NVCC_FLAGS="-DWOQ_GEMM_RING_BARRIERS=0").
-#ifndef WOQ_GEMM_RING_BARRIERS
-#define WOQ_GEMM_RING_BARRIERS 1
-#endif
+// Shared-memory ring depth, at most (gemm_launch.cuh): deeper rings measured no faster.
+constexpr int kGemmMaxStages = 4;
 // wgmma groups (one per k16 step) a warpgroup keeps in flight while it converts the next
-// step's weights: each holds its A registers until it completes. (Measured on the H100,
-// 28672 x 8192 int4: 1 and 4 ran alike, e.g. M = 32 73.7 vs 73.2 us; 4 leaves the
-// scheduler the most freedom.)
+// step's weights; each holds its A registers until it completes.
 constexpr int kWgmmaInFlight = 4;
 static_assert(kGemmStageK / 16 >= kWgmmaInFlight, "a stage's own groups are the ones left in flight");
 
-// kMinBlocks: resident blocks per SM the configuration is built for (2: registers capped
-// at 128 per thread, so 16 warps per SM hide latency; 1: 64 accumulators per thread, 128
-// for wgmma config 8).
-// kWgmma: Hopper warpgroup MMA (configs 5..9, sm_90a only; see "wgmma configurations").
-// kStageK4: k per pipeline stage with int4 weights (int8: kGemmStageK). Configs 5 (M <= 32)
-// and 9 (M <= 16) take 256: their blocks do little math per weight byte, so what bounds
-// them is the per-stage round trip (the barrier, then the first shared-memory loads and
-// conversions before the tensor cores start again); twice the k per stage halves those
-// per byte.
-// Measured on the H100 (benchmarks/gemm_configs.py, int4 g128, M = 32, stream-K, us, 128 ->
-// 256, both with the weight prefetch in compute_wgmma): 28672 x 8192 64.5 -> 57.8, 21504 x
-// 14336 80.6 -> 74.5. Config 5's int8 stage at 256 would be 80 KB (2 stages: too few for
-// wgmma's ring; config 9's 72 KB, 3 stages, one in flight), and config 6 (M <= 64) at 256
-// fits 3 stages, one in flight: 78.5 -> 118.7 us.
+// A configuration of kGemmTileConfigs (woq_kernels.h). kMinBlocks: resident blocks per SM
+// the registers are capped for (2: <= 128 registers; 1: 64 accumulators per thread, 128 for
+// config 8). kStageK4: k per stage with int4 weights; configs 5 (M <= 32) and 9 (M <= 16)
+// take 256: they do little math per weight byte, so the per-stage round trip (barrier,
+// first shared-memory loads and conversions) bounds them, and twice the k halves it per
+// byte. (Their int8 stages stay at 128: 256 would leave too few stages for wgmma's ring.)
 template <int CFG>
-struct GemmTile;
-template <>
-struct GemmTile<0> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
-template <>
-struct GemmTile<1> { static constexpr int kWM = 2, kMBW = 4, kNTW = 4, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
-template <>
-struct GemmTile<2> { static constexpr int kWM = 2, kMBW = 8, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
-template <>
-struct GemmTile<3> { static constexpr int kWM = 2, kMBW = 4, kNTW = 2, kMinBlocks = 2, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
-template <>
-struct GemmTile<4> { static constexpr int kWM = 1, kMBW = 4, kNTW = 1, kMinBlocks = 2, kStageK4 = kGemmStageK; static constexpr bool kWgmma = false; };
-template <>
-struct GemmTile<5> { static constexpr int kWM = 1, kMBW = 4, kNTW = 2, kMinBlocks = 1, kStageK4 = 256; static constexpr bool kWgmma = true; };
-template <>
-struct GemmTile<6> { static constexpr int kWM = 1, kMBW = 8, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
-template <>
-struct GemmTile<7> { static constexpr int kWM = 1, kMBW = 16, kNTW = 1, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
-template <>
-struct GemmTile<8> { static constexpr int kWM = 1, kMBW = 16, kNTW = 2, kMinBlocks = 1, kStageK4 = kGemmStageK; static constexpr bool kWgmma = true; };
-template <>
-struct GemmTile<9> { static constexpr int kWM = 1, kMBW = 2, kNTW = 2, kMinBlocks = 1, kStageK4 = 256; static constexpr bool kWgmma = true; };
+struct GemmTile {
+  static constexpr GemmTileConfig kConfig = kGemmTileConfigs[CFG];
+  static constexpr int kWM = kConfig.wm, kMBW = kConfig.mbw, kNTW = kConfig.ntw;
+  static constexpr int kMinBlocks = kConfig.min_blocks, kStageK4 = kConfig.stage_k4;
+  static constexpr bool kWgmma = kConfig.wgmma;
+};
 
 template <int CFG>
 struct GemmShape {
@@ -315,10 +167,8 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   const char* smem = reinterpret_cast<const char*>(smem_raw) + (smem_addr - raw_addr);
 
   // Where a unit lies: its output tile's m-tile and column (of kTiles n-tiles) and its
-  // stage. The fetches walk units one at a time, so these advance without the divisions
-  // by m_tiles and nstages (run-time values) that indexing by unit number costs: with them
-  // the copy code was ~30 instructions per 16-byte cp.async, as many per stage as the
-  // conversions and wgmma of a 128 x 256 tile (SASS of config 8).
+  // stage. The fetches walk units one at a time, so these advance without divisions by the
+  // run-time m_tiles and nstages (which made the copy code ~30 instructions per cp.async).
   struct UnitPos {
     int mt, col, st;
   };
@@ -339,23 +189,13 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // finite values, and they meet zero-filled x).
   //
   // A thread's chunks of a part are one fixed chunk of every j-th n-tile (weights) or row
-  // (x): c = tid + j * kThreads splits into a per-thread part (tid's n-tile or row, its
-  // 16 bytes in it) and j times a whole number of n-tiles or rows. Written that way, each
-  // copy costs a pointer step and a compare; indexing by c (divisions, 64-bit products per
-  // chunk) cost ~15 instructions per copy, a quarter of config 5's instructions per unit
-  // (SASS, int4 g128). Two more places where the instructions went (SASS of the main
-  // loop, int4 g128 with zero points): x's rows addressed as (m0 + row + j * 16) * K,
-  // which the compiler multiplied out per copy (~20 instructions each, 8 copies a unit
-  // in config 8), and the scales' loop over chunks (divisions, ~200 instructions of
-  // loop for warps 0-1). Now x steps a pointer by 16 rows, and each thread's one scale
-  // chunk is fixed relative to the unit. Main loop, config 8: 819 -> 519 instructions
-  // (the copies 509 -> 211, the math 310); config 5 1061 -> 785, 6 717 -> 476, 9 1050
-  // -> 780. Measured on the H100 (gemm_configs.py, int4 g128, best tile, us): M = 128
-  // 28672 x 8192 129.0 -> 118.8, 21504 x 14336 164.9 -> 154.0; M = 256 259.5 -> 240.2 and
-  // 330.5 -> 310.9; M = 16 50.5 -> 47.1; M = 32 alike (docs/bench/gemm_fetch.md).
-  // A zero-filled copy reads nothing (src-size 0), so its source is passed as computed,
-  // past the end of x or the weights, instead of selected to a valid address: the select
-  // was 2 instructions a copy (config 8's main loop: 519 -> 489; memcheck clean).
+  // (x): c = tid + j * kThreads splits into a per-thread part and j times a whole number of
+  // n-tiles or rows, so each copy costs a pointer step and a compare (indexing by c cost
+  // ~15 instructions per copy). x steps a pointer by kXRowStep rows rather than
+  // multiplying (m0 + row + j * step) * K per copy, and each thread's one scale chunk is
+  // fixed relative to the unit.
+  // A zero-filled copy reads nothing (src-size 0), so its source is passed as computed --
+  // possibly past the end of x or the weights -- instead of being selected to a valid one.
   constexpr int kWTileChunks = kSegs * 32;  // one n-tile's chunks of a stage
   static_assert(kThreads % kWTileChunks == 0, "a thread's weight chunks lie in every j-th n-tile");
   constexpr int kWTileStep = kThreads / kWTileChunks;
@@ -523,12 +363,9 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       const uint32_t x_addr = smem_addr + slot * Stage::kBytes + Stage::kW;
       [[maybe_unused]] uint32_t s_lo[NTW], s_hi[NTW];
       // A segment's weights are loaded from shared memory while the segment before it is
-      // converted (one segment ahead) where the wgmma are short (BM <= 64 rows): the
-      // wgmma_* asm (memory clobbers) keeps the compiler from hoisting the loads itself,
-      // and each load's latency otherwise sat between two segments' MMAs. Measured on the
-      // H100 (gemm_configs.py, int4 g128, stream-K, us, without -> with): config 5 M = 32
-      // 28672 x 8192 67.0 -> 64.5, 21504 x 14336 87.1 -> 80.6; config 6 M = 64 79.5 -> 78.5,
-      // 102.1 -> 98.8; config 8 M = 128 (128 rows) 138.6 -> 142.4, 181.3 -> 182.7: not there.
+      // converted (one segment ahead) where the wgmma are short (BM <= 64): the wgmma asm's
+      // memory clobbers keep the compiler from hoisting the loads itself, and each load's
+      // latency otherwise sat between two segments' MMAs. (At 128 rows: measured no gain.)
       constexpr bool kPrefetch = BM <= 64;
       uint4 wv_next[NTW];
       // (the warp's nt-th n-tile is 4 nt n-tiles past its first: Shape::n_tile)
@@ -590,22 +427,12 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   };
 
   // wgmma configurations: y in 16-byte stores. A thread's accumulators hold pairs of
-  // consecutive *rows* of one channel (the fragment layout above), so storing them one
-  // value at a time took ~18 instructions per value -- 2,300 per warp for config 8's 128,
-  // in straight-line code too long for the instruction cache: ncu (28672 x 8192, M = 128,
-  // config 8, one tile per block) put 14 % of the kernel's warp samples in that epilogue,
-  // two thirds of them waiting for instructions. Instead each warp transposes two n8
-  // blocks (16 rows x 16 channels) at a time through 512 bytes of shared memory of its
-  // own with stmatrix.trans, then each lane stores 8 channels of one row: 16 bytes. Needs
-  // rows of y 16-byte aligned (N % 8 == 0, y 16-byte aligned: checked below), else the
-  // value-at-a-time loop. With it (and the split-K partials as float4, below) that
-  // profile's epilogue fell to 3 % of the samples and the kernel from 120.8 to 112.3 us
-  // under ncu. Timed (gemm_configs.py, int4 g128, best tile and split, us, before -> after
-  // -> before again, one device call; docs/bench/gemm_epilogue.md): M = 64 28672 x 8192
-  // 74.4 -> 68.0 -> 75.1, 21504 x 14336 94.7 -> 86.8 -> 94.4; M = 128 117.6 -> 122.1 ->
-  // 119.0 (one tile per block, split 1: no gain in back-to-back launches; 116.6 -> 116.6
-  // in another call) and 157.1 -> 151.5 -> 157.2; M = 256 240.6 -> 223.9 -> 244.1 and
-  // 321.8 -> 296.9 -> 315.1.
+  // consecutive *rows* of one channel, so storing them a value at a time is ~18
+  // instructions per value -- for config 8, straight-line code too long for the
+  // instruction cache. Instead each warp transposes two n8 blocks (16 rows x 16 channels)
+  // at a time through 512 bytes of its own shared memory with stmatrix.trans, then each
+  // lane stores 8 channels of one row: 16 bytes. Needs rows of y 16-byte aligned (N % 8 ==
+  // 0, y 16-byte aligned: checked below), else the value-at-a-time loop.
   __shared__ alignas(16) uint4 y_staging[Shape::kWgmma ? kGemmWarps * 32 : 1];
   const bool y_by_16_bytes = p.N % 8 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
   auto store_tile_staged = [&]() {
@@ -737,25 +564,23 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   };
 
   // Pipeline over this block's units: `ahead` in flight ahead of the one computed. The
-  // prologue fetches their weights before waiting for the previous kernel (a
-  // programmatic launch, launch.cuh), x after; one commit group per stage (the first also
-  // holds the other stages' weights), so the main loop's wait counts are unchanged.
-  // mma: p.stages - 1 ahead; the slot refilled is the one just computed. wgmma: one less,
-  // so that the slot refilled is the one computed two units back, whose wgmma groups are
-  // complete (compute_wgmma leaves at most kWgmmaInFlight - 1 in flight, all its own):
-  // the tensor cores keep working through the barrier instead of draining at every stage.
+  // prologue fetches their weights before waiting for the previous kernel (a programmatic
+  // launch, launch.cuh), x after. mma: p.stages - 1 ahead, one commit group per stage (the
+  // first also holds the other stages' weights), and the slot refilled is the one just
+  // computed. wgmma: one less ahead, so that the slot refilled is the one computed two
+  // units back, whose wgmma groups are complete (compute_wgmma leaves at most
+  // kWgmmaInFlight - 1 in flight, all its own): the tensor cores keep working through the
+  // stage change instead of draining.
   //
-  // Ring barriers (wgmma, WOQ_GEMM_RING_BARRIERS): no block barrier per stage. Each slot
-  // has a "full" barrier, on which every thread's copies of a unit arrive as they land
-  // (cp.async.mbarrier.arrive: no thread waits for its own copies), and an "empty" one, on
-  // which every thread arrives once the slot's previous unit is read for the last time
-  // (its wgmma groups complete: kWgmmaInFlight - 1 k16 steps into the next unit). A warp
-  // waits only for the data it is about to read and, before refilling a slot, for the
-  // unit that slot held two units back -- so warps drift by up to a unit against each
-  // other instead of meeting at every stage, where ncu placed this kernel's top stall
-  // (the barrier, then the first shared-memory loads after it). Unit q (counted from the
-  // run's start) lives in slot q % stages; its barriers' phase parity is (q / stages) % 2.
-  constexpr bool kRing = Shape::kWgmma && WOQ_GEMM_RING_BARRIERS;
+  // Ring barriers (wgmma): no block barrier per stage. Each slot has a "full" barrier, on
+  // which every thread's copies of a unit arrive as they land (cp.async.mbarrier.arrive: no
+  // thread waits for its own copies), and an "empty" one, on which every thread arrives once
+  // the slot's previous unit is read for the last time (its wgmma groups complete:
+  // kWgmmaInFlight - 1 k16 steps into the next unit). A warp waits only for the data it is
+  // about to read and, before refilling a slot, for the unit that slot held -- so warps
+  // drift by up to a unit instead of meeting at every stage. Unit q (counted from the run's
+  // start) lives in slot q % stages; its barriers' phase parity is (q / stages) % 2.
+  constexpr bool kRing = Shape::kWgmma;
   __shared__ alignas(8) uint64_t ring_barriers[2 * kGemmMaxStages];  // full[slot], then empty[slot]
   const uint32_t full_bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring_barriers));
   auto full_bar = [&](int s) { return full_bar0 + 8u * s; };
@@ -793,12 +618,10 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     }
   }
   // Two loops: over the tiles of this block's run, and over the units (stages) of one
-  // tile. The inner loop touches the accumulators only through the MMAs, so with wgmma
-  // its back edge carries them in flight: when one loop held both, the tile's end
-  // (finish_tile reads the accumulators, enter_tile zeroes them) sat under a branch inside
-  // it, and ptxas made every iteration wait for all wgmma groups at the back edge
-  // ("warpgroup.wait is injected ... to allow use of registers defined by GMMA", C7517):
-  // the tensor cores drained at every stage.
+  // tile. The inner loop touches the accumulators only through the MMAs, so with wgmma its
+  // back edge carries them in flight. (With one loop, the tile's end -- finish_tile reads
+  // the accumulators, enter_tile zeroes them -- sat under a branch inside it, and ptxas
+  // waited for every wgmma group at the back edge, C7517: `make compile-cuda` rejects that.)
   int slot = 0;
   uint32_t round = 0;  // (ring barriers) parity of unit L's use of its slot
   for (int L = L_begin; L < L_end;) {
@@ -826,7 +649,6 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
         compute_wgmma(slot, L > L_begin ? empty_bar(slot == 0 ? p.stages - 1 : slot - 1) : 0u);
       } else {
         cp_async_wait_dynamic<kGemmMaxStages - 2>(ahead - 1);
-        if constexpr (Shape::kWgmma) fence_proxy_async_shared();  // this stage's cp.async data, read by wgmma
         __syncthreads();  // unit L visible to all; the slot to refill free (see above)
         if (L + ahead < L_end) {
           const int ahead_slot = slot + ahead < p.stages ? slot + ahead : slot + ahead - p.stages;
@@ -835,11 +657,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
           advance(fetch_pos);
         }
         cp_async_commit();
-        if constexpr (Shape::kWgmma) {
-          compute_wgmma(slot, 0u);  // (every warp: a warpgroup's rows are the block's, never all past M)
-        } else if (warp_live) {
-          compute(slot);
-        }
+        if (warp_live) compute(slot);
       }
       if (++slot == p.stages) {
         slot = 0;

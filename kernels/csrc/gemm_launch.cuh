@@ -60,7 +60,10 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream, p);
 }
 
-// Per-channel and group sizes 64 / 128, with and without zero points, int4 and int8.
+// Per-channel and group sizes 64 / 128 (kGemmGroupSizes), with and without zero points,
+// int4 and int8.
+static_assert(kGemmGroupCount == 2 && kGemmGroupSizes[0] == 64 && kGemmGroupSizes[1] == 128,
+              "WOQ_GEMM_INSTANTIATE_BITS and woq_kernels.cu's gemm_by_group list kGemmGroupSizes");
 #define WOQ_GEMM_INSTANTIATE_GROUP(T, BITS, CFG, GROUP)                                         \
   template cudaError_t gemm_launch<T, BITS, CFG, GROUP, false>(const GemmArgs&, cudaStream_t); \
   template cudaError_t gemm_launch<T, BITS, CFG, GROUP, true>(const GemmArgs&, cudaStream_t);

@@ -1,55 +1,40 @@
 // Weight-only GEMV (M <= 32): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W int8/int4,
 // x fp16/bf16. MB = ceil(M / 8) blocks of 8 rows (1 to 4) share each converted weight
-// fragment. Larger M: the mixed GEMM (gemm.cuh), which reuses this file's layout and helpers.
-// M <= 16 always runs here (decode); 17..32 runs here where the tuner measured it faster
-// than the mixed GEMM for the shape (kernels/tuning.py). Measured on the H100, M = 32
-// (docs/bench/kernels_msweep.md): 21504 x 14336 int4 91.8 us against the GEMM's 107.4,
-// 28672 x 8192 int4 74.8 against 83.9; but 21504 x 14336 int8 135.5 against 129.6, and
-// 4096 x 14336 int4 27.8 against 27.2 -- hence a measurement per shape, not a rule.
+// fragment. M <= 16 always runs here; 17..32 runs here where the tuner measured it faster
+// than the mixed GEMM for the shape (gemm.cuh reuses this file's layout and helpers).
 //
-// Why tensor cores for a "GEMV": at M = 16, an int4 weight streamed at 3 TB/s feeds
-// ~6e12 weights/s, i.e. ~1e14 multiply-adds/s -- more than the fp32 CUDA cores do
-// (~3.3e13 FMA/s on an H100). mma.sync does them with fp32 accumulation at a fraction of
-// its peak, so M = 16 costs about what M = 1 does, and the kernel stays bound by the
-// weight bytes.
+// Tensor cores for a "GEMV": at M = 16 an int4 weight streamed at 3 TB/s feeds ~1e14
+// multiply-adds/s, more than an H100's fp32 cores do; mma.sync does them at a fraction of
+// its peak, so M = 16 costs about what M = 1 does and the kernel stays bound by weight bytes.
 //
 // Operand roles are swapped ("y^T = W x^T"): the weights are the 16-row A operand of
-// mma.m16n8k16 (16 output channels per mma) and the activations the 8-column B operand
-// (8 rows of x). M <= 8 wastes nothing on the weight side; each further 8 rows issue one
-// more mma that reuses the same converted weight fragment.
+// mma.m16n8k16 (16 output channels per mma), the activations the 8-column B operand (8
+// rows of x). Each further 8 rows issue one more mma on the same converted fragment.
 //
 // Work decomposition:
 //   * each lane owns 16 bytes of every 512-byte weight segment, which kernels/layout.py
-//     arranged to be exactly that lane's A fragments for 4 (int4) or 2 (int8)
-//     consecutive k16 blocks of one n-tile (16 output channels);
-//   * a block is 8 warps: kTiles = NT * 8 / KW adjacent n-tiles (a "column" of 16 * kTiles
-//     output channels), each warp owning NT of them (1; 2 above 16 rows at one k-warp,
-//     see gemv_tiles_per_warp), each n-tile shared by KW warps that split its K range
-//     ("k-warps"). A pipeline stage covers KW * kSteps segments of every tile of the
-//     column; k-warp kw takes the kw-th run of kSteps. At the column's end the k-warps'
-//     fp32 sums meet in shared memory (fixed order: deterministic). KW > 1 is for small
-//     shapes: at 4096 x 4096 the 8 n-tiles per block of KW = 1 make only 32 columns for
-//     132 SMs, KW = 4 makes 128, each reduced inside its block;
-//   * a stage's weights, activations and group scales/zeros are fetched with cp.async
-//     into a shared-memory ring of p.stages (4 where it fits; fewer on GPUs with less
-//     shared memory, chosen at launch), so ~3 stages of memory traffic stay in flight
-//     without holding registers (measured: a register prefetch of one chunk left the
-//     kernel latency-bound at ~47% of the bandwidth);
+//     arranged to be exactly that lane's A fragments for 4 (int4) or 2 (int8) consecutive
+//     k16 blocks of one n-tile (16 output channels);
+//   * a block is 8 warps: kTiles = NT * 8 / KW adjacent n-tiles (a "column"), each warp
+//     owning NT of them (gemv_tiles_per_warp), each n-tile shared by KW "k-warps" that split
+//     its K range. A stage covers KW * kGemvSteps segments of every tile of the column; at
+//     the column's end the k-warps' fp32 sums meet in shared memory in fixed order. KW > 1
+//     is for small shapes (4096 x 4096 at KW = 1 makes only 32 columns for 132 SMs);
+//   * a stage's weights, x and group scales/zeros are cp.async'd into a shared-memory ring
+//     of p.stages (kGemvMaxStages where it fits, fewer on smaller GPUs), so ~3 stages of
+//     traffic stay in flight without holding registers;
 //   * the group size is a template parameter: group boundaries fall at compile-time
-//     positions of the unrolled k16 loop (no counters, no divisions in the hot loop);
-//   * the grid is persistent and balanced "stream-K" style: the (column, stage) units
-//     of the whole weight, column after column, are cut into gridDim.x equal contiguous
-//     runs, one per block. Every SM gets the same number of bytes (no partial last wave)
-//     and each block fills its pipeline once. A column cut between blocks leaves fp32
-//     partial sums in a workspace; its last finishing contributor adds them in block
-//     order (deterministic) and re-arms the column's counter (CUDA-graph safe). The
-//     partition is computed in 32-bit integers (a 64-bit division is a ~70-instruction
-//     subroutine, and ncu showed the small shapes bound by per-warp instruction latency).
+//     positions of the unrolled k16 loop;
+//   * the grid is persistent, "stream-K": the (column, stage) units of the whole weight are
+//     cut into gridDim.x equal contiguous runs, one per block, so every SM gets the same
+//     bytes and fills its pipeline once. A column cut between blocks leaves fp32 partials
+//     in the workspace; its last contributor adds them in block order (deterministic) and
+//     re-arms the column's counter (CUDA-graph safe). The partition is 32-bit arithmetic
+//     (a 64-bit division is a ~70-instruction subroutine).
 //
-// Numerics: the A fragments hold the exact integers (code - zero point); each group's
-// partial sums (fp32 mma accumulators) are multiplied by the group scale in fp32 and
-// added to the fp32 total. The only roundings are the tensor cores' fp32 accumulation
-// and the final conversion to fp16/bf16.
+// Numerics: the A fragments hold the exact integers (code - zero point); each group's fp32
+// mma sums are multiplied by the group scale in fp32 and added to the fp32 total. The only
+// roundings are the tensor cores' fp32 accumulation and the final conversion to T.
 #pragma once
 
 #include <cstdint>
@@ -68,51 +53,17 @@ struct GemvParams : KernelOperands {  // workspace: [gridDim.x, 2, M, 16 * kTile
   int stages;           // depth of the shared-memory ring, 2..kGemvMaxStages (launch.cuh)
 };
 
-// Pipeline shape. Build-time macros only so that benchmarks/gemv_variants.py can time
-// alternatives (WOQ_NVCC_FLAGS="-DWOQ_GEMV_STAGES=6"); the defaults are the measured best
-// (H100: 6 stages made 28672 x 8192 int4 M = 1 slower, 64.2 vs 56.2 us -- 124 KB of
-// shared memory leaves one block per SM instead of two). WOQ_GEMV_STAGES is the deepest
-// ring; a launch gets it where the GPU's shared memory holds it (an H100: at every M and
-// k-warp count built), a shallower one elsewhere (gemv_launch.cuh).
-// Tried again with programmatic launches: the deepest ring up to 6 that still lets two
-// blocks share an SM (5-6 stages at M <= 8 on an H100, so that a small shape's whole
-// share of K is in flight at once). Same H100, gemv_variants.py, best grid, two
-// alternations, us, ring of 4 / deeper: int8 M = 1 mixed (4096 x 4096 9.3 / 9.0, 14336 x
-// 4096 22.9 / 22.2, 4096 x 14336 22.3 / 22.9), int4 g128 M = 1 slower in all six cases
-// (4096 x 14336 14.6 / 16.3, 14336 x 4096 13.3 / 14.7, 4096 x 4096 6.7 / 7.0, 28672 x
-// 8192 46.6 / 47.8, 6144 x 4096 7.6 / 8.1; M = 4 on 4096 x 14336 15.7 / 16.7), so the
-// ring stays at 4.
-#ifndef WOQ_GEMV_STAGES
-#define WOQ_GEMV_STAGES 4
-#endif
-#ifndef WOQ_GEMV_STEPS
-#define WOQ_GEMV_STEPS 4
-#endif
-#ifndef WOQ_GEMV_MIN_BLOCKS  // blocks per SM the registers must allow (launch bounds)
-#define WOQ_GEMV_MIN_BLOCKS 2
-#endif
-#ifndef WOQ_GEMV_WIDE_MIN_BLOCKS  // the same for MB = 3, 4 (M = 17..32)
-#define WOQ_GEMV_WIDE_MIN_BLOCKS 1
-#endif
-#ifndef WOQ_GEMV_NARROW_NT  // n-tiles per warp at MB = 1, 2 (see gemv_tiles_per_warp)
-#define WOQ_GEMV_NARROW_NT 1
-#endif
-#ifndef WOQ_GEMV_MB2_NT  // the same at MB = 2 (M = 9..16) and one k-warp
-#define WOQ_GEMV_MB2_NT WOQ_GEMV_NARROW_NT
-#endif
-#ifndef WOQ_GEMV_WIDE_NT  // the same for MB = 3, 4 at 1 k-warp
-#define WOQ_GEMV_WIDE_NT 2
-#endif
-#ifndef WOQ_GEMV_WIDE_KW2_NT  // the same at 2 k-warps
-#define WOQ_GEMV_WIDE_KW2_NT 1
-#endif
-
-constexpr int kGemvWarps = 8;
-constexpr int kGemvMaxM = kGemvMaxRows;      // 32: MB = 4 blocks of 8 rows (woq_kernels.h)
-constexpr int kGemvMaxStages = WOQ_GEMV_STAGES;  // shared-memory ring depth, at most
-constexpr int kGemvSteps = WOQ_GEMV_STEPS;    // 512-byte weight segments per warp per stage
-constexpr int kGemvMaxKWarps = 4;
-constexpr int kGemvWideMaxKWarps = 2;        // MB = 3, 4 (see gemv_launch.cuh)
+// Pipeline shape: kGemvMaxStages is the deepest ring (a launch gets it where the GPU's
+// shared memory holds it -- an H100 at every M and k-warp count built -- else a shallower
+// one: gemv_launch.cuh); kGemvSteps 512-byte weight segments per warp per stage.
+constexpr int kGemvMaxStages = 4;
+constexpr int kGemvSteps = 4;
+// Resident blocks per SM the registers must allow (launch bounds): 2 at MB = 1, 2 (<= 128
+// registers); 1 at MB = 3, 4, whose x rows fill most of the shared memory anyway and which
+// spilled when held to 128.
+constexpr int kGemvMinBlocks = 2;
+constexpr int kGemvWideMinBlocks = 1;
+constexpr int kGemvMaxM = kGemvMaxRows;  // 32: MB = 4 blocks of 8 rows
 
 template <int BITS, int KW = 1>
 struct TileShape {
@@ -221,43 +172,17 @@ __host__ __device__ constexpr int groups_per_stage() {
   return GROUP == 0 ? 0 : (stage_k >= GROUP ? stage_k / GROUP : 1);
 }
 
-// n-tiles per warp (NT). Each 8 rows of x a warp loads with ldmatrix feed NT n-tiles' mma;
-// at one n-tile per warp and 32 rows, the warp reads 8 bytes of x from shared memory per
-// byte of int4 weight, which with the cp.async traffic comes near an SM's shared-memory
-// bandwidth at the weight stream's pace. Two n-tiles halve that. Measured on the H100
-// (benchmarks/gemv_variants.py "" -DWOQ_GEMV_WIDE_NT=1, best grid, us, NT 2 / 1):
-// 28672 x 8192 int4 M = 17 63.3 / 75.8, M = 32 77.9 / 95.4; 21504 x 14336 int4 M = 17
-// 81.7 / 95.3, M = 32 107.0 / 117.3; int8 28672 x 8192 M = 32 99.0 / 115.3; the small
-// shapes run 2 k-warps, which keep one n-tile (two doubled their stage and halved their
-// columns: 4096 x 14336 int4 M = 32 55.9 against 30.3). Four n-tiles per warp measured
-// slower again (-DWOQ_GEMV_WIDE_NT=4, best grid, us, NT 2 / 4): 28672 x 8192 int4 M = 32
-// 76.9 / 84.8, 21504 x 14336 int4 M = 32 91.9 / 103.4, int8 98.8 / 110.8 and 133.8 /
-// 142.4: half as many columns, and stages of ~83 KB (int4) / ~73 KB (int8) leave room for
-// a ring of 2 / 3 instead of 4 -- halving x's reads again does not pay for that. The
-// price of two: a 1-k-warp stage of 32 rows is ~51 KB, so GPUs with 99 KB of shared
-// memory (RTX 30/40, L4) run the GEMV up to ~24 rows and the mixed GEMM above. Kept at 1
-// where a stage's group scales would need more than one copy per thread (the scale fetch
-// does one).
-// At 9..16 rows (MB = 2) two n-tiles were measured too and are not worth it: a stage of
-// ~42 KB at int4, so one block per SM; the large shapes gain under 1 us (about the spread
-// of two runs of one build), the small ones lose up to 2. H100, gemv_variants.py ""
-// -DWOQ_GEMV_MB2_NT=2, best grid, M = 16, us, 1 / 2: int4 28672 x 8192 59.0 / 58.4,
-// 21504 x 14336 72.9 / 72.0, 14336 x 4096 17.8 / 19.4, 4096 x 14336 18.9 / 20.9; int8
-// 28672 x 8192 92.8 / 93.6, 21504 x 14336 121.1 / 123.9. (Also tried and dropped:
-// starting each group's partial sums with a zero-accumulator mma instead of clearing them
-// after the group -- 40 SASS instructions more, not fewer, and int4 M = 16 ~1 us slower
-// on both large shapes.) Nor with stages of half the k, so that two n-tiles per warp keep
-// two blocks per SM (-DWOQ_GEMV_MB2_NT=2 -DWOQ_GEMV_STEPS=2, which halves x's shared-memory
-// reads per weight byte): M = 16, us, default / variant / -DWOQ_GEMV_STEPS=2 alone: int4
-// 28672 x 8192 58.6 / 60.6 / 59.8, 21504 x 14336 72.2 / 75.3 / 73.1, 14336 x 4096 17.8 /
-// 19.8 / 18.2; int8 28672 x 8192 92.6 / 95.3 / 94.9, 21504 x 14336 120.6 / 123.3 / 125.1 --
-// x's shared-memory traffic is not what bounds the 16-row kernel.
+// n-tiles per warp (NT). Each 8 rows of x a warp loads with ldmatrix feed NT n-tiles' mma.
+// At NT = 1 and 32 rows a warp reads 8 bytes of x from shared memory per byte of int4
+// weight, near an SM's shared-memory bandwidth at the weight stream's pace; NT = 2 halves
+// that, so MB = 3, 4 at one k-warp take two (measured faster on H100; four lost: half the
+// columns and rings of 2-3). A 1-k-warp stage of 32 rows is then ~51 KB, so GPUs with
+// 99 KB of shared memory run the GEMV up to ~24 rows. Everything else keeps NT = 1, and so
+// does a shape whose stage's group scales would need more than one copy per thread.
+constexpr int kGemvWideTilesPerWarp = 2;
 template <int BITS, int MB, int KW, int GROUP, bool ZEROS>
 __host__ __device__ constexpr int gemv_tiles_per_warp() {
-  constexpr int wanted = MB == 2 && KW == 1 ? WOQ_GEMV_MB2_NT
-                         : MB <= 2           ? WOQ_GEMV_NARROW_NT
-                         : KW == 1           ? WOQ_GEMV_WIDE_NT
-                                             : WOQ_GEMV_WIDE_KW2_NT;
+  constexpr int wanted = MB > 2 && KW == 1 ? kGemvWideTilesPerWarp : 1;
   constexpr int copies = wanted * TileShape<BITS, KW>::kTiles * groups_per_stage<BITS, KW, GROUP>() * 2 * (ZEROS ? 2 : 1);
   return copies <= kGemvWarps * 32 ? wanted : 1;
 }
@@ -301,21 +226,9 @@ struct UnitPartition {
 };
 
 // GROUP: group size in k (a power of two >= 32), or 0 for per-channel scales.
-// KW: k-warps per n-tile (1, 2 or 4).
-// Launch bounds: at least 2 blocks per SM, i.e. <= 128 registers. Without a minimum,
-// ptxas held some variants to 64 registers and spilled; capped at 80 (3 blocks per SM,
-// which M = 1's shared memory would allow at 1 k-warp) it spilled in the stage loop, and
-// measured slower on the H100 (28672 x 8192 int4 M = 1: 48.1 vs 48.0 us; 21504 x 14336:
-// 62.2 vs 61.6 us; benchmarks/gemv_variants.py "" -DWOQ_GEMV_MIN_BLOCKS=3).
-// MB = 3, 4 (M > 16): one block per SM. Their x rows fill most of the shared memory, so
-// one block is what an SM holds at most shapes anyway, and held to 128 registers the
-// int4 g128 kernel with zero points spilled (92 bytes at MB = 4; up to ~230 registers
-// with two n-tiles per warp). Measured against 2, at one n-tile per warp (H100,
-// gemv_variants.py "" -DWOQ_GEMV_WIDE_MIN_BLOCKS=2, best grid, us): 21504 x 14336
-// int4 M = 17 90.9 vs 78.4 (two 17-row rings still fit), M = 32 114.8 vs 121.3; 28672 x
-// 8192 int4 M = 24 78.9 vs 80.4; int8 and 4096 x 4096 within 1 us either way.
+// KW: k-warps per n-tile (1, 2 or 4; 1 or 2 at MB = 3, 4).
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
-__global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS : WOQ_GEMV_WIDE_MIN_BLOCKS)
+__global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kGemvWideMinBlocks)
     gemv_kernel(const GemvParams p) {
   using Shape = TileShape<BITS, KW>;
   using Stage = StageLayout<T, BITS, MB, KW, GROUP, ZEROS>;
@@ -353,11 +266,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
   auto stage_base = [&](int slot) { return reinterpret_cast<char*>(smem) + slot * stage_bytes; };
 
   // Every address a thread copies from or to is fixed per thread up to a per-stage /
-  // per-column offset. Sources advance as running pointers along the block's walk over
-  // (column, stage), destinations are a slot offset: a stage's copies are a few adds.
-  // (Recomputed per stage from (column, stage), the 64-bit address math took ~90
-  // instructions per warp and stage in the SASS, a third as many as the stage's converts
-  // and mmas; ptxas still rematerialises some of it under register pressure.)
+  // per-column offset: sources advance as running pointers along the block's walk over
+  // (column, stage), destinations are a slot offset, so a stage's copies are a few adds
+  // (recomputing 64-bit addresses per stage cost a third of the stage's instructions).
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   // weights: this lane's 16 bytes of the warp's kSteps segments of each of its n-tiles
   // (in shared memory: the warp's NT runs of kSteps segments, one after the other)
@@ -694,25 +605,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? WOQ_GEMV_MIN_BLOCKS
     }
   };
 
-  // Pipeline over this block's stages: p.stages - 1 in flight ahead of the one computed.
-  // Prologue: p.stages - 1 stages in flight. Under a programmatic launch (launch.cuh)
-  // their weights stream in while the previous kernel finishes; x, the outputs and the
-  // workspace wait for it. Each stage's weights are a commit group of their own, and x,
-  // which may only be read after the wait, is then loaded by plain loads (L2 hits: the
-  // previous kernel just wrote it) rather than as cp.async copies -- a copy issued after
-  // the wait would have to join a group after every weight group, and the first stage
-  // could start only once all of the prologue's weights were in. Measured on the H100
-  // (gemv_variants.py, two alternations, best grid, us, x as copies / plain loads): int4
-  // M = 1 4096 x 4096 6.6 / 6.3, 6.6 / 6.4, 6144 x 4096 7.1 / 6.9, 7.2 / 6.9; the large
-  // shapes and int8 within 0.4 either way. x stays with the copies at 17..32 rows
-  // (28672 x 8192 int4 M = 32: 76.0 / 77.2 us with plain loads against 75.0 / 76.0 with
-  // copies) and at 9..16 rows with 4 k-warps, where the loads in flight would be 24
-  // 16-byte values per thread (that variant spilled).
-  // Tried: the weights of all p.stages slots before the wait (the main loop's first
-  // refill, into the never-used last slot, is post-wait), as part of the first group.
-  // Slower on the H100 in every case (same script, us, this prologue with x copies / all
-  // slots): int4 M = 1 28672 x 8192 46.8 / 48.7, 4096 x 14336 14.8 / 16.3, 28672 x 4096
-  // 25.5 / 26.2, 4096 x 4096 6.6 / 7.0; int8 4096 x 4096 9.3 / 10.0.
+  // Pipeline over this block's stages, p.stages - 1 in flight ahead of the one computed.
+  // Prologue: under a programmatic launch (launch.cuh) the first stages' weights stream in
+  // while the previous kernel finishes; x, the outputs and the workspace wait for it. Each
+  // stage's weights are a commit group of their own, and x, readable only after the wait,
+  // comes by plain loads (L2 hits) rather than cp.async: a copy issued after the wait would
+  // join a group behind every weight group, and the first stage would wait for all of them.
+  // x keeps the copies at 17..32 rows (measured faster there) and where the plain loads in
+  // flight would exceed 12 16-byte values per thread (9..16 rows at 4 k-warps: spilled).
   constexpr bool kXByLoads = MB <= 2 && (kGemvMaxStages - 1) * kPasses <= 12;
   allow_dependent_launch();
   int st_prologue[kGemvMaxStages - 1];

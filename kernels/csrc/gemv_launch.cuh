@@ -18,10 +18,7 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   auto kernel = gemv_kernel<T, BITS, MB, KW, GROUP, ZEROS>;
   // The stage follows M (StageLayout), and so may the ring depth and the blocks an SM
   // holds: planned once per M (and shared-memory budget). The opt-in is the most any M of
-  // this instantiation may take, so that one M's plan never shrinks another's. (Tried on
-  // the H100: a 3-stage ring wherever it lets a second block share the SM. Best grid each,
-  // us, 4 stages / 3: 14336 x 4096 int4 M = 16 21.8 / 20.4, 4096 x 4096 int4 M = 8 7.2 /
-  // 7.5, 14336 x 4096 int8 M = 32 37.6 / 38.8, nine other cases within 0.2 -- no rule.)
+  // this instantiation may take, so that one M's plan never shrinks another's.
   static PlanCache plans[kGemvMaxM + 1];
   const LaunchPlan plan = plans[a.M].get([&] {
     const SharedMemoryBudget budget = shared_memory_budget();
@@ -74,9 +71,8 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   GROUPS(T, 4, MB_A, KW) GROUPS(T, 4, MB_B, KW) GROUPS(T, 8, MB_A, KW) GROUPS(T, 8, MB_B, KW)
 
 // One translation unit per (activation type, k-warps, row range): they build in parallel.
-// M <= 16: gemv_{fp16,bf16}_k{1,2,4}.cu. M = 17..32: gemv_{fp16,bf16}_m32_k{1,2}.cu, 1 or
-// 2 k-warps (at 4, the int4 stage's 1024 columns of 32 rows of x are ~82 KB: even an
-// H100 holds only 2 stages of it, not built).
+// M <= 16: gemv_{fp16,bf16}_k{1,2,4}.cu. M = 17..32: gemv_{fp16,bf16}_m32_k{1,2}.cu
+// (kGemvWideMaxKWarps: at 4 k-warps a 32-row int4 stage is ~82 KB, 2 stages on an H100).
 #define WOQ_GEMV_INSTANTIATE(T, KW) WOQ_GEMV_INSTANTIATE_ROWS(WOQ_GEMV_ALL_GROUPS, T, 1, 2, KW)
 #define WOQ_GEMV_WIDE_INSTANTIATE_KW(T, KW) WOQ_GEMV_INSTANTIATE_ROWS(WOQ_GEMV_GEMM_GROUPS, T, 3, 4, KW)
 

@@ -1,81 +1,49 @@
 // Register-streaming GEMV for decode (M <= 8): y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
-// The same packed weights, converters and mma as gemv.cuh (its "shared-memory ring"
-// pipeline), with the weights' way to the tensor cores shortened. In the ring, every lane
-// cp.asyncs its own 16 bytes of each 512-byte segment into shared memory, the block
-// meets at a barrier per stage, and each lane reads back exactly what it copied: the
-// shared memory is only a deep asynchronous buffer. ncu on an earlier build of the ring
-// at M = 1 (28672 x 8192 int4) counted barrier (1.9 cycles per issue) and MIO-throttle
-// (1.7) stalls next to the long-scoreboard ones the loads themselves cause. Here each
-// warp streams its own weights straight into registers -- 16-byte `ld.global.nc` loads,
-// a whole chunk of segments of them in flight while the previous chunk is converted and
-// multiplied -- so no warp waits for another and no weight byte crosses shared memory.
-// Only x (M rows of the block's K range, a few KB at M = 1) sits in shared memory,
-// loaded once per block.
+// The same packed weights, converters and mma as gemv.cuh, with the weights' way to the
+// tensor cores shortened. In the ring every lane cp.asyncs its own 16 bytes of each
+// 512-byte segment, the block meets at a barrier per stage, and each lane reads back
+// exactly what it copied: shared memory is only a deep asynchronous buffer, and its
+// barrier and MIO stalls add to the loads' own. Here each warp streams its weights straight
+// into registers -- 16-byte ld.global.nc loads, a whole chunk of segments in flight while
+// the previous chunk is converted and multiplied -- so no warp waits for another. Only x
+// (M rows of the block's K range) sits in shared memory, loaded once per block.
 //
 // Work decomposition (one block = 8 warps, no persistent loop):
-//   * a block owns a "column" of TPB adjacent n-tiles (16 output channels each) and one of
-//     `splits` equal runs of K; each tile's run is split again among KW = 8 / TPB warps;
-//   * a warp's share is a run of whole chunks (kChunk segments of one n-tile, chunk_k =
-//     kChunk * 64 (int4) or * 32 (int8) k), loaded chunk by chunk into a double-buffered
-//     register array: chunk c + 1's loads are issued before chunk c is converted;
-//   * group scales and zero points of a chunk ride along in registers (kChunk is cut so
-//     that a chunk holds at most 4 groups: 8 registers per buffer with zero points);
-//     group boundaries fall at compile-time positions of the unrolled chunk;
+//   * a block owns a "column" of TPB adjacent n-tiles and one of `splits` equal runs of K;
+//     each tile's run is split again among KW = 8 / TPB warps;
+//   * a warp's share is a run of whole chunks (stream_chunk segments of one n-tile), loaded
+//     into a double-buffered register array: chunk c + 1's loads are issued before chunk c
+//     is converted;
+//   * a chunk's group scales and zero points ride along in registers (a chunk holds at most
+//     4 groups); group boundaries fall at compile-time positions of the unrolled chunk;
 //   * the KW warps of a tile add their fp32 sums in shared memory (fixed order); with
-//     splits > 1 the blocks of a column leave partial sums in the workspace and the
-//     last to finish adds them in split order (deterministic) and re-arms the counter.
+//     splits > 1 the blocks of a column leave partials in the workspace and the last to
+//     finish adds them in split order (deterministic) and re-arms the counter.
 // Under a programmatic launch (launch.cuh) each warp's first two chunks and the
-// per-channel scales are in flight before griddepcontrol.wait (WOQ_STREAM_HOIST); at
-// 4096 x 4096 with 8 k-warps that is a warp's whole share.
-// As the o projection of a decode step, the grid can do the step's attention first
-// (GemvArgs::attention, attention.cuh): its first blocks compute it, and every block waits
-// for its output on a flag after the weights are in flight.
+// per-channel scales are in flight before griddepcontrol.wait (at 4096 x 4096 with 8
+// k-warps, a warp's whole share).
 //
-// M <= 8 (one 8-row B operand). The tuner (kernels/tuning.py) measures this pipeline
-// against the ring per shape and M and keeps the faster. H100, best launch of each, us
-// (docs/bench/gemv_stream_ab.md): 28672 x 8192 int4 M = 1 46.9 -> 43.2, 4096 x 4096 6.4 ->
-// 5.2, 6144 x 4096 7.0 -> 7.5 (the ring kept there), int8 28672 x 8192 82.4 -> 77.3. Built
-// for 9..16 rows too, it lost by up to 1.5x on the large shapes
-// (docs/bench/gemv_stream_m16_tried.md).
+// M <= 8 (one 8-row B operand): the tuner measures this pipeline against the ring per
+// shape and M and keeps the faster.
 #pragma once
 
 #include <cstdint>
 
-#include "attention.cuh"
 #include "gemv.cuh"
-#include "trace.cuh"
 
 namespace woq {
 
-// 1: a warp's second chunk is loaded before the programmatic wait too, not once x is
-// staged, so two chunks of the weight stream are in flight across the wait and the x
-// staging (0: the first build, for A/B). H100, benchmarks/gemv_variants.py, two
-// alternating rounds each, best launch, us, 0 -> 1: int4 14336 x 4096 M = 1 fp16
-// 12.9 / 12.7 -> 12.3 / 12.2, bf16 13.8 / 13.7 -> 12.6 / 12.4; M = 4 bf16 14.2 / 14.1 ->
-// 13.1 / 13.0; 4096 x 14336 M = 1 bf16 14.2 / 13.8 -> 13.7 / 13.3; 6144 x 4096 M = 1 fp16
-// 7.2 / 7.4 -> 7.2 / 6.9. bf16 gains more (likely: its chunk takes longer to convert,
-// so one chunk in flight hid less of the stream's start -- not profiled); it now sits
-// within 0.5-4 % of fp16 there. Slower: 4096 x 4096 M = 1 fp16 4.7 / 4.9 -> 5.3 / 5.2 -- one chunk per
-// warp there, so the same loads in the same order; what differs is the compiled code
-// (docs/bench/gemv_bf16_gap.md).
-#ifndef WOQ_STREAM_HOIST
-#define WOQ_STREAM_HOIST 1
-#endif
+// Segments (16-byte lane loads) per chunk.
+constexpr int kStreamChunk = 8;
 
-// Segments (16-byte lane loads) per chunk. Build-time so that benchmarks/gemv_variants.py
-// can time others (WOQ_NVCC_FLAGS="-DWOQ_STREAM_CHUNK=4").
-#ifndef WOQ_STREAM_CHUNK
-#define WOQ_STREAM_CHUNK 8
-#endif
-
-// A chunk's segments: WOQ_STREAM_CHUNK, fewer where the chunk would hold more than 4
-// groups (int4 g32: 2, g64: 4; int8 g32: 4) -- their scales and zeros are registers.
+// A chunk's segments: kStreamChunk, fewer where the chunk would hold more than 4 groups
+// (int4 g32: 2, g64: 4; int8 g32: 4) -- their scales and zeros are registers.
 template <int BITS, int GROUP>
 __host__ __device__ constexpr int stream_chunk() {
   constexpr int kK = TileShape<BITS>::kK;
-  constexpr int most = GROUP == 0 ? WOQ_STREAM_CHUNK : 4 * GROUP / kK;
-  return most < 1 ? 1 : most < WOQ_STREAM_CHUNK ? most : WOQ_STREAM_CHUNK;
+  constexpr int most = GROUP == 0 ? kStreamChunk : 4 * GROUP / kK;
+  return most < 1 ? 1 : most < kStreamChunk ? most : kStreamChunk;
 }
 
 struct GemvStreamParams : KernelOperands {  // workspace: [gridDim.x, M, 16 * TPB]; counters: [columns]
@@ -83,8 +51,9 @@ struct GemvStreamParams : KernelOperands {  // workspace: [gridDim.x, M, 16 * TP
   int chunks;       // chunks per n-tile, the last one possibly partial
   int warp_chunks;  // chunks per warp share
   int splits;       // blocks per column (runs of K)
-  DecodeAttention attention;  // batch 0: none; else x is its output, blocks 0..roles-1 do it first
-  int attention_roles;        // batch * kv_heads * attention.splits
+  // Padding: ptxas allocates this kernel's registers differently below this parameter size
+  // (up to 10 more registers for some instantiations); kept so the allocation stays as measured.
+  char reserved_[64];
 };
 
 // Shared memory: M rows of the block's x range (+16 bytes per row: conflict-free
@@ -103,9 +72,7 @@ struct StreamSmem {
 
 // TPB: n-tiles per block (1, 2, 4, 8), i.e. 8, 4, 2, 1 k-warps per tile.
 // GROUP: group size in k, or 0 for per-channel scales.
-// ATTENTION: x is a decode attention's output, which the grid computes first (attention.cuh;
-// a separate instantiation: its code would cost the plain GEMV registers).
-template <typename T, int BITS, int TPB, int GROUP, bool ZEROS, bool ATTENTION = false>
+template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const GemvStreamParams p) {
   using Smem = StreamSmem<T, BITS, TPB, GROUP>;
   constexpr int KW = Smem::kKW;
@@ -118,7 +85,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   constexpr int kThreads = kGemvWarps * 32;
   static_assert(kChunkK % (GROUP == 0 ? 1 : GROUP) == 0, "a chunk holds whole groups");
 
-  BlockTrace trace(p.trace, p.w);  // (nothing unless built with WOQ_TRACE)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int column = blockIdx.x / p.splits, split = blockIdx.x % p.splits;
@@ -166,15 +132,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   };
 
   allow_dependent_launch();
-  // The attention's roles (attention.cuh) first. A role that works loads its o weights only
-  // afterwards, so it asks for them into L2 now (one request per 128-byte line).
-  if (ATTENTION && static_cast<int>(blockIdx.x) < p.attention_roles) {
-    if ((lane & 7) == 0) {
-      for (int seg = c_begin * CH; seg < min(c_end * CH, p.ktiles); ++seg)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w_lane + static_cast<size_t>(seg) * 32));
-    }
-    attend_share<T>(p.attention, blockIdx.x, [] { wait_for_prior_grid(); });
-  }
   // Before the wait: what does not depend on the previous kernel.
   const float bz = zero_point_bias(BITS);
   ZeroConsts<T, BITS> zc(bz, bz);  // symmetric: fixed; else per group or per channel
@@ -190,10 +147,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   }
   Chunk buf[2];
   if (c_begin < c_end) load(c_begin, buf[0]);
-  if (WOQ_STREAM_HOIST && c_begin + 1 < c_end) load(c_begin + 1, buf[1]);
+  if (c_begin + 1 < c_end) load(c_begin + 1, buf[1]);  // (two chunks in flight across the wait)
   wait_for_prior_grid();
-  if constexpr (ATTENTION) wait_for_attention(p.attention);
-  trace.waited();
 
   // x: the block's K range of every row, columns past K zero (the padded weights there
   // are zero, but 0 * uninitialised shared memory could be NaN). Loads before stores,
@@ -261,7 +216,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
 
   // The pipeline, unrolled by two so that the buffers keep compile-time names.
   for (int c = c_begin; c < c_end; c += 2) {
-    if (c + 1 < c_end && !(WOQ_STREAM_HOIST && c == c_begin)) load(c + 1, buf[1]);
+    if (c + 1 < c_end && c != c_begin) load(c + 1, buf[1]);  // (the first pair: before the wait)
     compute(c, buf[0]);
     if (c + 1 >= c_end) break;
     if (c + 2 < c_end) load(c + 2, buf[0]);

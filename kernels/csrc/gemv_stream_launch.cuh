@@ -15,12 +15,11 @@ namespace woq {
 // (splits = max_blocks / columns; 0: about two blocks per SM). The splits are then cut
 // to whole chunks per warp, to what the workspace holds, and raised until the block's x
 // range fits the shared memory (8 rows of x over 14336 k are 229 KB).
-template <typename T, int BITS, int TPB, int GROUP, bool ZEROS, bool ATTENTION>
+template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
 cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   using Smem = StreamSmem<T, BITS, TPB, GROUP>;
   constexpr int KW = Smem::kKW, CH = stream_chunk<BITS, GROUP>();
-  auto kernel = gemv_stream_kernel<T, BITS, TPB, GROUP, ZEROS, ATTENTION>;
-  if (ATTENTION != (a.attention != nullptr)) return cudaErrorInvalidValue;
+  auto kernel = gemv_stream_kernel<T, BITS, TPB, GROUP, ZEROS>;
   GemvStreamParams p;
   set_operands(p, a);
   p.swiglu = a.epilogue == GemvEpilogue::kSwiGLU;
@@ -40,30 +39,7 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   const int limit = static_cast<int>(limit_cache.get(
       [&] { return static_cast<uint32_t>(shared_memory_budget().per_block - static_smem_bytes(kernel)); }));
   while (Smem::bytes(a.M, p.warp_chunks) > limit && p.warp_chunks > 1) plan(2 * p.splits);
-  int smem = Smem::bytes(a.M, p.warp_chunks);
-  p.attention_roles = 0;
-  if constexpr (ATTENTION) {  // the attention's roles: see attention.cuh
-    p.attention = *a.attention;
-    const DecodeAttention& at = p.attention;
-    const int pairs = at.batch * at.kv_heads, grid = columns * p.splits;
-    if (at.batch != a.M || pairs < 1 || grid < pairs) return cudaErrorCooperativeLaunchTooLarge;
-    int shares = 1;  // a power of two, as many as the grid holds, up to the buffers' splits
-    while (2 * shares <= at.splits && pairs * 2 * shares <= grid) shares *= 2;
-    p.attention.splits = shares;
-    p.attention_roles = pairs * shares;
-    smem = std::max(smem, attention_smem_bytes<T>(at.head_dim, at.heads / at.kv_heads));
-    // Every block may wait for the roles: the grid must be one resident wave. (The
-    // occupancy query is host time: cached per budget and shared-memory size.)
-    static BudgetCached occupancy_cache;
-    const uint32_t cached = occupancy_cache.get([&] {
-      const int resident = smem <= limit ? resident_blocks(kernel, kGemvWarps * 32, smem, limit) : 0;
-      return (static_cast<uint32_t>(smem) << 8) | static_cast<uint32_t>(std::min(resident, 255));
-    });
-    const int resident = (cached >> 8) == static_cast<uint32_t>(smem)
-                             ? static_cast<int>(cached & 255)
-                             : (smem <= limit ? resident_blocks(kernel, kGemvWarps * 32, smem, limit) : 0);
-    if (smem <= limit && resident * gemv_sm_count() < grid) return cudaErrorCooperativeLaunchTooLarge;
-  }
+  const int smem = Smem::bytes(a.M, p.warp_chunks);
   if (smem > limit) return cudaErrorInvalidConfiguration;
   if (p.splits > 1 && p.splits > ws_splits) return cudaErrorInvalidValue;  // (the x range forced more)
   // The dynamic shared-memory opt-in, once per instantiation (raised if a larger x needs it).
@@ -78,19 +54,15 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   return launch_kernel(kernel, static_cast<unsigned>(columns * p.splits), kGemvWarps * 32, smem, stream, p);
 }
 
-#define WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, GROUP, ATTENTION)                                             \
-  template cudaError_t gemv_stream_launch<T, BITS, TPB, GROUP, false, ATTENTION>(const GemvArgs&, cudaStream_t); \
-  template cudaError_t gemv_stream_launch<T, BITS, TPB, GROUP, true, ATTENTION>(const GemvArgs&, cudaStream_t);
-// With the attention (an o projection): per-channel and g128 weights only, the formats a
-// decode step's o projection comes in here (others run the attention kernel apart).
-#define WOQ_STREAM_INSTANTIATE_TPB(T, BITS, TPB)         \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 0, false)   \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 32, false)  \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 64, false)  \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 128, false) \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 256, false) \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 0, true)    \
-  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 128, true)
+#define WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, GROUP)                                             \
+  template cudaError_t gemv_stream_launch<T, BITS, TPB, GROUP, false>(const GemvArgs&, cudaStream_t); \
+  template cudaError_t gemv_stream_launch<T, BITS, TPB, GROUP, true>(const GemvArgs&, cudaStream_t);
+#define WOQ_STREAM_INSTANTIATE_TPB(T, BITS, TPB)  \
+  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 0)   \
+  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 32)  \
+  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 64)  \
+  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 128) \
+  WOQ_STREAM_INSTANTIATE_GROUP(T, BITS, TPB, 256)
 // One translation unit per (activation type, bits): every tile count and group size.
 #define WOQ_STREAM_INSTANTIATE(T, BITS)  \
   WOQ_STREAM_INSTANTIATE_TPB(T, BITS, 1) \

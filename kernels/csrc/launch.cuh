@@ -1,21 +1,17 @@
 // What the GEMV and GEMM launchers share: the shared-memory opt-in with the occupancy
 // query, and the launch itself -- "programmatic" (PDL) on sm_90+.
 //
-// Programmatic dependent launch, and why a weight-only kernel gains from it: a decode
-// step is ~300 short kernels (a GEMV of 3-60 us, then a norm, RoPE or attention kernel of
-// 2-4 us). Launched plainly, each waits for its predecessor to finish and flush before
-// its first block starts, then spends a DRAM round trip filling its pipeline: ~2-3 us per
-// boundary in which the memory bus idles. With the launch attribute below, a kernel's
-// blocks may start as soon as every block of the previous kernel has executed
-// `griddepcontrol.launch_dependents`. Our kernels then issue the copies of what does not
-// depend on the previous kernel -- the weights, scales and zero points, constant while
-// serving -- and only then execute `griddepcontrol.wait`, which returns when the previous
-// grid has completed and its writes are visible; the activations, the outputs and the
-// split-K workspace and counters are touched only after it. The weight stream thus
-// overlaps the previous kernel's tail. The kernels are correct with or without the
-// attribute (both instructions are no-ops in a plain launch; below sm_90 they compile
-// out), and every block executes the wait before it exits, so "complete" keeps meaning
-// "its predecessors are complete" along a chain of such launches.
+// A decode step is hundreds of short kernels; launched plainly, each waits for its
+// predecessor to finish and flush, then spends a DRAM round trip filling its pipeline while
+// the memory bus idles. With programmatic launch a kernel's blocks may start once every
+// block of the previous kernel has executed griddepcontrol.launch_dependents. Our kernels
+// then issue the copies of what does not depend on the previous kernel -- weights, scales,
+// zero points, constant while serving -- and only then execute griddepcontrol.wait, which
+// returns when the previous grid has completed and its writes are visible; activations,
+// outputs and the split-K workspace and counters are touched only after it. Both
+// instructions are no-ops in a plain launch (and compile out below sm_90), and every block
+// executes the wait before it exits, so "complete" keeps meaning "its predecessors are
+// complete" along a chain of such launches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,7 +20,6 @@
 #include <atomic>
 #include <cstdint>
 
-#include "trace.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
@@ -56,7 +51,6 @@ struct KernelOperands {
   int M, N, K, K_pad;
   int n_tiles, groups_pad;
   bool swiglu;          // GEMV only: y = silu(gate) * up, [M, N / 2] (gemv.cuh, swiglu_column)
-  TraceTarget trace;    // WOQ_TRACE builds only (trace.cuh); null otherwise
 };
 
 // Fill the shared operands from a GemvArgs or GemmArgs.
@@ -78,14 +72,11 @@ void set_operands(KernelOperands& p, const Args& a) {
   p.n_tiles = (w.N + 15) / 16;
   p.groups_pad = w.groups_pad;
   p.swiglu = false;
-  p.trace = WOQ_TRACE ? trace_target() : TraceTarget{nullptr, 0};
 }
 
-// The kernel's static shared memory (its __shared__ variables, a few bytes here). The CUDA
-// runtime refuses a dynamic opt-in that, with these, exceeds the per-block maximum, so an
-// opt-in of exactly the maximum fails: the wide 2-k-warp GEMV, whose deepest ring exceeds
-// an A100's 163 KB, asked for all 163 KB and would have been refused there although a
-// shallower ring fits (the runtime's documented rule; not observed on a real A100).
+// The kernel's static shared memory (its __shared__ variables). The CUDA runtime refuses a
+// dynamic opt-in that, with these, exceeds the per-block maximum, so an opt-in of exactly
+// the maximum would fail (e.g. the wide 2-k-warp GEMV asking for all of an A100's 163 KB).
 template <typename Kernel>
 int static_smem_bytes(Kernel kernel) {
   cudaFuncAttributes attr{};

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "woq_kernels.h"
@@ -17,9 +19,8 @@
 namespace {
 
 // Argument errors are thrown as std::invalid_argument with messages built from strings
-// (std::to_string), never through TORCH_CHECK's iostream formatting: on the torch 2.11
-// image, formatting an integer into a TORCH_CHECK message crashed inside this library
-// (benchmarks/check_errors.py; a cuda-gdb backtrace ended in ostream::_M_insert<long>).
+// (std::to_string), never through TORCH_CHECK's iostream formatting: formatting an integer
+// into a TORCH_CHECK message has crashed inside this library (in ostream::_M_insert<long>).
 void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("woq: " + message);
 }
@@ -73,12 +74,10 @@ void check_activations(const at::Tensor& x, const at::Tensor& scales, const std:
   if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
 }
 
-// The GEMV, and (attention set) the decode attention whose output x is, done by its grid.
-at::Tensor run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                     int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
-                    bool swiglu, at::Tensor& workspace, at::Tensor& counters,
-                    const woq::DecodeAttention* attention = nullptr) {
+                    bool swiglu, at::Tensor& workspace, at::Tensor& counters) {
   check_activations(x, scales, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
   check(!swiglu || n % 16 == 0, "the SwiGLU epilogue takes gate and up rows interleaved in eights: n a multiple of 16, got " + str(n));
   check(pipeline == 0 || pipeline == 1, "pipeline must be 0 (shared-memory ring) or 1 (register stream), got " + str(pipeline));
@@ -122,11 +121,7 @@ at::Tensor run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   a.workspace = workspace.data_ptr<float>();
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
-  a.attention = attention;
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
-  check(err != cudaErrorCooperativeLaunchTooLarge,
-        "gemv launch failed: a GEMV doing the attention needs a grid of one resident wave and at least one block "
-        "per (sequence, KV head)");
   check(!stream || err != cudaErrorInvalidConfiguration,
         "gemv launch failed: the register stream's x rows do not fit this GPU's shared memory at M=" + str(a.M));
   check(!stream || err != cudaErrorInvalidValue,
@@ -139,16 +134,9 @@ at::Tensor run_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   return y;
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
-                int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
-                bool swiglu, at::Tensor& workspace, at::Tensor& counters) {
-  return run_gemv(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, pipeline, swiglu,
-                  workspace, counters);
-}
 
 // The fields of a decode attention that do not change between its launches: the qkv rows,
-// the cache, the RoPE tables, the shares' scratch and the output (checked by the callers).
+// the cache, the RoPE tables, the shares' scratch and the output (checked by the caller).
 woq::DecodeAttention decode_attention(const at::Tensor& qkv, int64_t qkv_stride, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& part, const at::Tensor& lse, const at::Tensor& merge_counters,
@@ -177,62 +165,6 @@ woq::DecodeAttention decode_attention(const at::Tensor& qkv, int64_t qkv_stride,
   return a;
 }
 
-// A decode step's attention and the o projection of its output in one register-stream GEMV
-// launch (attention.cuh): q, k, v from `qkv` [B, (heads + 2 kv_heads) head_dim], RoPE at
-// `positions`, k and v cached at that position of slot `slots[b]`, attention over
-// `lengths[b]` positions; `part` [B, splits, heads, head_dim] and `lse` [B, splits, kv_heads, 8]
-// (float32) hold the shares' partial results, `merge_counters` (>= B * kv_heads) and
-// `flags` (2) are int32 zeros the kernel leaves zero. Returns o's output [B, n].
-at::Tensor attention_gemv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slots,
-                          const at::Tensor& lengths, const at::Tensor& cos, const at::Tensor& sin,
-                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads, int64_t head_dim, at::Tensor& part,
-                          at::Tensor& lse, at::Tensor& merge_counters, at::Tensor& flags, const at::Tensor& qweight,
-                          const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
-                          const std::optional<at::Tensor>& bias, int64_t bits, int64_t group_size, int64_t n, int64_t k,
-                          int64_t max_blocks, int64_t k_warps, at::Tensor& workspace, at::Tensor& counters) {
-  check(qkv.is_cuda() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a 2-D CUDA tensor with contiguous rows");
-  const int64_t B = qkv.size(0);
-  check(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-            k_cache.stride(3) == 1 && k_cache.scalar_type() == qkv.scalar_type() &&
-            v_cache.scalar_type() == qkv.scalar_type() && k_cache.device() == qkv.device(),
-        "k_cache and v_cache must be [slots, kv_heads, positions, head_dim] of qkv's dtype, alike, rows contiguous");
-  const int64_t kv_heads = k_cache.size(1);
-  check(heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= woq::kAttentionMaxGroup,
-        "heads must be a multiple of the cache's " + str(kv_heads) + " KV heads, at most " +
-            str(woq::kAttentionMaxGroup) + " per KV head");
-  check(head_dim == k_cache.size(3) && head_dim % 16 == 0 && head_dim <= woq::kAttentionMaxHeadDim &&
-            heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
-        "head_dim must match the cache, be a multiple of 16 up to " + str(woq::kAttentionMaxHeadDim) +
-            ", and query heads per KV head x head_dim at most " + str(woq::kAttentionMaxGroupDims));
-  check(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv rows must be (heads + 2 kv_heads) * head_dim long");
-  check(heads * head_dim == k, "the o projection takes heads * head_dim = " + str(heads * head_dim) + " inputs, not " + str(k));
-  for (const at::Tensor* t : {&positions, &slots, &lengths})
-    check(t->is_cuda() && t->scalar_type() == at::kLong && t->numel() == B && t->is_contiguous(),
-          "positions, slots and lengths must be contiguous int64 CUDA tensors of one element per row of qkv");
-  check(cos.is_cuda() && cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == head_dim &&
-            cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.strides() == cos.strides() &&
-            sin.scalar_type() == at::kFloat,
-        "cos and sin must be float32 [positions, head_dim] tables, rows contiguous");
-  check(part.is_cuda() && part.scalar_type() == at::kFloat && part.is_contiguous() && part.dim() == 4 &&
-            part.size(0) == B && part.size(2) == heads && part.size(3) == head_dim,
-        "part must be a contiguous float32 [B, splits, heads, head_dim] CUDA tensor");
-  check(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-            lse.sizes() == at::IntArrayRef({B, part.size(1), kv_heads, woq::kAttentionMaxGroup}),
-        "lse must be a contiguous float32 [B, splits, kv_heads, 8] CUDA tensor");
-  check(merge_counters.is_cuda() && merge_counters.scalar_type() == at::kInt && merge_counters.numel() >= B * kv_heads,
-        "merge_counters must be an int32 CUDA tensor of at least B * kv_heads elements");
-  check(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.numel() >= 2, "flags must be 2 int32 CUDA zeros");
-  const c10::cuda::CUDAGuard guard(qkv.device());
-  at::Tensor out = at::empty({B, heads * head_dim}, qkv.options());
-  woq::DecodeAttention a = decode_attention(qkv, qkv.stride(0), k_cache, v_cache, cos, sin, part, lse, merge_counters,
-                                             out.data_ptr(), B, heads, head_dim);
-  a.slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());  // (int64_t: long here)
-  a.lengths = reinterpret_cast<const long long*>(lengths.data_ptr<int64_t>());  // (int64_t: long here)
-  a.positions = reinterpret_cast<const long long*>(positions.data_ptr<int64_t>());  // (int64_t: long here)
-  a.flags = flags.data_ptr<int>();
-  return run_gemv(out, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, 1, false, workspace,
-                  counters, &a);
-}
 
 // The layer table of the persistent batch-1 decode step (decode_step.cuh), built once per
 // model and KV cache: for each layer l, qweights/scales[4 l .. 4 l + 3] are its qkv, o,
@@ -256,8 +188,9 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
         "qkv and attn must be 1-D CUDA buffers of the activation dtype");
   const int64_t kv_heads = k_caches[0].size(1);
   check(heads % kv_heads == 0 && heads / kv_heads <= woq::kAttentionMaxGroup && head_dim % 16 == 0 &&
-            head_dim <= 128 && heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
-        "attention shapes the roles do not take (at most 8 query heads per KV head, head_dim a multiple of 16 up to 128)");
+            head_dim <= woq::kStepMaxHeadDim && heads / kv_heads * head_dim <= woq::kAttentionMaxGroupDims,
+        "attention shapes the roles do not take (at most " + str(woq::kAttentionMaxGroup) +
+            " query heads per KV head, head_dim a multiple of 16 up to " + str(woq::kStepMaxHeadDim) + ")");
   check(qkv.numel() == (heads + 2 * kv_heads) * head_dim && attn.numel() == heads * head_dim,
         "qkv must hold (heads + 2 kv_heads) * head_dim, attn heads * head_dim elements");
   check(part.scalar_type() == at::kFloat && part.is_contiguous() && part.dim() == 4 && part.size(0) == 1 &&
@@ -313,8 +246,7 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
 void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
                  const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
                  at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t kv_heads,
-                 int64_t cache_hints, int64_t max_slots, int64_t skip,
-                 const std::optional<at::Tensor>& trace) {
+                 int64_t cache_hints, int64_t max_slots) {
   check(h.is_cuda() && h.is_contiguous() && h.dim() == 1 && h.scalar_type() == qkv.scalar_type() &&
             reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
         "h must be a contiguous, 16-byte aligned 1-D CUDA tensor of the activation dtype");
@@ -326,7 +258,7 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
         "shapes: n-tiles, k-tiles and scale groups (padded) of a layer's qkv, o, gate/up and down weights");
   const int n_layers = static_cast<int>(plan.numel() / sizeof(woq::StepLayer));
   check(counters.scalar_type() == at::kInt && counters.numel() >= woq::decode_step_counters(n_layers),
-        "counters: int32 zeros, n_layers * 5 + 1 of them");
+        "counters: int32 zeros, decode_step_counters(n_layers) of them");
   const c10::cuda::CUDAGuard guard(h.device());
   woq::DecodeStepArgs a;
   a.layers = reinterpret_cast<const woq::StepLayer*>(plan.data_ptr());
@@ -358,14 +290,6 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.max_slots = static_cast<int>(max_slots);
   a.eps = static_cast<float>(eps);
   a.dtype = dtype_of(h);
-  check(skip >= 0 && skip < 16, "skip: a mask of the parts a measurement leaves out (decode_step.cuh)");
-  a.skip = static_cast<int>(skip);
-  if (trace) {  // [SMs, n_layers, events] int64 (one block per SM)
-    check(trace->is_cuda() && trace->is_contiguous() && trace->scalar_type() == at::kLong &&
-              trace->numel() >= static_cast<int64_t>(woq::gemv_sm_count()) * n_layers * woq::decode_step_trace_events(),
-          "trace: a contiguous int64 CUDA tensor of SMs x n_layers x decode_step_trace_events() words");
-    a.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
-  }
   const cudaError_t err = woq::launch_decode_step(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorNotSupported, "the persistent decode step runs on sm_90 with int4 g128 weights only");
   check(err != cudaErrorInvalidConfiguration, "the persistent decode step's ring does not fit the shared memory");
@@ -462,22 +386,78 @@ bool wgmma_available() { return woq::wgmma_available(); }
 // Process-wide: whether the GEMV and GEMM launch programmatically on sm_90+ (launch.cuh).
 void set_programmatic_launch(bool enabled) { woq::set_programmatic_launch(enabled); }
 
-// Process-wide: where a WOQ_TRACE build's GEMV blocks write their timeline (trace.cuh):
-// an int64 CUDA tensor of 1 + 8 * records words, word 0 zeroed by the caller; None stops.
-// False in a build without WOQ_TRACE.
-bool set_trace_buffer(const std::optional<at::Tensor>& buffer) {
-  if (!buffer) return woq::set_trace_buffer(nullptr, 0);
-  check(buffer->is_cuda() && buffer->is_contiguous() && buffer->scalar_type() == at::kLong && buffer->numel() > 8,
-        "the trace buffer is a contiguous int64 CUDA tensor of 1 + 8 * records words");
-  return woq::set_trace_buffer(reinterpret_cast<unsigned long long*>(buffer->data_ptr<int64_t>()),
-                               (buffer->numel() - 1) / woq::kTraceWordsPerRecord);
-}
-
 // Process-wide: a cap on the shared memory the launchers plan rings with (0: none), so
 // that a test on a large GPU runs the shallower rings of a smaller one (woq_kernels.h).
 void set_shared_memory_limit(int64_t bytes) {
   check(bytes >= 0 && bytes <= (1 << 30), "the shared-memory limit is a byte count >= 0");
   woq::set_shared_memory_limit(static_cast<int>(bytes));
+}
+
+// --- What Python mirrors of the kernels: limits, the launch space, scratch sizes --------
+
+// The named constant of woq_kernels.h (the values the kernels use).
+int64_t constant(const std::string& name) {
+  static const std::pair<const char*, int64_t> table[] = {
+      {"gemv_warps", woq::kGemvWarps},
+      {"gemv_max_m", woq::kGemvAnyWeightMaxRows},
+      {"gemv_wide_max_m", woq::kGemvMaxRows},
+      {"stream_max_m", woq::kGemvStreamMaxRows},
+      {"dense_gemv_max_m", woq::kDenseGemvMaxRows},
+      {"dense_gemv_max_x_bytes", woq::kDenseGemvMaxXBytes},
+      {"gemm_configs", woq::kGemmConfigs},
+      {"tuning_version", woq::kTuningVersion},
+      {"attention_max_group", woq::kAttentionMaxGroup},
+      {"attention_max_group_dims", woq::kAttentionMaxGroupDims},
+      {"step_max_shares", woq::kAttentionMaxSplits},
+      {"step_max_head_dim", woq::kStepMaxHeadDim},
+      {"step_max_hidden", woq::kStepMaxHidden},
+      {"step_max_staged_units", woq::kStepMaxStagedUnits},
+      {"step_stages", woq::kStepStages},
+  };
+  for (const auto& [key, value] : table)
+    if (name == key) return value;
+  check(false, "no kernel constant named '" + name + "'");
+  return 0;
+}
+
+// [block rows BM, block channels BN, uses wgmma (0/1)] of mixed-GEMM tile config `config`.
+std::vector<int64_t> gemm_tile(int64_t config) {
+  check(config >= 0 && config < woq::kGemmConfigs,
+        "config must be 0.." + str(woq::kGemmConfigs - 1) + ", got " + str(config));
+  const woq::GemmTileConfig& c = woq::kGemmTileConfigs[config];
+  return {c.bm(), c.bn(), c.wgmma ? 1 : 0};
+}
+
+// The k-warp counts built for the ring GEMV (pipeline 0) at m rows, or the register stream
+// (pipeline 1): powers of two up to kGemvMaxKWarps (kGemvWideMaxKWarps above 16 rows), or
+// up to kGemvWarps.
+std::vector<int64_t> k_warps(int64_t m, int64_t pipeline) {
+  check(pipeline == 0 || pipeline == 1, "pipeline must be 0 (shared-memory ring) or 1 (register stream)");
+  const int most = pipeline == 1 ? woq::kGemvWarps : m <= woq::kGemvAnyWeightMaxRows ? woq::kGemvMaxKWarps
+                                                                                     : woq::kGemvWideMaxKWarps;
+  std::vector<int64_t> out;
+  for (int kw = 1; kw <= most; kw *= 2) out.push_back(kw);
+  return out;
+}
+
+// Group sizes the mixed GEMM is instantiated for (per-channel is always built as well).
+std::vector<int64_t> gemm_groups() {
+  return std::vector<int64_t>(std::begin(woq::kGemmGroupSizes), std::end(woq::kGemmGroupSizes));
+}
+
+// [workspace floats, counters] the GEMV and mixed GEMM need for a weight of n output
+// channels on a device of `sms` SMs, the GEMM serving up to max_gemm_m rows.
+std::vector<int64_t> scratch_sizes(int64_t n, int64_t sms, int64_t max_gemm_m) {
+  check(n >= 1 && n < (1LL << 31) && sms >= 1 && sms < (1 << 20) && max_gemm_m >= 1 && max_gemm_m < (1LL << 31),
+        "scratch_sizes: n, sms and max_gemm_m must be positive 32-bit values");
+  const woq::ScratchSizes s =
+      woq::scratch_sizes(static_cast<int>(n), static_cast<int>(sms), static_cast<int>(max_gemm_m));
+  return {s.workspace_floats, s.counters};
+}
+
+int64_t decode_step_counters(int64_t n_layers) {
+  check(n_layers >= 1 && n_layers < (1 << 20), "n_layers must be positive");
+  return woq::decode_step_counters(static_cast<int>(n_layers));
 }
 
 }  // namespace
@@ -493,31 +473,27 @@ TORCH_LIBRARY(woq, m) {
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");
   m.def(
-      "attention_gemv(Tensor qkv, Tensor positions, Tensor slots, Tensor lengths, Tensor cos, Tensor sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, int head_dim, Tensor(c!) part, Tensor(d!) lse, "
-      "Tensor(e!) merge_counters, Tensor(f!) flags, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
-      "int bits, int group_size, int n, int k, int max_blocks, int k_warps, Tensor(g!) workspace, "
-      "Tensor(h!) counters) -> Tensor");
-  m.def(
       "decode_step_plan(Tensor[] qweights, Tensor[] scales, Tensor[] zeros, Tensor[] norms, Tensor[] k_caches, "
       "Tensor[] v_caches, Tensor qkv, Tensor attn, Tensor(a!) part, Tensor(b!) lse, Tensor(c!) merge_counters, "
       "Tensor cos, Tensor sin, int heads, int head_dim) -> Tensor");
   m.def(
       "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
-      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, int skip, "
-      "Tensor(f!)? trace=None) -> ()");
+      "float eps, int roles, int kv_heads, int cache_hints, int max_slots) -> ()");
   m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
-  m.def("decode_step_trace_events() -> int", [] { return static_cast<int64_t>(woq::decode_step_trace_events()); });
+  m.def("decode_step_counters(int n_layers) -> int", &decode_step_counters);
   m.def("wgmma_available() -> bool", &wgmma_available);
   m.def("set_shared_memory_limit(int bytes) -> ()", &set_shared_memory_limit);
-  m.def("set_trace_buffer(Tensor? buffer) -> bool", &set_trace_buffer);
+  m.def("constant(str name) -> int", &constant);
+  m.def("gemm_tile(int config) -> int[]", &gemm_tile);
+  m.def("k_warps(int m, int pipeline) -> int[]", &k_warps);
+  m.def("gemm_groups() -> int[]", &gemm_groups);
+  m.def("scratch_sizes(int n, int sms, int max_gemm_m) -> int[]", &scratch_sizes);
 }
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {
   m.impl("gemv", &gemv);
-  m.impl("attention_gemv", &attention_gemv);
   m.impl("decode_step_plan", &decode_step_plan);
   m.impl("decode_step", &decode_step);
   m.impl("gemm", &gemm);

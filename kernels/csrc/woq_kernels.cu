@@ -12,7 +12,7 @@ namespace woq {
 template <typename T, int BITS, int MB, int KW, int GROUP, bool ZEROS>
 cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemv_stream_launch.cuh, instantiated in gemv_stream_{fp16,bf16}_int{4,8}.cu.
-template <typename T, int BITS, int TPB, int GROUP, bool ZEROS, bool ATTENTION>
+template <typename T, int BITS, int TPB, int GROUP, bool ZEROS>
 cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream);
 // Defined in gemm_launch.cuh, instantiated in gemm_{fp16,bf16}_c{0..9}.cu.
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
@@ -96,23 +96,14 @@ template <typename T, int BITS, int TPB>
 cudaError_t gemv_stream_by_group(const GemvArgs& a, cudaStream_t stream) {
   const bool z = a.weight.zeros != nullptr;
   const int group = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
-#define WOQ_CASE(G, ATTENTION)                                                   \
-  case G:                                                                        \
-    return z ? gemv_stream_launch<T, BITS, TPB, G, true, ATTENTION>(a, stream)   \
-             : gemv_stream_launch<T, BITS, TPB, G, false, ATTENTION>(a, stream);
-  if (a.attention != nullptr) {  // (instantiated for per-channel and g128 weights: gemv_stream_launch.cuh)
-    switch (group) {
-      WOQ_CASE(0, true)
-      WOQ_CASE(128, true)
-      default: return cudaErrorInvalidValue;
-    }
-  }
+#define WOQ_CASE(G) \
+  case G: return z ? gemv_stream_launch<T, BITS, TPB, G, true>(a, stream) : gemv_stream_launch<T, BITS, TPB, G, false>(a, stream);
   switch (group) {
-    WOQ_CASE(0, false)
-    WOQ_CASE(32, false)
-    WOQ_CASE(64, false)
-    WOQ_CASE(128, false)
-    WOQ_CASE(256, false)
+    WOQ_CASE(0)
+    WOQ_CASE(32)
+    WOQ_CASE(64)
+    WOQ_CASE(128)
+    WOQ_CASE(256)
 #undef WOQ_CASE
     default: return cudaErrorInvalidValue;
   }
@@ -222,6 +213,28 @@ bool valid_weight(const PackedWeight& w, DType dtype) {
 
 int gemv_grid_columns(int N) { return (N + 15) / 16; }
 
+ScratchSizes scratch_sizes(int N, int sms, int max_gemm_m) {
+  // Workspace. The ring GEMV (gemv_launch.cuh) caps its grid at workspace_floats /
+  // (2 M 16 kTiles): two partial columns per block; this holds them for up to 4 resident
+  // blocks per SM at 32 rows of 128-channel columns (the 256-channel columns above 16
+  // rows run one block per SM). The register stream (gemv_stream_launch.cuh) caps its
+  // splits alike, M x 16 TPB floats per block, about two blocks per SM. The mixed GEMM
+  // (gemm_launch.cuh) caps its grid at workspace_floats / (2 BM BN): two partial tiles per
+  // block, one resident wave of its largest tiles.
+  long long tile_floats = 0;
+  for (const GemmTileConfig& c : kGemmTileConfigs)
+    tile_floats = std::max(tile_floats, static_cast<long long>(c.bm()) * c.bn());
+  const long long gemv_floats = 4LL * sms * 2 * kGemvMaxRows * kGemvWarps * 16;
+  const long long floats = std::max(gemv_floats, 2LL * sms * tile_floats);
+  // Counters. The GEMV: one per column, the narrowest being one n-tile (the register stream
+  // at kGemvWarps k-warps: gemv_grid_columns). The mixed GEMM: one per output tile of its
+  // smallest tile at max_gemm_m rows (with fewer, it runs one block per tile and needs none).
+  long long counters = std::max<long long>(gemv_grid_columns(N), 2LL * sms);
+  for (const GemmTileConfig& c : kGemmTileConfigs)
+    counters = std::max(counters, static_cast<long long>((max_gemm_m + c.bm() - 1) / c.bm()) * ((N + c.bn() - 1) / c.bn()));
+  return {floats, counters};
+}
+
 int device_cc_major() {
   int dev = 0, major = 0;
   cudaGetDevice(&dev);
@@ -247,18 +260,6 @@ bool programmatic_launch_enabled = true;
 
 void set_programmatic_launch(bool enabled) { programmatic_launch_enabled = enabled; }
 bool programmatic_launch() { return programmatic_launch_enabled; }
-
-namespace {
-TraceTarget trace_target_{nullptr, 0};
-}  // namespace
-
-bool set_trace_buffer(unsigned long long* data, long long capacity) {
-  if (!WOQ_TRACE) return false;
-  trace_target_ = {data, data == nullptr ? 0 : capacity};
-  return true;
-}
-
-TraceTarget trace_target() { return trace_target_; }
 
 namespace {
 std::atomic<int> shared_memory_limit{0};
@@ -302,15 +303,6 @@ cudaError_t launch_gemv(const GemvArgs& a, cudaStream_t stream) {
   if (a.workspace == nullptr || a.counters == nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return cudaErrorInvalidValue;
   if (a.epilogue == GemvEpilogue::kSwiGLU && a.weight.N % 16 != 0) return cudaErrorInvalidValue;  // whole n-tiles
-  if (a.attention != nullptr) {  // the register stream only; what attention.cuh's roles take
-    const DecodeAttention& at = *a.attention;
-    if (a.pipeline != GemvPipeline::kRegisterStream || a.epilogue != GemvEpilogue::kNone) return cudaErrorInvalidValue;
-    if (at.kv_heads < 1 || at.heads % at.kv_heads != 0 || at.heads / at.kv_heads > kAttentionMaxGroup ||
-        at.head_dim < 16 || at.head_dim % 16 != 0 || at.head_dim > kAttentionMaxHeadDim ||
-        at.heads / at.kv_heads * at.head_dim > kAttentionMaxGroupDims ||
-        at.heads * at.head_dim != a.weight.K || at.out != a.x || at.splits < 1 || at.splits > kAttentionMaxSplits)
-      return cudaErrorInvalidValue;
-  }
   return a.dtype == DType::kFloat16 ? gemv_by_bits<__half>(a, stream) : gemv_by_bits<__nv_bfloat16>(a, stream);
 }
 

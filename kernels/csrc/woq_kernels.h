@@ -20,14 +20,25 @@ struct PackedWeight {
   int groups_pad;
 };
 
-// Rows the GEMV takes: up to 16 for every weight, up to 32 for per-channel, g64 and g128
-// weights (the formats the mixed GEMM also takes, between which the tuner chooses).
+// Bump when a kernel's launch space (tile configs, k-warp counts, instantiated formats) or
+// its numerics change: the tuner's tables (kernels/tuned/) are keyed on it.
+constexpr int kTuningVersion = 1;
+
+// GEMV. A block is kGemvWarps warps. Rows: up to kGemvAnyWeightMaxRows (row blocks MB = 1, 2)
+// for every weight; up to kGemvMaxRows (MB = 3, 4) for per-channel, g64 and g128 weights,
+// the formats the mixed GEMM also takes, between which the tuner chooses.
+constexpr int kGemvWarps = 8;
 constexpr int kGemvAnyWeightMaxRows = 16;
 constexpr int kGemvMaxRows = 32;
+// k-warps (warps splitting one n-tile's K) built for the shared-memory ring: 1, 2, 4 up to
+// 16 rows, 1, 2 above (at 4, a 32-row int4 stage is ~82 KB: an H100 would hold 2). The register
+// stream takes 1, 2, 4 and kGemvWarps.
+constexpr int kGemvMaxKWarps = 4;
+constexpr int kGemvWideMaxKWarps = 2;
 
 // How the GEMV's weights reach the tensor cores: through a shared-memory ring of cp.async
 // stages (gemv.cuh; any M the GEMV takes), or streamed by each warp into registers
-// (gemv_stream.cuh; M <= 8). The tuner measures both per shape and M.
+// (gemv_stream.cuh; M <= kGemvStreamMaxRows). The tuner measures both per shape and M.
 enum class GemvPipeline : int { kSharedRing = 0, kRegisterStream = 1 };
 constexpr int kGemvStreamMaxRows = 8;
 
@@ -38,15 +49,45 @@ constexpr int kGemvStreamMaxRows = 8;
 // accumulators and the activation needs no kernel of its own.
 enum class GemvEpilogue : int { kNone = 0, kSwiGLU = 1 };
 
-// A decode step's attention, done by the first blocks of the o projection's register-stream
-// GEMV (attention.cuh), whose x is then `out`. One query token per sequence.
-// What its roles take: up to 8 query heads per KV head (rows 0..7 of an mma's A, the rows
-// 8..15 zero), query heads x head_dim of a KV head up to 2048 (q and the new k and v in
-// registers), head_dim up to 256 (a warp's p @ v accumulators).
+// Mixed GEMM tile configurations (gemm.cuh): a block of kGemmWarps warps as WM x (8 / WM)
+// warp tiles of MBW row blocks (8 rows) x NTW n-tiles (16 channels; wgmma: 64-channel
+// slices). BM = WM * MBW * 8 rows, BN = (8 / WM) * NTW * 16 channels (wgmma: 2 * NTW * 64).
+// min_blocks: resident blocks per SM the registers are capped for. stage_k4: k per stage
+// with int4 weights (int8: kGemmStageK). Configs 5..9 use wgmma (sm_90a).
+constexpr int kGemmWarps = 8;
+constexpr int kGemmStageK = 128;
+struct GemmTileConfig {
+  int wm, mbw, ntw, min_blocks, stage_k4;
+  bool wgmma;
+  constexpr int bm() const { return wm * mbw * 8; }
+  constexpr int bn() const { return kGemmWarps / wm * ntw * 16; }
+};
+constexpr int kGemmConfigs = 10;
+constexpr GemmTileConfig kGemmTileConfigs[kGemmConfigs] = {
+    {1, 4, 2, 1, kGemmStageK, false},   // 0:  32 x 256
+    {2, 4, 4, 1, kGemmStageK, false},   // 1:  64 x 256
+    {2, 8, 2, 1, kGemmStageK, false},   // 2: 128 x 128
+    {2, 4, 2, 2, kGemmStageK, false},   // 3:  64 x 128
+    {1, 4, 1, 2, kGemmStageK, false},   // 4:  32 x 128
+    {1, 4, 2, 1, 256, true},            // 5:  32 x 256
+    {1, 8, 2, 1, kGemmStageK, true},    // 6:  64 x 256
+    {1, 16, 1, 1, kGemmStageK, true},   // 7: 128 x 128
+    {1, 16, 2, 1, kGemmStageK, true},   // 8: 128 x 256
+    {1, 2, 2, 1, 256, true},            // 9:  16 x 256
+};
+// Group sizes the mixed GEMM is instantiated for, besides per-channel (gemm_launch.cuh's
+// WOQ_GEMM_INSTANTIATE_BITS and woq_kernels.cu's gemm_by_group list the same).
+constexpr int kGemmGroupSizes[] = {64, 128};
+constexpr int kGemmGroupCount = 2;
+
+// A decode attention over a KV cache, one query token per sequence, computed by roles
+// (attention.cuh): each role is one block's share of the live tokens of one (sequence, KV
+// head). Limits: up to kAttentionMaxGroup query heads per KV head (rows 0..7 of an mma's A,
+// rows 8..15 zero), query heads x head_dim of a KV head up to kAttentionMaxGroupDims (q and
+// the new k and v in registers), kAttentionMaxSplits shares per (sequence, KV head).
 constexpr int kAttentionMaxGroup = 8;
 constexpr int kAttentionMaxGroupDims = 2048;
-constexpr int kAttentionMaxHeadDim = 256;
-constexpr int kAttentionMaxSplits = 16;  // shares per (sequence, KV head)
+constexpr int kAttentionMaxSplits = 16;
 struct DecodeAttention {
   const void* qkv;            // [batch, (heads + 2 kv_heads) head_dim] the qkv projection's rows
   long long qkv_stride;       // elements between rows
@@ -62,17 +103,25 @@ struct DecodeAttention {
   float* part;                // [batch, splits, heads, head_dim] partial outputs of the shares
   float* lse;                 // [batch, splits, kv_heads, kAttentionMaxGroup] their log-sum-exps (32-byte slots)
   int* merge_counters;        // [batch * kv_heads], zero, re-armed
-  int* flags;                 // [2], zero, re-armed: heads written, blocks past the wait
-  void* out;                  // [batch, heads * head_dim]: the attention output, the GEMV's x
+  int* flags;                 // counts the heads written (release); the decode step: its attention counter
+  void* out;                  // [batch, heads * head_dim] the attention output
   int batch, heads, kv_heads, head_dim;
-  int splits;                 // shares per (sequence, KV head): at most this (part's size); the
-                              // launcher takes the largest power of two the grid holds
+  int splits;                 // shares per (sequence, KV head)
   float scale;                // softmax scale, 1 / sqrt(head_dim)
 };
 
 // The persistent batch-1 decode step (decode_step.cuh): every decoder layer of a
-// Llama-family model in one kernel. What it reads of each layer, built once per model and
-// KV cache (a device array of StepLayer, whose pointers must outlive it):
+// Llama-family model in one kernel. Limits: hidden size up to kStepMaxHidden (a block holds
+// the normalised x in registers), head_dim up to kStepMaxHeadDim (the roles' p @ v
+// accumulators), at most kStepMaxStagedUnits n-tiles of one linear per SM (a block stages
+// its outputs of a stage in shared memory), kStepStages counters per layer (qkv,
+// attention, o, gate/up, down) and one more for the exits: decode_step_counters.
+constexpr int kStepMaxHidden = 8192;
+constexpr int kStepMaxHeadDim = 128;
+constexpr int kStepMaxStagedUnits = 32;
+constexpr int kStepStages = 5;
+// What it reads of each layer, built once per model and KV cache (a device array of
+// StepLayer, whose pointers must outlive it):
 struct StepWeight {
   const void* qweight;     // PackedWeight's qweight: [n_tiles][ktiles][32][16 bytes]
   const void* scales;      // [n_tiles][groups_pad][16], activation dtype
@@ -109,13 +158,10 @@ struct DecodeStepArgs {
   int max_slots = 0;        // shared-memory ring slots, at most (0: as many as fit)
   float eps;
   DType dtype;
-  int skip = 0;             // measurement only: parts left out (decode_step.cuh, kSkip*); results wrong
-  unsigned long long* trace = nullptr;  // measurement only: the step's timeline (decode_step.cuh, TraceEvent)
 };
 int decode_step_counters(int n_layers);
-int decode_step_trace_events();  // words per (block, layer) of DecodeStepArgs::trace
 // cudaErrorNotSupported: not an sm_90 device, or a weight format without an instantiation
-// (int4 g128 for now); cudaErrorInvalidConfiguration: the ring does not fit the shared
+// (only int4 g128 is built); cudaErrorInvalidConfiguration: the ring does not fit the shared
 // memory; cudaErrorCooperativeLaunchTooLarge: not one block per SM, or more roles than blocks.
 cudaError_t launch_decode_step(const DecodeStepArgs& args, cudaStream_t stream);
 
@@ -134,10 +180,6 @@ struct GemvArgs {
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
   GemvEpilogue epilogue;   // kSwiGLU: y is [M, N / 2]
-  // Register stream only: the attention whose output is x, done by the grid's first blocks
-  // (M = batch). The launch fails with cudaErrorCooperativeLaunchTooLarge where the grid is
-  // more than one resident wave or holds fewer blocks than batch * kv_heads.
-  const DecodeAttention* attention = nullptr;
 };
 
 // The mixed GEMM (any M; per-channel, g64 and g128 weights; sm_80+).
@@ -183,6 +225,14 @@ cudaError_t launch_dense_gemv(const DenseGemvArgs& args, cudaStream_t stream);
 // Columns of the narrowest kind (one n-tile of 16 output channels: the register stream at 8
 // k-warps): the number of counters the GEMV needs.
 int gemv_grid_columns(int N);
+// The workspace floats and counters the GEMV and mixed GEMM launchers need for a weight of
+// N output channels on a device of `sms` SMs, the GEMM serving up to max_gemm_m rows
+// (woq_kernels.cu: which launcher needs which part). Every layer of a device can share one
+// workspace and one counter array of these sizes (the largest N's).
+struct ScratchSizes {
+  long long workspace_floats, counters;
+};
+ScratchSizes scratch_sizes(int N, int sms, int max_gemm_m);
 // Multiprocessors of the current device (cached).
 int gemv_sm_count();
 // Compute capability major of the current device.
@@ -205,15 +255,9 @@ void set_shared_memory_limit(int bytes);
 int shared_memory_generation();
 
 // Programmatic dependent launch of the GEMV and GEMM on sm_90+ (launch.cuh): on by
-// default; off makes every launch a plain one (for measuring what it brings).
+// default; off makes every launch a plain one.
 void set_programmatic_launch(bool enabled);
 bool programmatic_launch();
-
-// Where the GEMV blocks of a WOQ_TRACE build write their timeline (trace.cuh): `data`
-// holds a record count, then `capacity` records; null stops tracing. False (and nothing
-// set) in a build without WOQ_TRACE.
-constexpr int kTraceWordsPerRecord = 8;
-bool set_trace_buffer(unsigned long long* data, long long capacity);
 
 // Launch on `stream`. Returns cudaErrorInvalidValue for unsupported arguments (bits,
 // M, alignment, bf16 below sm_80), else the launch status.
