@@ -6,19 +6,21 @@ input buffers (token ids, positions, cache slots, lengths) and replayed with new
 copied in. Batches are padded to the next captured size (1, 2, 4, 8, ...); padding rows
 decode a dummy token in a scratch cache slot that no sequence owns.
 
-A short prefill is host-bound the same way: on the H100, SmolLM2's 128-token prompt took
-25 ms of host time for ~1.3 ms of kernels (docs/bench/prefill_graphs.md,
-decode_profile.md), and the time to first token was that. ``PrefillGraphs`` captures the prefill of one whole prompt per
-padded token count (16, 32, ..., up to ``PREFILL_GRAPH_TOKENS``): the prompt is padded
-with token 0 at the following positions of its own slot, which causal attention makes
-invisible to the prompt's tokens (``models.llama.Batch``).
+A short prefill is host-bound the same way (a 128-token prompt of a small model spends
+far more host time launching its kernels than the GPU runs them: docs/design/engine.md).
+``PrefillGraphs`` captures the prefill of one whole prompt per padded token count (16,
+32, ..., up to ``PREFILL_GRAPH_TOKENS``): the prompt is padded with token 0 at the
+following positions of its own slot, which causal attention makes invisible to the
+prompt's tokens (``models.batches.PaddedPrompt``).
 """
 from __future__ import annotations
 
 import torch
 
+from ..models.batches import Decode, PaddedPrompt
 from ..models.kv_cache import KVCache
-from ..models.llama import Batch, CausalLM
+from ..models.llama import CausalLM
+from .decode import DecodeRunner
 
 
 def capture_graphs(forward, sizes: list[int]) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
@@ -50,8 +52,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, cache: KVCache, max_batch: int, scratch_slot: int):
-        self.model, self.cache = model, cache
+    def __init__(self, runner: DecodeRunner, max_batch: int, scratch_slot: int):
+        self.runner = runner
+        model = runner.model
         self.buckets = batch_buckets(max_batch)
         self.scratch_slot = scratch_slot
         dev = model.device
@@ -63,8 +66,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, b: int) -> torch.Tensor:
-        batch = Batch(self.positions[:b], self.slots[:b], lengths=self.lengths[:b])
-        return self.model(self.ids[:b], batch, self.cache, last_only=True)
+        return self.runner(self.ids[:b], Decode(self.positions[:b], self.slots[:b], self.lengths[:b]))
 
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller graphs reuse its memory pool)."""
@@ -145,7 +147,7 @@ class PrefillGraphs:
         return self.buckets[-1]
 
     def _forward(self, t: int) -> torch.Tensor:
-        batch = Batch(self.positions[:, :t], self.slots[:t], last_index=self.last)
+        batch = PaddedPrompt(self.positions[:, :t], self.slots[:t], self.last)
         return self.model(self.ids[:, :t], batch, self.cache, last_only=True)
 
     def capture(self) -> None:

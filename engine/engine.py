@@ -55,8 +55,10 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..models.batches import Decode, Prefill
 from ..models.kv_cache import KVCache
-from ..models.llama import Batch, CausalLM
+from ..models.llama import CausalLM
+from .decode import DecodeRunner
 from .detokenizer import TextStream
 from .sampling import SamplingParams, greedy, sample_some
 
@@ -217,11 +219,12 @@ class Engine:
         self.cache = KVCache(cfg.num_layers, max_batch_size + on_cuda, cfg.num_kv_heads, self.max_seq_len,
                              cfg.head_dim, model.dtype, model.device)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.decode = DecodeRunner(model, self.cache)
         self.graphs = self.prefill_graphs = None
         if on_cuda and cuda_graphs:
             from .cuda_graphs import PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 
-            self.graphs = DecodeGraphs(model, self.cache, max_batch_size, scratch_slot=max_batch_size)
+            self.graphs = DecodeGraphs(self.decode, max_batch_size, scratch_slot=max_batch_size)
             self.graphs.capture()
             if prefill_graphs:
                 self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens))
@@ -229,11 +232,8 @@ class Engine:
         # One decode step every profile_interval seconds runs eagerly, so that per-kernel
         # timings (which a graph replay cannot observe) keep flowing to the metrics; 0 =
         # never. By time, not by step count: an eager step costs about the same for any
-        # model (its ~250 launches queued one by one from Python), a graph step does not.
-        # H100, batch 1 (docs/bench/metrics_overhead_*.md): eager 18.9 ms against a graph
-        # replay's 0.58 ms for SmolLM2, 20.5 against 2.4 ms for the 8B -- one eager step in
-        # 256 (the former default) was ~12 % of SmolLM2's decode time, one per 10 s is 0.2 %.
-        # And only after profile_min_steps graph steps: a server idle between requests
+        # model (its launches queued one by one from Python), a graph step does not
+        # (docs/design/metrics.md). And only after profile_min_steps graph steps: a server idle between requests
         # would otherwise put one ~20 ms step into every request that follows a pause.
         self.profile_interval = profile_interval
         self.profile_min_steps = profile_min_steps
@@ -411,8 +411,8 @@ class Engine:
         else:
             dev = self.model.device
             ids = torch.tensor([[t for s, p, n in chunks for t in s.prompt_ids[p:p + n]]], device=dev)
-            batch = Batch.prefill([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev,
-                                  [p for _, p, _ in chunks])
+            batch = Prefill.pack([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev,
+                                 [p for _, p, _ in chunks])
             logits = self.model(ids, batch, self.cache, last_only=True)
         done = []
         for i, (seq, p, n) in enumerate(chunks):
@@ -457,15 +457,12 @@ class Engine:
         if graph:
             self._graph_steps += 1
             logits = self.graphs.run(ids, positions, slots)
-        elif dev.type == "cuda":
+        else:
             if self.graphs is not None:  # the kernel metrics' eager step
                 self.profile_steps += 1
                 self._graph_steps = 0
                 self._profile_at = time.monotonic() + self.profile_interval
-            logits = self.model(ids, Batch(positions, slots, lengths=positions[:, 0] + 1), self.cache, last_only=True)
-        else:
-            batch = Batch(positions, slots, max(s.next_position for s in seqs) + 1)
-            logits = self.model(ids, batch, self.cache, last_only=True)
+            logits = self.decode(ids, Decode.at(positions, slots))
         sampling = self._sampling_tensors(seqs)
         return self._queue_tokens(seqs, logits, sampling, graph)
 

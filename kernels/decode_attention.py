@@ -30,27 +30,10 @@ before ``griddepcontrol.wait``; a program whose share is past the length leaves 
 instead of holding an SM the next GEMV's blocks could take; at small batches, tiles of
 128 tokens without software pipelining keep its shared memory small for the same reason
 (``tiles``; larger batches are bandwidth-bound and take pipelined tiles of 64).
-Measured with ``benchmarks/profile_decode.py --ablation`` (H100, Llama-3-8B-shaped int4
-g128, batch-1 graph step, docs/bench/decode_ablation.md and decode_ablation_before.md;
-runs of their own, so a few % apart by noise alone): at position 128 the step went from
-2635 µs (the kernel before: loads after the wait, tiles of 64 with 3 stages, idle
-programs waiting) to 2445, what attention costs in place (against the step without it)
-from 361 to 195 µs; at position 1024 it costs 264 µs of a 2503 µs step. The RMSNorm's
-weight is loaded early too (``fused.py``). At batch 1, tiles of 64 tokens with 3
-stages, tiles of 256, or 8 shares were each slower at one of the two positions or both.
-
-It lets the o projection launch at its start (``launch_next``), which buys little: the
-block timeline (docs/bench/decode_timeline.md) shows its 8-warp programs (176 registers a
-thread) fitting no SM that still holds a qkv block, so all of them, the idle ones too, get
-SMs only as qkv's blocks leave, and o's blocks come later still (~9.5 µs from qkv's last
-block to o's first returned wait). Letting o launch at attention's end was 37-173 µs
-faster on its own, but o then starts cold, and next to the post-attention norm's later
-launch (models/llama.py) it was slower; after the q loads, 47-83 µs slower at position
-1024; 4 warps (255 registers: fits beside one qkv block) slower, 16 no better
-(docs/bench/launch_order_ab.md). Nor did fitting beside a GEMV block help: held to 128
-registers (Triton's maxnreg; 8 warps spill 2 bytes, 4 warps 130) or to 4 warps of 128 on
-tiles of 64 (no spills), the step was 10-799 µs slower at positions 128 and 1024 over
-two runs (docs/bench/decode_step_tried.md).
+The kernel lets the o projection launch at its start (``launch_next``). Measurements of
+these choices and of the alternatives tried (other tile sizes and stage counts, fewer
+shares, later launches of o, fewer registers to share an SM with a GEMV block) are in
+docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -200,9 +183,7 @@ def tiles(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
     the kernel's cost is the latency it adds between two GEMVs -- take tiles of 128 tokens
     without pipelining: fewer programs, each with little shared memory and more of its
     tokens loaded before the wait (its first tile). More pairs take tiles of 64 with 3
-    stages, for bandwidth. H100, Llama-3-8B-shaped int4 graph step (docs/bench/decode_ablation.md),
-    128 / 1 against 64 / 3, µs: batch 1 2438 / 2486 at position 128 and 2547 / 2619 at
-    1024; batch 4 2699 / 2779 and 3063 / 3047; batch 16 3386 / 3225 and 4514 / 4130.
+    stages, for bandwidth (measured: docs/design/attention.md).
     """
     if batch * kv_heads * 4 < sm_count(device):
         return 128, 1
@@ -228,7 +209,7 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
             lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None, block: int | None,
             stages: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-            launch_next: str = "start", warps: int | None = None, max_registers: int | None = None) -> torch.Tensor:
+            launch_next: str = "start", programmatic: bool = False) -> torch.Tensor:
     Hkv = k_cache.shape[1]
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
@@ -248,15 +229,15 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), 1.0 / math.sqrt(D),
         HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, SPLITS=splits,
-        ROPE=rope is not None, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=warps or min(16, max(4, block * D // 2048)),
-        num_stages=stages, **({"maxnreg": max_registers} if max_registers else {}), **pdl.triton_kwargs(q_src.device),
+        ROPE=rope is not None, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=min(16, max(4, block * D // 2048)),
+        num_stages=stages, **pdl.triton_kwargs(q_src.device, programmatic),
     )
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      lengths: torch.Tensor, splits: int | None = None, block: int | None = None,
-                     stages: int | None = None) -> torch.Tensor:
+                     stages: int | None = None, programmatic: bool = False) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
     positions of slot ``slots[b]`` in ``k_cache``/``v_cache`` ``[S, Hkv, T, D]``; ``[B, H, D]``.
 
@@ -267,20 +248,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     B, H, D = q.shape
     q = q.contiguous()
-    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, block, stages, None)
+    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, block, stages, None,
+                   programmatic=programmatic)
 
 
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          heads: int, head_dim: int, splits: int | None = None, block: int | None = None,
-                         stages: int | None = None, launch_next: str = "start", warps: int | None = None,
-                         max_registers: int | None = None) -> torch.Tensor:
+                         stages: int | None = None, launch_next: str = "start",
+                         programmatic: bool = False) -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
     ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
     ``slots[b]``, then ``decode_attention`` of q over ``lengths[b]`` (> ``positions[b]``)
-    positions; ``[B, H, D]``. ``warps`` and ``max_registers`` (Triton's ``num_warps`` and
-    ``maxnreg``) override the launch's own choice, for benchmarks/profile_decode.py."""
+    positions; ``[B, H, D]``."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
     return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits, block,
-                   stages, (positions, cos, sin), launch_next, warps, max_registers)
+                   stages, (positions, cos, sin), launch_next, programmatic)

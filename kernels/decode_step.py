@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
 from .device import sm_count, sm_major
 from .layout import GpuWeight
+from .options import DecodeStepOptions
 
-# Shares of the live tokens per KV head, at most (attention roles = kv_heads x this, no
-# more than the SMs): each share is one block's work, at least a 64-token tile, so a short
-# sequence uses few of them; several are merged by the first (csrc/attention.cuh).
-MAX_SHARES = 16
-# A block's units of one linear at most (csrc/decode_step.cuh, step::kMaxStagedUnits): its
-# outputs of a stage are staged in shared memory for their bulk stores.
-MAX_STAGED_UNITS = 32
 
 
 class DecodeStep:
@@ -36,13 +29,17 @@ class DecodeStep:
 
     def __init__(self, layers: list[tuple], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, eps: float,
-                 shares: int | None = None):
+                 options: DecodeStepOptions = DecodeStepOptions(), shares: int | None = None):
         qkv0, o0, _, down0 = layers[0][:4]
         device, dtype = k_caches[0].device, o0.dtype
         kv_heads = k_caches[0].shape[1]
+        # Shares of the live tokens per KV head (attention roles = kv_heads x shares, no more
+        # than the SMs): each share is one block's work, at least a 64-token tile, so a short
+        # sequence uses few of them; several are merged by the first (csrc/attention.cuh).
         if shares is None:  # the largest power of two the SMs hold, up to max_shares
             shares = 1
-            while 2 * shares <= self.max_shares and kv_heads * 2 * shares <= sm_count(device):
+            max_shares = min(options.max_shares, torch.ops.woq.constant("step_max_shares"))
+            while 2 * shares <= max_shares and kv_heads * 2 * shares <= sm_count(device):
                 shares *= 2
         self.weights = [w for layer in layers for w in layer[:4]]  # (kept alive: the table points at them)
         self.norms = [n for layer in layers for n in layer[4:]]
@@ -51,14 +48,18 @@ class DecodeStep:
             [w.scales.shape[1] for w in layers[0][:4]]
         self.zeros = qkv0.zeros is not None
         self.eps, self.roles, self.kv_heads = eps, kv_heads * shares, kv_heads
+        self.cache_hints, self.ring_slots = options.cache_hints, options.ring_slots
         self.qkv = torch.empty(qkv0.N, device=device, dtype=dtype)
         self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
         self.act = torch.empty(down0.K, device=device, dtype=dtype)
         self.part = torch.empty(1, shares, heads, head_dim, device=device, dtype=torch.float32)
-        self.lse = torch.empty(1, shares, kv_heads, ops.ATTENTION_MAX_GROUP, device=device, dtype=torch.float32)
+        # (a KV head's group of query heads in one 32-byte slot: csrc/attention.cuh)
+        self.lse = torch.empty(1, shares, kv_heads, torch.ops.woq.constant("attention_max_group"), device=device,
+                               dtype=torch.float32)
         self.merge_counters = torch.zeros(kv_heads, device=device, dtype=torch.int32)
         # (one per layer and stage, and the exit count: decode_step_counters in csrc/decode_step.cu)
-        self.counters = torch.zeros(len(layers) * 5 + 1, device=device, dtype=torch.int32)
+        self.counters = torch.zeros(torch.ops.woq.decode_step_counters(len(layers)), device=device,
+                                    dtype=torch.int32)
         self.caches = (k_caches, v_caches, cos, sin)
         self.table = torch.ops.woq.decode_step_plan(
             [w.qweight for w in self.weights], [w.scales for w in self.weights],
@@ -68,46 +69,24 @@ class DecodeStep:
     @staticmethod
     def supported(layers: list[tuple[GpuWeight, ...]], device: torch.device) -> bool:
         """Whether the kernel takes these layers' ``(qkv, o, gate_up, down)`` weights here:
-        int4 g128, all with zero points or none, fp16/bf16, a hidden size of at most 8192
-        that o maps onto itself (heads x head_dim = hidden), at most ``MAX_STAGED_UNITS``
-        n-tiles of a weight an SM, the same shapes in every layer."""
-        if device.type != "cuda" or sm_major(device) != 9 or not ops.available():
+        int4 g128, all with zero points or none, fp16/bf16, a hidden size of at most the
+        kernel's (``step_max_hidden``) that o maps onto itself (heads x head_dim = hidden),
+        at most ``step_max_staged_units`` n-tiles of a weight an SM (a block's outputs of a
+        stage are staged in shared memory for their bulk stores), the same shapes in every layer."""
+        if device.type != "cuda" or sm_major(device) != 9:
             return False
         qkv, o, gate_up, down = layers[0]
         hidden = o.N
         if not (o.K == hidden == qkv.K == gate_up.K == down.N and gate_up.N == 2 * down.K and gate_up.swiglu_rows
-                and hidden % 16 == 0 and hidden <= 8192 and down.K % 128 == 0):
+                and hidden % 16 == 0 and hidden <= torch.ops.woq.constant("step_max_hidden") and down.K % 128 == 0):
             return False
-        if any(-(-w.n_tiles // sm_count(device)) > MAX_STAGED_UNITS for w in layers[0]):
+        staged = torch.ops.woq.constant("step_max_staged_units")
+        if any(-(-w.n_tiles // sm_count(device)) > staged for w in layers[0]):
             return False
         zeros = qkv.zeros is not None
         return all(w.bits == 4 and w.group_size == 128 and (w.zeros is not None) == zeros and w.dtype == o.dtype
                    and w.dtype in (torch.float16, torch.bfloat16) and (w.N, w.K) == (ref.N, ref.K)
                    for layer in layers for w, ref in zip(layer, layers[0]))
-
-    # Shares of a KV head's tokens at most, for steps built from now on (benchmarks).
-    max_shares = MAX_SHARES
-
-    # L2 use (csrc/decode_step.cuh, kHint*): 1 the weight stream marked evict_first, 2 the
-    # small data of the step's critical path prefetched into L2 (norm weights, RoPE rows,
-    # the next layer's cached rows); ring_slots: the shared-memory ring's depth at most (0:
-    # as many slots as fit).
-    cache_hints = 3
-    ring_slots = 0
-
-    # Measurement only (benchmarks/step_timeline.py): an int64 CUDA tensor of
-    # ``trace_words(n_layers, device)`` words the kernel's blocks write their timeline into
-    # (csrc/decode_step.cuh, TraceEvent), or None.
-    trace: torch.Tensor | None = None
-
-    @staticmethod
-    def trace_words(n_layers: int, device: torch.device) -> int:
-        return sm_count(device) * n_layers * torch.ops.woq.decode_step_trace_events()
-
-    # Measurement only (benchmarks/profile_decode.py; the results are then wrong): a mask of
-    # the parts the kernel leaves out -- 1 the attention, 2 the GEMVs' arithmetic, 4 every
-    # wait on another block, 8 the weight stream (csrc/decode_step.cuh, kSkip*).
-    skip = 0
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  lengths: torch.Tensor) -> torch.Tensor:
@@ -116,6 +95,5 @@ class DecodeStep:
         ``lengths[0]`` positions. Launch-only: a CUDA graph captures it."""
         torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
                                   self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,
-                                  self.kv_heads, self.cache_hints, self.ring_slots, self.skip,
-                                  self.trace)
+                                  self.kv_heads, self.cache_hints, self.ring_slots)
         return h

@@ -3,8 +3,8 @@ few small kernels instead of ~50 launches per layer.
 
 At decode a layer's non-GEMV work is tiny (a few KB per token) but, written as torch ops,
 it is ~40 kernels: RMSNorm alone is 8 (cast, square, mean, add, rsqrt, mul, cast, mul),
-each RoPE 9, the KV-cache write 4. On an H100 every kernel of a CUDA graph costs ~2 µs
-however small, which made SmolLM2's decode step ~3.4 ms for ~0.1 ms of weights. Here:
+each RoPE 9, the KV-cache write 4, and every kernel of a CUDA graph costs a few µs however
+small: a small model's decode step was mostly these. Here:
 
 * ``add_rms_norm``: residual add + RMSNorm in one pass (vLLM-style residual stream);
 * ``rope_and_cache``: RoPE on q and k, k and v stored in the KV cache, q written out (a
@@ -48,7 +48,7 @@ def programmatic_prologue(PDL: tl.constexpr):
 # When a kernel lets the next one launch (``launch_next``; the kernels' LAUNCH constexpr):
 # at its start, once its own inputs are in, or at its end. The next GEMV's blocks put their
 # first weight chunks in flight as soon as they start, and reads this kernel issues just
-# after are served behind them (docs/bench/decode_timeline.md, launch_order_ab.md).
+# after are served behind them (docs/design/engine.md).
 LAUNCH_NEXT = {"start": 0, "inputs": 1, "end": 2}
 
 
@@ -80,10 +80,11 @@ def _add_rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, launch_next: str = "start") -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, launch_next: str = "start", programmatic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; without ``residual``, ``x`` itself
     is the residual stream (``x`` and ``residual``: ``[..., N]``). ``launch_next``: when the
-    next kernel may launch programmatically ("start", "inputs", "end": ``LAUNCH_NEXT``)."""
+    next kernel may launch programmatically ("start", "inputs", "end": ``LAUNCH_NEXT``);
+    ``programmatic``: launched so itself (``pdl.py``)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n = x2.shape[1]
@@ -97,7 +98,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, y, rout, x2.stride(0), r2.stride(0), y.stride(0), rout.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=_warps(block),
-        **pdl.triton_kwargs(x.device),
+        **pdl.triton_kwargs(x.device, programmatic),
     )
     return y.view(shape), (x if residual is None else rout.view(shape))
 
@@ -123,7 +124,7 @@ def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
                            PDL: tl.constexpr):
     # One token's HEADS consecutive heads of q, k, v (in that order) per program: a
     # prefill's rows are thousands of tokens, and a program per (token, head) spent
-    # ~7x the bandwidth time on an H100 (2048 tokens, Llama-3-8B: 120 us a layer).
+    # several times the bandwidth time.
     programmatic_prologue(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -147,7 +148,7 @@ def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-                   head_dim: int) -> torch.Tensor:
+                   head_dim: int, programmatic: bool = False) -> torch.Tensor:
     """One token per row: rotate q and k of ``qkv`` ``[B, (H + 2 Hkv) D]`` at ``positions``
     ``[B]``, store k and v at that position of cache slot ``slots[b]`` (``k_cache``/``v_cache``:
     one layer, ``[S, Hkv, T, D]``), and return the rotated q ``[B, H, D]``."""
@@ -159,7 +160,7 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
         qkv, cos, sin, positions, slots, q, k_cache, v_cache,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         cos.stride(0), H=heads, HKV=kv_heads, D=head_dim, HEADS=per_program, num_warps=4,
-        **pdl.triton_kwargs(qkv.device),
+        **pdl.triton_kwargs(qkv.device, programmatic),
     )
     return q
 
@@ -183,7 +184,7 @@ def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr, INTERLE
     tl.store(Y + row * stride_y + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, interleaved: bool = False, programmatic: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[..., 2 I]``: gate first, or (``interleaved``) their
     rows in blocks of eight (``format.gate_up_row_order``, the GPU layout's order); ``[..., I]``.
     (A decode GEMV does this in its epilogue: ``ops.gemv(..., swiglu=True)``.)"""
@@ -194,5 +195,5 @@ def silu_mul(gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     block = min(2048, triton.next_power_of_2(n))
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, y, gu.stride(0), y.stride(0), n, BLOCK=block,
                                                            INTERLEAVED=interleaved, num_warps=_warps(block),
-                                                           **pdl.triton_kwargs(gu.device))
+                                                           **pdl.triton_kwargs(gu.device, programmatic))
     return y.view(*shape[:-1], n)

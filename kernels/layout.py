@@ -44,7 +44,7 @@ two >= 32 (or per-channel).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -83,18 +83,6 @@ class GpuWeight:
     K_pad: int
     group_size: int  # K_pad when per-channel
     dtype: torch.dtype
-    # GEMV launch per tuned M (ops.GEMV_TUNED_MS, each standing for the Ms up to it):
-    # (k-warps per n-tile, grid size); absent or 0: the kernel's own choice. Measured per
-    # shape at load (kernels/tuning.py).
-    grids: dict = field(default_factory=dict)
-    # Mixed-GEMM launch per M bound: {m: (tile config, split-K)} for rows up to m (the
-    # smallest bound >= M applies). Measured per shape at load (tuning.py).
-    gemm_plan: dict = field(default_factory=dict)
-    # Largest M the kernels serve before dequantize + cuBLAS wins (measured, tuning.py).
-    max_kernel_m: int = 128
-    # Largest M the GEMV serves: 16, or 8 or up to 32 as measured against the mixed GEMM
-    # (tuning._gemv_reach; per-channel, g64 and g128 weights).
-    gemv_max_m: int = 16
     # Rows are a SwiGLU gate/up pair interleaved in eights (format.interleave_gate_up): every
     # path's output comes in that order, and the GEMV can write silu(gate) * up itself.
     swiglu_rows: bool = False

@@ -1,4 +1,4 @@
-"""Timing GPU work the way METHOD.md asks: a CUDA graph of several calls (no launch gaps),
+"""Timing GPU work without launch gaps or cache effects: a CUDA graph of several calls (no launch gaps),
 replayed a few times, median microseconds per call."""
 from __future__ import annotations
 

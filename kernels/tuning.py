@@ -1,83 +1,79 @@
 """Measured launch choices per weight shape, on the GPU at hand (once, then cached).
 
-For each (GPU, kernel build, N, K, bits, group, zeros, dtype) we time, on the real weight:
+For each (GPU, kernel version, N, K, bits, group, zeros, dtype) we time, on the real weight:
   * the GEMV launch at M = 1, 2, 4, 8, 16 (each call after a small dependent kernel, as
     in a decode step: ``_decode_neighbour``) and at 17, 24, 32 where the weight's format
-    allows them (each M standing for the Ms up to it):
-    k-warps per n-tile (1, 2 or 4 warps splitting each tile's K, so columns of 128, 64 or
-    32 channels) and the grid (one resident wave, one block per SM, one block per column,
-    ...) -- which wins depends on how many columns the weight has against the SM count
-    and on M (the kernel's shared memory, hence the blocks an SM holds, follows M); up to
-    8 rows also the register-stream pipeline, at 1, 2, 4 or 8 k-warps and its columns cut
-    into 1, 2, 4, ... runs of K (``_stream_candidates``);
+    allows them (each M standing for the Ms up to it): k-warps per n-tile and the grid,
+    and up to 8 rows also the register-stream pipeline (``_stream_candidates``);
   * the mixed GEMM over an M grid (16 .. 1024): each tile configuration x split-K, and
     dequantize + cuBLAS at the same M; the plan keeps the fastest launch per M, and the
     crossover is the largest M of the grid at which the kernel still wins (we stop at
     the first loss: beyond it the dense GEMM's reuse only grows);
   * the GEMV's reach: 8, 16, 17, 24 or 32, whichever keeps each M measured from 16 up
-    closest to its fastest path (the mixed GEMM is timed at 16 rows too, after the same
-    small kernel as the GEMV; ``_gemv_reach``).
-Results persist as JSON in ``$WOQ_CACHE/tuning/<gpu>-<kernel hash>.json`` (shipped
-defaults for measured GPUs: ``kernels/tuned/``). ``WOQ_TUNE=0`` disables measuring; the
-kernel's own default grid and a fixed crossover are used then.
+    closest to its fastest path (``_gemv_reach``).
+Tables are JSON files named ``<gpu>-v<kernel version>.json`` (``limits().tuning_version``,
+bumped in csrc/woq_kernels.h when a kernel's launch space or numerics change): measured
+ones in ``<cache>/tuning/``, shipped defaults for measured GPUs in ``kernels/tuned/``.
+With ``RuntimeOptions.tune`` off, a shape missing from both gets the kernels' own
+launches and a fixed crossover.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .cache import cache_dir
+from . import ops
 from .layout import GpuWeight
-from .paths import GEMV_MAX_M
+from .limits import GEMV_RING, GEMV_STREAM, limits
+from .options import RuntimeOptions
 from .timing import graph_time_us
 
 log = logging.getLogger("woq.kernels")
 
-DEFAULT_MAX_KERNEL_M = 128  # without measurements (WOQ_TUNE=0)
+DEFAULT_MAX_KERNEL_M = 128  # without measurements (tuning off)
 # 16: the GEMV's rival at a decode batch of 16 (config 9's 16-row tile); 17: at its measured 17 rows
 GEMM_MS = (16, 17, 24, 32, 64, 128, 256, 512, 1024)
 POWER_CAPPED_M, POWER_CAPPED_ROUNDS = 512, 3  # the GEMM against dequantize + cuBLAS (measure)
-_tables: dict[str, dict] = {}
+# The Ms at which the GEMV's launch is measured, each standing for the Ms up to it: the
+# kernel's shared memory, hence the blocks an SM holds, grows with M, so a grid measured at
+# M = 8 can crowd some SMs and idle others at M = 2. 17 and 24: the first Ms past a decode
+# batch of 16, where the GEMV can still win against the mixed GEMM.
+GEMV_TUNED_MS = (1, 2, 4, 8, 16, 17, 24, 32)
+_tables: dict[tuple[Path, bool], dict] = {}
 
 
-def _table_path() -> Path:
-    from .ops import _source_hash
-
-    name = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
-    return cache_dir() / "tuning" / f"{name}-{_source_hash()}.json"
-
-
-def _shipped_path() -> Path:
-    from .ops import _source_hash
-
-    name = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
-    return Path(__file__).parent / "tuned" / f"{name}-{_source_hash()}.json"
+def table_name() -> str:
+    """``<gpu>-v<kernel version>``: the file stem of this GPU's tables."""
+    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    return f"{gpu}-v{limits().tuning_version}"
 
 
-def _table() -> dict:
-    path = _table_path()
-    key = str(path)
-    if key not in _tables:
+def shipped_dir() -> Path:
+    return Path(__file__).parent / "tuned"
+
+
+def _table(options: RuntimeOptions) -> dict:
+    path = options.tuning_dir() / f"{table_name()}.json"
+    if (path, options.shipped_tables) not in _tables:
         table: dict = {}
-        for p in (_shipped_path(), path):
+        for p in ([shipped_dir() / path.name] if options.shipped_tables else []) + [path]:
             if p.exists():
                 table.update(json.loads(p.read_text()))
-        _tables[key] = table
-    return _tables[key]
+        _tables[path, options.shipped_tables] = table
+    return _tables[path, options.shipped_tables]
 
 
-def _save() -> None:
-    path = _table_path()
+def _save(options: RuntimeOptions) -> None:
+    path = options.tuning_dir() / f"{table_name()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_table(), indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(_table(options), indent=1, sort_keys=True))
     tmp.replace(path)
 
 
@@ -112,16 +108,12 @@ def _time_us(fn, copies: list[GpuWeight]) -> float:
 
 
 def _decode_neighbour(x: torch.Tensor):
-    """A small dependent kernel to run before each timed decode GEMV (M <= 16): in a decode
-    step every GEMV follows one (RMSNorm, attention) and precedes another -- except down,
-    which since the SwiGLU epilogue follows the gate/up GEMV itself (its launches were
-    measured with this neighbour before that, and not again).
-    Timed back to back alone, GEMVs overlap their successors through programmatic launches
-    and reward grids that leave an SM room for the next call's blocks, which a decode step
-    never runs (H100, Llama-3-8B int4, batch-16 graph step: 4078 us with the grids chosen
-    that way, 3703 with only gate_up's 28672 x 4096 at one resident wave instead of one
-    block per SM; re-tuned with this neighbour, 3878 -> 3292 us, int8 4708 -> 4410, batch
-    1 unchanged). Its time is the same for every candidate: it only changes the ranking."""
+    """A small dependent kernel to run before each timed decode GEMV (M <= 16), as in a
+    decode step, where every GEMV follows a small kernel (RMSNorm, attention). Timed back
+    to back alone, GEMVs overlap their successors through programmatic launches and reward
+    grids that leave an SM room for the next call's blocks, which a decode step never runs
+    (docs/design/gemv.md). Its time is the same for every candidate: it only changes the
+    ranking."""
     from .fused import add_rms_norm
 
     weight = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
@@ -133,10 +125,8 @@ def _stream_candidates(n: int, sms: int) -> list[tuple[int, int]]:
     columns cut into 1, 2, 3, 4, 6, ... runs of K, up to about 4 blocks per SM (its grid is
     not persistent: how the blocks fill the waves matters), and the kernel's own split
     (blocks 0: about 2 per SM)."""
-    from . import ops
-
     out = []
-    for kw in ops.STREAM_K_WARPS:
+    for kw in limits().stream_k_warps:
         columns = ops.gemv_stream_columns(n, kw)
         out += [(kw, 0)] + [(kw, columns * s) for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
                             if s == 1 or columns * s <= 4 * sms]
@@ -147,9 +137,7 @@ def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
     """(config, splits) worth timing at M = m: configurations whose block rows are not
     mostly padding, each as stream-K over one resident wave (splits 0) and with split-K
     while the tiles leave SMs idle."""
-    from . import ops
-
-    configs = [c for c in ops.gemm_configs() if (bm := ops.GEMM_TILES[c][0]) <= max(32, 2 * m) and (m <= 64 or bm >= 64)]
+    configs = [c for c in ops.gemm_configs() if (bm := limits().gemm_tiles[c][0]) <= max(32, 2 * m) and (m <= 64 or bm >= 64)]
     out = []
     for c in configs:
         tiles = ops.gemm_tiles(m, n, c)
@@ -161,19 +149,18 @@ def _gemm_candidates(m: int, n: int, sms: int) -> list[tuple[int, int]]:
 
 def _measure_gemv(gw: GpuWeight, copies: list[GpuWeight], ms) -> tuple[dict[str, list[int]], dict[int, float]]:
     """The fastest GEMV launch (k-warps, blocks, pipeline) at each of ``ms`` and its time."""
-    from . import ops
-
+    lim = limits()
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
     grids: dict[str, list[int]] = {}
     gemv_us: dict[int, float] = {}
     for m in ms:
         x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
-        before = _decode_neighbour(x) if m <= ops.GEMV_MAX_M else (lambda: None)
+        before = _decode_neighbour(x) if m <= lim.gemv_max_m else (lambda: None)
         t = {}
-        candidates = [(kw, b, ops.GEMV_RING) for kw in ops.gemv_k_warps(m)
+        candidates = [(kw, b, GEMV_RING) for kw in lim.gemv_k_warps(m)
                       for b in sorted({0, sms, 2 * sms, ops.gemv_columns(gw.N, kw, m), max(1, sms // 2)})]
-        if m <= ops.STREAM_MAX_M:
-            candidates += [(kw, b, ops.GEMV_STREAM) for kw, b in _stream_candidates(gw.N, sms)]
+        if m <= lim.stream_max_m:
+            candidates += [(kw, b, GEMV_STREAM) for kw, b in _stream_candidates(gw.N, sms)]
         for kw, b, pipe in candidates:
             t[kw, b, pipe] = _time_us(
                 lambda g, b=b, kw=kw, pipe=pipe, before=before: (before(), ops.gemv(x, g, max_blocks=b, k_warps=kw,
@@ -191,19 +178,18 @@ def measure(gw: GpuWeight) -> dict:
     """Time the choices for one weight (well under a second of GPU time for most shapes)."""
     import torch.nn.functional as F
 
-    from . import ops
-
+    lim = limits()
     sms = torch.cuda.get_device_properties(gw.qweight.device).multi_processor_count
     copies = _rotation(gw)
-    grids, gemv_us = _measure_gemv(gw, copies, [m for m in ops.GEMV_TUNED_MS if m <= ops.gemv_rows_limit(gw)])
+    grids, gemv_us = _measure_gemv(gw, copies, [m for m in GEMV_TUNED_MS if m <= ops.gemv_rows_limit(gw)])
     plan: dict[str, list[int]] = {}
     gemm_us: dict[int, float] = {}
     dense_us: dict[int, float] = {}
-    max_m = ops.GEMV_MAX_M  # the GEMV beats dequantize + cuBLAS at M <= 16
+    max_m = lim.gemv_max_m  # the GEMV beats dequantize + cuBLAS at M <= 16
     if ops.supports_mixed_gemm(gw):
         for m in GEMM_MS:
             x = torch.randn(m, gw.K, device="cuda", dtype=gw.dtype)
-            before = _decode_neighbour(x) if m <= ops.GEMV_MAX_M else (lambda: None)  # timed as the GEMV is
+            before = _decode_neighbour(x) if m <= lim.gemv_max_m else (lambda: None)  # timed as the GEMV is
             t = {}
             for c, s in _gemm_candidates(m, gw.N, sms):
                 t[c, s] = _time_us(lambda g, c=c, s=s, before=before: (before(), ops.gemm(x, g, config=c, splits=s)),
@@ -213,14 +199,12 @@ def measure(gw: GpuWeight) -> dict:
                 break
             plan[str(m)] = list(best)
             gemm_us[m] = t[best]
-            if m <= ops.GEMV_MAX_M:  # decode rows: only the GEMV's rival (below)
+            if m <= lim.gemv_max_m:  # decode rows: only the GEMV's rival (below)
                 continue
             # The fastest of ~20 noisy timings reads low (it is also the luckiest): timed once
-            # more, alone, before it meets dequantize + cuBLAS. Without this the H100 table sent
-            # 4096 x 14336 int4 at M = 1024 to the GEMM, which the M-sweep then timed 9 % slower
-            # than dequantize + cuBLAS (238.4 against 218.5 us). From M = 512 on both run at
-            # the card's power cap, whose clock drifts by up to ~10 % within seconds
-            # (docs/bench/dequant.md): there they alternate over rounds and meet round by round.
+            # more, alone, before it meets dequantize + cuBLAS. From M = 512 on both run at
+            # the card's power cap, whose clock drifts within seconds (docs/design/dequant.md):
+            # there they alternate over rounds and meet round by round.
             rounds = [(_time_us(lambda g, c=best[0], s=best[1]: ops.gemm(x, g, config=c, splits=s), copies),
                        _time_us(lambda g: F.linear(x, ops.dequantize(g)), copies))
                       for _ in range(POWER_CAPPED_ROUNDS if m >= POWER_CAPPED_M else 1)]
@@ -230,25 +214,25 @@ def measure(gw: GpuWeight) -> dict:
                 break
             max_m = m
     del copies
-    gemv_max_m = _gemv_reach(gemv_us, gemm_us, dense_us)
+    gemv_max_m = _gemv_reach(gemv_us, gemm_us, dense_us, lim.gemv_max_m)
     return {"grids": grids, "gemm": plan, "max_kernel_m": max(max_m, gemv_max_m), "gemv_max_m": gemv_max_m}
 
 
-def _gemv_reach(gemv_us: dict[int, float], gemm_us: dict[int, float], dense_us: dict[int, float]) -> int:
+def _gemv_reach(gemv_us: dict[int, float], gemm_us: dict[int, float], dense_us: dict[int, float],
+                gemv_max_m: int) -> int:
     """The largest M the GEMV serves: 8 (the mixed GEMM takes 9..16, which the engine pads
     to 16) or one of the GEMV's measured Ms from 16 up -- whichever keeps the served time
     closest to the fastest path at every M measured from 16 up (the smallest worst ratio;
-    then the least time). One threshold cannot follow every measurement: on the H100 a
-    GEMM faster at 16 rows can lose to the GEMV at 17 (4096 x 14336 int8: 26.6 against 27.1
-    us at 16, 29.4 against 27.4 at 17), and "the GEMM from where it first wins" served 17
-    rows 7 % slower than the GEMV. Past 16 rows only Ms where a rival was measured count
-    (an M the GEMM loop did not reach ends the GEMV's reach too)."""
+    then the least time). One threshold cannot follow every measurement: a GEMM faster at
+    16 rows can lose to the GEMV at 17 (tests/test_tuning_table.py has such a case). Past
+    16 rows only Ms where a rival was measured count (an M the GEMM loop did not reach ends
+    the GEMV's reach too)."""
     def rival(m: int) -> float:
         return min([d[m] for d in (gemm_us, dense_us) if m in d], default=math.inf)
 
     ms = []
-    for m in sorted(m for m in gemv_us if m >= GEMV_MAX_M):
-        if m > GEMV_MAX_M and math.isinf(rival(m)):
+    for m in sorted(m for m in gemv_us if m >= gemv_max_m):
+        if m > gemv_max_m and math.isinf(rival(m)):
             break
         ms.append(m)
 
@@ -256,52 +240,27 @@ def _gemv_reach(gemv_us: dict[int, float], gemm_us: dict[int, float], dense_us: 
         served = [gemv_us[m] if m <= reach else rival(m) for m in ms]
         return max((t / min(gemv_us[m], rival(m)) for t, m in zip(served, ms)), default=1.0), sum(served)
 
-    below = [m for m in gemv_us if m < GEMV_MAX_M]
-    return min(([max(below)] if below else []) + (ms or [GEMV_MAX_M]), key=cost)
+    below = [m for m in gemv_us if m < gemv_max_m]
+    return min(([max(below)] if below else []) + (ms or [gemv_max_m]), key=cost)
 
 
-def remeasure_gemv(gw: GpuWeight, entry: dict, ms) -> dict:
-    """``entry`` (a table's choices for this weight's shape) with the GEMV launches at ``ms``
-    measured anew, the rest kept: after a kernel change that touches only those launches
-    (the register stream added M <= 8 launches and left the ring and the GEMM as they
-    were), so that re-tuning does not re-time what did not change. Stored as this build's."""
-    from . import ops
-
-    grids, _ = _measure_gemv(gw, _rotation(gw), ms)
-    entry = dict(entry, grids={**entry["grids"], **grids})
-    entry["grids"] = {m: (g if len(g) == 3 else [*g, ops.GEMV_RING]) for m, g in entry["grids"].items()}
-    _table()[shape_key(gw)] = entry
-    _save()
-    return entry
-
-
-def tuned(gw: GpuWeight) -> dict:
+def tuned(gw: GpuWeight, options: RuntimeOptions) -> dict:
     """The measured choices for this weight's shape (measured now if new and allowed)."""
     key = shape_key(gw)
-    table = _table()
+    table = _table(options)
     if key not in table:
-        if os.environ.get("WOQ_TUNE", "1") == "0":
-            return {"grids": {}, "gemm": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M, "gemv_max_m": GEMV_MAX_M}
+        if not options.tune:
+            return {"grids": {}, "gemm": {}, "max_kernel_m": DEFAULT_MAX_KERNEL_M, "gemv_max_m": limits().gemv_max_m}
         log.info("tuning the woq kernels for %s on %s", key, torch.cuda.get_device_name())
         table[key] = measure(gw)
-        _save()
+        _save(options)
     return table[key]
 
 
-def all_tables() -> dict[str, dict]:
-    """Every table on this machine (cache and shipped), by file stem (GPU name + kernel hash)."""
+def all_tables(options: RuntimeOptions) -> dict[str, dict]:
+    """Every table on this machine (cache and shipped), by file stem (GPU name + kernel version)."""
     tables: dict[str, dict] = {}
-    for d in (Path(__file__).parent / "tuned", cache_dir() / "tuning"):
+    for d in (shipped_dir(), options.tuning_dir()):
         for f in sorted(d.glob("*.json")) if d.exists() else []:
             tables.setdefault(f.stem, {}).update(json.loads(f.read_text()))
     return tables
-
-
-def apply(gw: GpuWeight) -> GpuWeight:
-    """Set the weight's measured launches: GEMV grids and reach, mixed-GEMM plan, crossover."""
-    entry = tuned(gw)
-    gw.max_kernel_m = entry["max_kernel_m"]
-    gw.gemv_max_m = entry.get("gemv_max_m", GEMV_MAX_M)
-    gw.grids = {int(k): tuple(v) for k, v in entry["grids"].items()}
-    gw.gemm_plan = {int(k): tuple(v) for k, v in entry.get("gemm", {}).items()}
-    return gw

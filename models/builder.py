@@ -9,6 +9,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..kernels.format import QuantSpec
+from ..kernels.options import RuntimeOptions
 from .config import ArchConfig, rope_inv_freq
 from .llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, Rotary
 from .quant_linear import DenseLinear, WeightOnlyLinear
@@ -99,6 +100,7 @@ def build_model(
     max_seq_len: int,
     progress: bool = True,
     prequantized: dict | None = None,
+    options: RuntimeOptions | None = None,
 ) -> CausalLM:
     """Assemble the model from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``, ...).
 
@@ -106,6 +108,7 @@ def build_model(
     fused ones (``...self_attn.qkv_proj``: a woq checkpoint) or parts (``...q_proj``: a
     GPTQ/AWQ import); those layers are used as they are, ``quant`` applies to the rest.
     Tensors are consumed (popped) as layers are built, so peak memory stays near one copy.
+    Each linear layer's kernels are chosen once, at the end (``bind_kernels``).
     """
     from .importers import CheckpointError
 
@@ -174,8 +177,25 @@ def build_model(
     if leftover:
         raise CheckpointError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
     model = CausalLM(cfg, embed, layers, final_norm, lm_head, rope).eval()
-    if device.type == "cuda":
-        quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
-        for mod in tqdm(quantized, desc="packing for the GPU kernels (tuning new shapes)", disable=not progress):
-            mod.prepare_gpu(dtype)
+    bind_kernels(model, options or RuntimeOptions(), progress)
+    return model
+
+
+def bind_kernels(model: CausalLM, options: RuntimeOptions, progress: bool = False) -> CausalLM:
+    """Give every linear layer its kernel plan for where the model lies now (after a move to
+    another device, bind again): on CUDA with the kernels loaded, quantized layers are
+    repacked into the GPU layout and take their measured launches (new shapes are tuned
+    once per GPU, cached)."""
+    from ..kernels import build
+
+    model.options = options
+    gpu = model.device.type == "cuda" and build.load(options)
+    dense = [m for m in model.modules() if isinstance(m, DenseLinear)]
+    quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    for mod in dense:
+        mod.bind(options, gpu)
+    desc = "packing for the GPU kernels (tuning new shapes)" if gpu else "binding the reference kernels"
+    for mod in tqdm(quantized, desc=desc, disable=not (progress and gpu)):
+        mod.bind(model.dtype, options, gpu)
+    model.observe_kernels(model.kernel_timing)  # (new plans, observed as the old ones were)
     return model

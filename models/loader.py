@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.options import RuntimeOptions
 from .builder import QuantConfig, build_model
 from .checkpoint import is_woq_checkpoint
 from .checkpoint import read_checkpoint as read_woq
@@ -42,10 +43,11 @@ class LoadedModel:
     load_seconds: float
 
 
-def resolve_source(model: str) -> tuple[Path, str | None]:
-    """(directory, gguf file name or None) for a model name or path."""
+def resolve_source(model: str, cache: Path | None = None) -> tuple[Path, str | None]:
+    """(directory, gguf file name or None) for a model name or path (the default model is
+    fetched into ``cache``)."""
     if model == DEFAULT_MODEL:
-        return fetch_default_model(), None
+        return fetch_default_model(cache), None
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return p.parent, p.name
@@ -116,16 +118,19 @@ def load_model(
     device: str | torch.device = "auto",
     max_seq_len: int | None = None,
     progress: bool = True,
+    options: RuntimeOptions | None = None,
 ) -> LoadedModel:
     t0 = time.perf_counter()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = dtype or default_dtype(device)
-    directory, gguf_file = resolve_source(model)
+    options = options or RuntimeOptions()
+    directory, gguf_file = resolve_source(model, options.cache_dir)
     config, tokenizer, state, quantized = read_checkpoint(directory, gguf_file)
     from .config import ArchConfig
 
     limit = ArchConfig.from_hf(config).context_limit
     max_seq_len = min(max_seq_len or limit, limit)
-    built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress, prequantized=quantized)
+    built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress, prequantized=quantized,
+                        options=options)
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else Path(model).stem if gguf_file else directory.name
     return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0)

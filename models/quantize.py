@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from ..kernels.format import QuantSpec
 from ..kernels.gptq import gptq_quantize
 from .builder import QuantConfig, build_model
-from .llama import Batch, CausalLM
+from .batches import Causal
+from .llama import CausalLM
 from .quant_linear import DenseLinear, WeightOnlyLinear
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -52,11 +53,11 @@ def gptq_model(model: CausalLM, windows: torch.Tensor, spec: QuantSpec, act_orde
     """Quantize every decoder linear of an unquantized ``model`` in place with GPTQ."""
     device = model.device
     T = windows.shape[1]
-    batch = Batch(torch.arange(T, device=device).expand(batch_size, T))
+    positions = torch.arange(T, device=device).expand(batch_size, T)
     hidden = [model.embed(w.to(device)) for w in windows.split(batch_size)]
 
     def run_layer(layer, xs):
-        return [layer.output(x, model.rope, Batch(batch.positions[: x.shape[0]]), None) for x in xs]
+        return [model.layer_output(layer, x, Causal(positions[: x.shape[0]])) for x in xs]
 
     for layer in tqdm(model.layers, desc="GPTQ layers", disable=not progress):
         linears = {"qkv": layer.attn, "o": layer.attn, "gate_up": layer.mlp, "down": layer.mlp}

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ..models.builder import QuantConfig
-from ..kernels.cache import cache_dir
+from ..kernels.options import RuntimeOptions, default_cache_dir
 from ..models.fetch import DEFAULT_MODEL
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -37,7 +37,7 @@ class ModelSettings(BaseSettings):
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     max_seq_len: int = Field(2048, ge=16, description="longest prompt + completion, in tokens")
-    cache: Path = Field(default_factory=cache_dir, description="cache directory for fetched models ($WOQ_CACHE)")
+    cache: Path = Field(default_factory=default_cache_dir, description="cache directory for fetched models ($WOQ_CACHE)")
 
     @field_validator("group_size")
     @classmethod
@@ -50,6 +50,10 @@ class ModelSettings(BaseSettings):
 
     def torch_dtype(self) -> torch.dtype | None:
         return _DTYPES.get(self.dtype)
+
+    def runtime_options(self) -> RuntimeOptions:
+        """The options the model, the engine and the kernels run with."""
+        return RuntimeOptions(cache_dir=self.cache)
 
 
 class ServeSettings(ModelSettings):

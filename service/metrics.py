@@ -1,4 +1,5 @@
-"""Prometheus metrics (``woq_*``), fed by the HTTP layer, the engine and the kernel dispatcher.
+"""Prometheus metrics (``woq_*``), fed by the HTTP layer, the engine and the model's
+kernel plans.
 
 Each server owns a registry (several servers can live in one test process). The README
 lists every metric with its unit and labels.
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from ..models.dispatch import KernelCall, m_bucket
+from ..kernels.observe import KernelCall, m_bucket
 
 # Buckets sized for LLM serving: first tokens take 10 ms (small model, short prompt) to
 # tens of seconds (queued behind long prefills); inter-token gaps 1 ms (GPU decode) to
@@ -20,7 +21,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Metrics:
-    """Implements ``engine.EngineObserver`` and ``models.dispatch.KernelObserver``."""
+    """Implements ``engine.EngineObserver`` and ``kernels.observe.KernelObserver``."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()

@@ -5,8 +5,8 @@ import logging
 import os
 
 from ..engine.engine import Engine
-from ..models import dispatch
 from ..models.loader import LoadedModel, load_model
+from ..kernels.observe import KernelTiming
 from .app import ServerState, create_app
 from .config import ModelSettings, ServeSettings
 from .logs import setup_logging
@@ -36,9 +36,8 @@ def eos_token_ids(loaded: LoadedModel) -> set[int]:
 
 
 def load(settings: ModelSettings, progress: bool = True) -> LoadedModel:
-    os.environ["WOQ_CACHE"] = str(settings.cache)
     return load_model(settings.model, settings.quant_config(), settings.torch_dtype(), settings.device,
-                      settings.max_seq_len, progress=progress)
+                      settings.max_seq_len, progress=progress, options=settings.runtime_options())
 
 
 def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> ServerState:
@@ -50,7 +49,7 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
                     prefill_graphs=settings.prefill_graphs, profile_interval=settings.profile_interval,
                     gpu_memory_fraction=settings.gpu_memory_fraction).start()
     metrics.bind_engine(engine)
-    dispatch.set_observer(metrics, sample_every=settings.kernel_timing_every)
+    loaded.model.observe_kernels(KernelTiming(metrics, settings.kernel_timing_every))
     return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
                        api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        request_timeout=settings.request_timeout)

@@ -37,10 +37,10 @@ def tiny_hf_checkpoint(tmp: Path, model_type: str = "llama", **overrides) -> Pat
 
 
 def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str = "int4",
-                 symmetric: bool | None = None, **overrides):
+                 symmetric: bool | None = None, options=None, **overrides):
     """Our ``CausalLM`` for a random-weight Llama config (no files, no tokenizer): for GPU
     tests that need real shapes rather than a real model. ``symmetric``: the quantization's
-    (None: the mode's default)."""
+    (None: the mode's default); ``options``: the ``RuntimeOptions`` it is built with."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from woq.models.builder import QuantConfig, build_model
@@ -55,7 +55,7 @@ def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str =
     state = {k: torch.ones(s) if k.endswith("norm.weight") else 0.08 * torch.randn(s, generator=g)
              for k, s in shapes.items()}
     return build_model(config, state, QuantConfig(quant, symmetric=symmetric), dtype, device, max_seq_len,
-                       progress=False)
+                       progress=False, options=options)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import INT4_NIBBLE_ORDER, INT8_BYTE_ORDER, SCALE_ROW_ORDER, GpuWeight, _COL_OFF, _ROW_OFF, tile_k
+from woq.kernels.layout import INT4_NIBBLE_ORDER, INT8_BYTE_ORDER, SCALE_ROW_ORDER, GpuWeight, _COL_OFF, _ROW_OFF, tile_k
 
 U32 = np.uint32
 

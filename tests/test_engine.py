@@ -6,7 +6,6 @@ import pytest
 from woq.engine.detokenizer import TextStream
 from woq.engine.engine import Engine, QueueFullError, RequestTooLongError
 from woq.engine.sampling import SamplingParams
-from woq.models import dispatch
 
 pytestmark = pytest.mark.slow
 
@@ -100,12 +99,14 @@ def test_dispatch_records_path_layer_and_m(smollm2_int4):
         def record(self, call, seconds):
             calls.append((call, seconds))
 
-    dispatch.set_observer(Recorder(), sample_every=1)
+    from woq.kernels.observe import KernelTiming
+
+    lm.model.observe_kernels(KernelTiming(Recorder(), sample_every=1))
     try:
         import torch
         lm.model(torch.tensor([[1, 2, 3, 4, 5]]))
     finally:
-        dispatch.set_observer(None)
+        lm.model.observe_kernels(None)
     kinds = {c.layer for c, _ in calls}
     assert kinds == {"qkv", "o", "gate_up", "down", "lm_head"}
     quantized = [c for c, _ in calls if c.layer != "lm_head"]

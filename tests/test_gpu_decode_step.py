@@ -1,13 +1,19 @@
 """The persistent batch-1 decode step (``kernels/decode_step.py``, ``csrc/decode_step.cuh``):
 every decoder layer in one kernel gives the logits and the KV cache of the kernel-per-op
 step, and is as close as that step to the same quantized model run in fp32 on the CPU
-(skipped without an sm_90 GPU)."""
+(skipped without an sm_90 GPU). Decode steps run through the engine's step runner
+(``engine/decode.py``), which takes the persistent step where the model's options ask."""
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import random_llama
 
+from woq.engine.decode import DecodeRunner
+from woq.kernels.options import DecodeStepOptions
+from woq.models.batches import Decode, Prefill
+from woq.models.builder import bind_kernels
 from woq.models.kv_cache import KVCache
-from woq.models.llama import Batch, CausalLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")]
@@ -21,18 +27,25 @@ LLAMA3_8B_LAYERS = dict(hidden_size=4096, intermediate_size=14336, num_attention
 MAX_LEN = 256
 
 
-def decode(model, cache, prompt, fed, persistent: bool) -> torch.Tensor:
-    """Logits of the prompt's prefill (into slot 1) and of one decode step per token of ``fed``."""
+def with_step(model, persistent: bool, **step):
+    """``model`` bound with the persistent decode step on (``step``: its other
+    ``DecodeStepOptions``) or off (a kernel per op)."""
+    options = replace(model.options, decode_step=DecodeStepOptions(enabled=persistent, **step))
+    return bind_kernels(model, options)
+
+
+def decode(model, cache, prompt, fed) -> torch.Tensor:
+    """Logits of the prompt's prefill (into slot 1) and of one decode step per token of ``fed``,
+    each through the engine's step runner; the persistent step ran iff the model's options
+    ask for it (``with_step``)."""
     P, dev = prompt.shape[1], prompt.device
     slots = torch.tensor([1], device=dev)
-    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, persistent
-    try:
-        out = [model(prompt, Batch.prefill([P], [1], dev), cache, last_only=True)[0]]
-        for t, token in enumerate(fed):
-            pos = torch.full((1, 1), P + t, device=dev)
-            out.append(model(token.view(1, 1), Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)[0])
-    finally:
-        CausalLM.persistent_decode = saved
+    runner = DecodeRunner(model, cache)
+    out = [model(prompt, Prefill.pack([P], [1], dev), cache, last_only=True)[0]]
+    for t, token in enumerate(fed):
+        pos = torch.full((1, 1), P + t, device=dev)
+        out.append(runner(token.view(1, 1), Decode.at(pos, slots))[0])
+    assert (runner.persistent is not None) == bool(model.options.decode_step.enabled), "the step the options ask for"
     return torch.stack(out).float()
 
 
@@ -46,7 +59,7 @@ def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape,
     model = random_llama(dtype, "cuda", MAX_LEN, "int4", symmetric=symmetric, **shape)
     cfg = model.cfg
     new_cache = lambda: KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, dtype, "cuda")  # noqa: E731
-    assert model._persistent_step(new_cache()) is not None, "the model qualifies for the persistent step"
+    assert model.persistent_step(new_cache()) is not None, "the model qualifies for the persistent step"
     g = torch.Generator(device="cuda").manual_seed(3)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda", generator=g)
     fed = torch.randint(0, cfg.vocab_size, (5,), device="cuda", generator=g)
@@ -56,7 +69,7 @@ def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape,
         cache.k.normal_(generator=g)  # (poison: slot 1 past the live tokens is never read, slot 0 never written)
         cache.v.normal_(generator=g)
         k0, v0 = cache.k[:, 0].clone(), cache.v[:, 0].clone()
-        runs[persistent] = decode(model, cache, prompt, fed, persistent), cache
+        runs[persistent] = decode(with_step(model, persistent), cache, prompt, fed), cache
         assert torch.equal(cache.k[:, 0], k0) and torch.equal(cache.v[:, 0], v0), "another slot was written"
     (per_op, c_op), (ours, c_ours) = runs[False], runs[True]
     scale = per_op.abs().max().item()
@@ -90,59 +103,55 @@ def test_persistent_step_replays_in_a_cuda_graph():
     P = 63
     prompt = torch.randint(0, cfg.vocab_size, (1, P), device="cuda", generator=g)
     fed = torch.randint(0, cfg.vocab_size, (3,), device="cuda", generator=g)
-    eager = decode(model, caches[0], prompt, fed, persistent=True)[1:]
+    eager = decode(with_step(model, True), caches[0], prompt, fed)[1:]
 
     cache = caches[1]
-    model(prompt, Batch.prefill([P], [1], "cuda"), cache, last_only=True)
+    model(prompt, Prefill.pack([P], [1], "cuda"), cache, last_only=True)
     token = fed[:1].view(1, 1).clone()
     pos = torch.full((1, 1), P, device="cuda")
-    batch = Batch(pos, torch.tensor([1], device="cuda"), lengths=pos[:, 0] + 1)  # (static: the graph reads them)
-    saved, CausalLM.persistent_decode = CausalLM.persistent_decode, True
-    try:
-        model(token, batch, cache, last_only=True)  # (eager first: builds the step; rewritten by the replays)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = model(token, batch, cache, last_only=True)
-        replayed = []
-        for t in range(3):
-            token.fill_(int(fed[t]))
-            pos.fill_(P + t)
-            batch.lengths.copy_(pos[:, 0] + 1)
-            graph.replay()
-            replayed.append(logits[0].float().clone())
-    finally:
-        CausalLM.persistent_decode = saved
+    batch = Decode.at(pos, torch.tensor([1], device="cuda"))  # (static: the graph reads them)
+    runner = DecodeRunner(model, cache)
+    runner(token, batch)  # (eager first: builds the step; rewritten by the replays)
+    assert runner.persistent is not None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = runner(token, batch)
+    replayed = []
+    for t in range(3):
+        token.fill_(int(fed[t]))
+        pos.fill_(P + t)
+        batch.lengths.copy_(pos[:, 0] + 1)
+        graph.replay()
+        replayed.append(logits[0].float().clone())
     assert torch.equal(torch.stack(replayed), eager)
 
 
 @pytest.mark.parametrize("shape", [SMALL, LLAMA3_8B_LAYERS], ids=["small", "llama3-8b-layers"])
 def test_cache_hints_and_ring_depth_change_no_result(shape):
-    """The L2 hints (DecodeStep.cache_hints: the weight stream evict_first, small data and
-    the next layer's cached rows prefetched) and a shallower ring (ring_slots) move only
+    """The L2 hints (DecodeStepOptions.cache_hints: the weight stream evict_first, small data
+    and the next layer's cached rows prefetched) and a shallower ring (ring_slots) move only
     bytes: the logits and the cached k and v are bit-equal to the step's without either."""
-    from woq.kernels.decode_step import DecodeStep
-
     model = random_llama(torch.float16, "cuda", MAX_LEN, "int4", **shape)
     cfg = model.cfg
     g = torch.Generator(device="cuda").manual_seed(5)
     prompt = torch.randint(0, cfg.vocab_size, (1, 100), device="cuda", generator=g)
     fed = torch.randint(0, cfg.vocab_size, (3,), device="cuda", generator=g)
     runs = []
-    saved = DecodeStep.cache_hints, DecodeStep.ring_slots
     for hints, slots in ((0, 0), (3, 0), (3, 2), (1, 3), (2, 0)):
         cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
-        DecodeStep.cache_hints, DecodeStep.ring_slots = hints, slots
-        try:
-            runs.append((decode(model, cache, prompt, fed, persistent=True), cache.k[:, 1].clone(), cache.v[:, 1].clone()))
-        finally:
-            DecodeStep.cache_hints, DecodeStep.ring_slots = saved
+        with_step(model, True, cache_hints=hints, ring_slots=slots)
+        step = model.persistent_step(cache)
+        assert (step.cache_hints, step.ring_slots) == (hints, slots)  # (the options reach the step)
+        logits = decode(model, cache, prompt, fed)
+        runs.append((logits, cache.k[:, 1].clone(), cache.v[:, 1].clone()))
     for logits, k, v in runs[1:]:
         assert torch.equal(logits, runs[0][0]) and torch.equal(k, runs[0][1]) and torch.equal(v, runs[0][2])
 
 
 def small_model_run(seed: int, prompt_len: int, fed_len: int):
-    """conftest's small fp16 int4 model, an empty cache, a random prompt and tokens to feed."""
-    model = random_llama(torch.float16, "cuda", MAX_LEN, "int4")
+    """conftest's small fp16 int4 model (the persistent step on), an empty cache, a random
+    prompt and tokens to feed."""
+    model = with_step(random_llama(torch.float16, "cuda", MAX_LEN, "int4"), True)
     cfg = model.cfg
     cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -154,8 +163,9 @@ def small_model_run(seed: int, prompt_len: int, fed_len: int):
 def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
     """With the kernel metrics' observer installed, a persistent decode step is one timed call
     of path ``decode_step`` (layer kind ``decoder``, M = 1, N = K = hidden): its layers'
-    linears are not dispatched one by one."""
-    from woq.models import dispatch
+    linears are not called one by one (the prefill's are)."""
+    from woq.kernels import plans
+    from woq.kernels.observe import KernelTiming
 
     class Calls:  # a KernelObserver
         def __init__(self):
@@ -164,57 +174,20 @@ def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
         def record(self, call, seconds):
             self.seen.append((call, seconds))
 
-    model, cache, prompt, fed = small_model_run(seed=6, prompt_len=9, fed_len=2)
+    prompt_len = 9
+    model, cache, prompt, fed = small_model_run(seed=6, prompt_len=prompt_len, fed_len=2)
     cfg = model.cfg
     calls = Calls()
-    dispatch.set_observer(calls)
+    timing = KernelTiming(calls)  # (every call timed)
+    model.observe_kernels(timing)
     try:
-        decode(model, cache, prompt, fed, persistent=True)  # a prefill, then two decode steps
-        dispatch.flush_observer()
+        decode(model, cache, prompt, fed)  # a prefill, then two decode steps
+        timing.drain(wait=True)
     finally:
-        dispatch.set_observer(None)
-    steps = [(c, s) for c, s in calls.seen if c.path == "decode_step"]
+        model.observe_kernels(None)
+    steps = [(c, s) for c, s in calls.seen if c.path == plans.DECODE_STEP]
     assert [(c.layer, c.m, c.n, c.k) for c, _ in steps] == [("decoder", 1, cfg.hidden_size, cfg.hidden_size)] * 2
     assert all(s is not None and s > 0 for _, s in steps)
-    assert not [c for c, _ in calls.seen if c.m == 1 and c.layer in ("qkv", "o", "gate_up", "down")]
-
-
-def test_the_step_timeline_is_ordered_and_changes_no_result():
-    """With a trace buffer (DecodeStep.trace, benchmarks/step_timeline.py) every block
-    stamps its stages of every layer in the order they run, a layer's input after every
-    block's previous stage, each role's attention parts in order after every block's qkv;
-    and the logits are bit-equal to the untraced step's."""
-    from woq.kernels.decode_step import DecodeStep
-
-    model, cache, prompt, fed = small_model_run(seed=7, prompt_len=70, fed_len=2)
-    cfg = model.cfg
-    untraced = decode(model, cache, prompt, fed, persistent=True)  # (builds the step for this cache)
-    step = model._persistent_step(cache)
-    step.trace = torch.zeros(DecodeStep.trace_words(cfg.num_layers, cache.k.device), dtype=torch.int64, device="cuda")
-    try:  # (the same cache: the same positions written again)
-        traced = decode(model, cache, prompt, fed, persistent=True)
-    finally:
-        model._decode_steps.clear()
-    assert torch.equal(traced, untraced)
-
-    # the last step's stamps [blocks, layers, events] (csrc/decode_step.cuh's TraceEvent).
-    # A release's own stamp follows it, so a reader is compared with the stamp before it.
-    names = ("qkv_ready", "qkv_done", "qkv_released", "attention_seen", "attention_loaded", "attention_landed",
-             "attention_tiles", "attention_written", "attention_released", "attention_end", "o_ready", "o_done",
-             "gate_up_ready", "gate_up_done", "down_ready", "down_done", "down_released")
-    assert torch.ops.woq.decode_step_trace_events() == len(names)
-    E = {name: i for i, name in enumerate(names)}
-    t = step.trace.view(-1, cfg.num_layers, len(names)).cpu()
-    stages = [E[n] for n in ("qkv_ready", "qkv_done", "qkv_released", "o_ready", "o_done", "gate_up_ready",
-                             "gate_up_done", "down_ready", "down_done", "down_released")]
-    assert (t[:, :, stages] > 0).all() and (t[:, :, stages].diff(dim=2) >= 0).all()
-    last = lambda event: t[:, :, E[event]].max(dim=0).values  # noqa: E731  (per layer, over blocks)
-    assert (t[:, 1:, E["qkv_ready"]] >= last("down_done")[:-1]).all(), "a layer's qkv waits for every block's down"
-    assert (t[:, :, E["gate_up_ready"]] >= last("o_done")).all(), "gate/up waits for every block's o"
-    assert (t[:, :, E["down_ready"]] >= last("gate_up_done")).all(), "down waits for every block's gate/up"
-    roles = t[:, :, E["attention_seen"]] > 0  # (blocks holding tokens)
-    assert roles.any(dim=0).all()
-    attention = t[:, :, E["attention_seen"]:E["attention_written"] + 1][roles]  # seen .. written, in order
-    assert (attention > 0).all() and (attention.diff(dim=1) >= 0).all()
-    assert (t[:, :, E["attention_seen"]] >= last("qkv_done"))[roles].all(), "a role sees qkv after every block's"
-    assert (t[:, :, E["o_ready"]] >= last("attention_written")).all(), "o waits for every role's output"
+    decoder_kinds = ("qkv", "o", "gate_up", "down")
+    assert {c.layer for c, _ in calls.seen if c.m == prompt_len} >= set(decoder_kinds)  # (the prefill observed)
+    assert not [c for c, _ in calls.seen if c.m == 1 and c.layer in decoder_kinds]

@@ -1,19 +1,18 @@
-"""The dense (unquantized) GEMV against fp64, and its place in the dispatch (skipped without a GPU)."""
+"""The dense (unquantized) GEMV against fp64, and its place in a layer's plan (skipped without a GPU)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpu_poison import poison_next_alloc
+from woq.kernels import build, ops
+from woq.kernels.options import RuntimeOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-if torch.cuda.is_available():
-    from woq.kernels import ops
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels_built():
-    assert ops.available(), "the CUDA kernels failed to build"
+    assert build.load(RuntimeOptions()), "the CUDA kernels failed to build"
 
 
 # (N, K): N not a multiple of the block's 8 rows; K short of one 32-lane pass, of several
@@ -37,7 +36,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
 def test_dense_gemv_matches_fp64(dtype, N, K, M):
-    if M * K * 4 > ops.DENSE_GEMV_MAX_X_BYTES:
+    if M * K * 4 > ops.limits().dense_gemv_max_x_bytes:
         pytest.skip("x does not fit the kernel's shared memory at this M")
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
     w = (torch.randn(N, K, device="cuda", generator=g) * 0.05).to(dtype)
@@ -65,35 +64,42 @@ def test_dense_gemv_refuses_what_it_does_not_take():
 
 
 def test_an_unquantized_layer_takes_the_dense_gemv_at_decode_rows():
-    """DenseLinear (an unquantized LM head) on CUDA: M <= dense_gemv_rows (2) through the
-    dense GEMV, more through cuBLAS; both against fp64, and the dispatch reports the path."""
-    from woq.models import dispatch
+    """DenseLinear (an unquantized LM head) on CUDA: M <= RuntimeOptions.dense_gemv_rows (2)
+    through the dense GEMV, more through cuBLAS; both against fp64, and the observed calls
+    report the path."""
+    from woq.kernels import plans
+    from woq.kernels.observe import KernelTiming
     from woq.models.quant_linear import DenseLinear
 
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(5003, 1024, device="cuda", generator=g) * 0.05).half()
     layer = DenseLinear(w, None, "lm_head")
+    options = RuntimeOptions()
+    assert options.dense_gemv_rows == 2  # (the default)
+    layer.bind(options, kernels=True)  # (the library is loaded: kernels_built)
     seen = []
 
     class Observer:
         def record(self, call, seconds):
             seen.append(call.path)
 
-    dispatch.set_observer(Observer())
+    timing = KernelTiming(Observer())  # (every call timed)
+    layer.observe(timing)
     try:
         for m in (1, 2, 3):
             x = torch.randn(m, 1024, device="cuda", generator=g).half()
             y = layer(x)
             _check(y, x, w, None)
             assert torch.equal(layer.logits(x), y.float())
-        dispatch.flush_observer()
+        timing.drain(wait=True)
     finally:
-        dispatch.set_observer(None)
-    assert seen == [dispatch.DENSE_GEMV] * 4 + [dispatch.DENSE] * 2
-    saved, DenseLinear.dense_gemv_rows = DenseLinear.dense_gemv_rows, 0
-    try:
-        assert dispatch.choose_path(torch.randn(1, 1024, device="cuda").half(), layer) == dispatch.DENSE
-    finally:
-        DenseLinear.dense_gemv_rows = saved
+        layer.observe(None)
+    assert seen == [plans.DENSE_GEMV] * 4 + [plans.DENSE] * 2
+    layer.bind(RuntimeOptions(dense_gemv_rows=0), kernels=True)  # cuBLAS only
+    assert layer.plan.path(1) == plans.DENSE
+    x = torch.randn(1, 1024, device="cuda", generator=g).half()
+    assert torch.equal(layer(x), F.linear(x, w))
+    layer.bind(options, kernels=True)
+    assert layer.plan.path(2) == plans.DENSE_GEMV
     x = torch.randn(2, 1024, device="cuda", generator=g).half()
     assert torch.allclose(layer(x).float(), F.linear(x, w).float(), rtol=2e-3, atol=2e-3)

@@ -9,7 +9,8 @@ import torch
 
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
-from woq.models import dispatch
+from woq.kernels import plans
+from woq.kernels.observe import KernelTiming
 from woq.models.builder import QuantConfig
 from woq.models.evaluate import DEFAULT_TEXT, perplexity
 from woq.models.loader import load_model
@@ -72,17 +73,20 @@ def test_kernels_match_the_reference_path(smollm2_dir, quant):
     ref = load_model(str(smollm2_dir), QuantConfig(quant), dtype=torch.float16, device="cuda", max_seq_len=1024,
                      progress=False)
     layers = [m for m in ref.model.modules() if isinstance(m, WeightOnlyLinear)]
-    assert layers and all(m.has_gpu_kernels() for m in layers)
+    assert layers and all(m.gpu is not None for m in layers)
     for m in layers:  # the reference: dequantized fp16 weight + cuBLAS, via the torch ops
-        m.gpu = None
+        m.bind(ref.model.dtype, ref.model.options, gpu=False)
+    assert all(m.gpu is None and m.plan.path(1) == plans.CPU_REFERENCE for m in layers)
     paths = _Paths()
-    dispatch.set_observer(paths)
+    timing = KernelTiming(paths)
+    fast.model.observe_kernels(timing)
     try:
         fast_tokens = _greedy(fast, PROMPTS)
+        timing.drain(wait=True)
     finally:
-        dispatch.set_observer(None)
-    assert (dispatch.GEMV, False) in paths.seen  # decode steps went through the GEMV
-    assert {p for p, big in paths.seen if big} <= {dispatch.MIXED_GEMM, dispatch.DEQUANT_CUBLAS, dispatch.DENSE}
+        fast.model.observe_kernels(None)
+    assert (plans.GEMV, False) in paths.seen  # decode steps went through the GEMV
+    assert {p for p, big in paths.seen if big} <= {plans.MIXED_GEMM, plans.DEQUANT_CUBLAS, plans.DENSE}
     _assert_same_greedy_tokens_up_to_ties(fast, ref, PROMPTS, fast_tokens, _greedy(ref, PROMPTS))
 
     text_path = Path(os.environ.get("WOQ_EVAL_TEXT", DEFAULT_TEXT))

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 import torch
-from gpu_poison import poison_next_alloc
 
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
+from woq.models.batches import Prefill
 from woq.models.builder import QuantConfig
 from woq.models.loader import load_model
 
@@ -72,7 +72,7 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
     fp64 reference over that cache -- launch after launch (its merge counters re-arm)."""
     from woq.kernels.decode_attention import rope_cache_attention
     from woq.kernels.fused import rope_and_cache
-    from woq.models.llama import Rotary
+    from woq.models.attention import Rotary
 
     g = torch.Generator(device="cuda").manual_seed(heads + dim)
     S, T = 7, 700
@@ -99,62 +99,6 @@ def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads,
             again = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim,
                                          splits=splits, block=block, stages=stages, launch_next=launch_next)
             assert torch.equal(again, out), (step, launch_next)
-        if splits is None and block is None:  # the ablation's launches (benchmarks/profile_decode.py): 4 warps,
-            for options in ({"warps": 4}, {"max_registers": 128}):  # registers capped (spilling)
-                check_attends(rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads,
-                                                   dim, **options), str(options))
-
-
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (8, None, True), (4, None, False), (8, 128, True)])
-def test_attention_in_the_o_projection_matches_fp64(heads, kv_heads, dim, dtype, bits, group, sym):
-    """The o projection's GEMV doing the decode attention first (kernels/csrc/attention.cuh):
-    the cache written exactly as torch's RoPE (the model's Rotary) and indexing write it, nothing else touched, and
-    o(attention) like fp64's over that cache, at every GEMV split of K (1 to 8 k-warps), on
-    a grid of 32 blocks too (fewer shares), launch after launch (its counters re-arm)."""
-    from woq.kernels import ops, reference
-    from woq.kernels.format import QuantSpec, quantize
-    from woq.kernels.layout import pack_for_gpu
-    from woq.models.llama import Rotary
-
-    assert ops.available(), "the CUDA kernels failed to build"
-    g = torch.Generator(device="cuda").manual_seed(heads + dim + bits)
-    S, T, N = 7, 700, 1000  # (N: not a multiple of 64)
-    qw = quantize(torch.randn(N, heads * dim, device="cuda", generator=g) * 0.05,
-                  QuantSpec(bits, group, sym, scale_dtype=dtype))
-    gw = ops.prepare(pack_for_gpu(qw, dtype))
-    w64 = reference.dequantize(qw, torch.float64)
-    bias = torch.randn(N, device="cuda", generator=g).to(dtype)
-    rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
-    slots = torch.tensor([5, 0, 3, 6], device="cuda")
-    for step, lengths in enumerate(([1, 64, 333, 700], [2, 129, 334, 64])):
-        k, v, lengths, positions, qkv = _decode_step_case(g, S, T, heads, kv_heads, dim, dtype, slots, lengths)
-        # the reference: torch's RoPE (models/llama.py Rotary, the CPU path's), rows written by indexing
-        q_all, k_new, v_new = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q = rope(q_all.view(4, 1, heads, dim).transpose(1, 2), positions[:, None]).view(4, heads, dim)
-        k_new = rope(k_new.view(4, 1, kv_heads, dim).transpose(1, 2), positions[:, None]).view(4, kv_heads, dim)
-        ref_k, ref_v = k.clone(), v.clone()
-        ref_k[slots, :, positions] = k_new
-        ref_v[slots, :, positions] = v_new.view(4, kv_heads, dim)
-        attended = torch.stack([_attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n]).reshape(-1)
-                                for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist()))])
-        ref = attended @ w64.T + bias.double()
-        for rows in (4, 1):
-            first = None
-            for k_warps, blocks in ((None, None), (1, 0), (2, 0), (4, 0), (8, 0), (8, 32)):
-                poison_next_alloc(rows * N, dtype)
-                y = ops.attention_gemv(qkv[:rows], positions[:rows], slots[:rows], lengths[:rows], rope.cos, rope.sin,
-                                       k, v, heads, dim, gw, bias, max_blocks=blocks, k_warps=k_warps)
-                for ours, theirs in ((k, ref_k), (v, ref_v)):  # (rows 1: the first slot's row written again)
-                    assert ((ours == theirs) | (ours.isnan() & theirs.isnan())).all(), (step, rows, k_warps)
-                err = ((y.double() - ref[:rows]).norm() / ref[:rows].norm()).item()
-                assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, rows, k_warps, blocks, err)
-                if first is None:
-                    first = y
-                    again = ops.attention_gemv(qkv[:rows], positions[:rows], slots[:rows], lengths[:rows], rope.cos,
-                                               rope.sin, k, v, heads, dim, gw, bias, max_blocks=blocks, k_warps=k_warps)
-                    assert torch.equal(again, y), (step, rows)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +117,6 @@ def test_prefill_graphs_give_the_eager_prefill(smollm2_gpu):
     eager prefill's last-token logits (same argmax) and the same k and v in its slot."""
     from woq.engine.cuda_graphs import PrefillGraphs
     from woq.models.kv_cache import KVCache
-    from woq.models.llama import Batch
 
     model, cfg = smollm2_gpu.model, smollm2_gpu.model.cfg
     caches = [KVCache(cfg.num_layers, 3, cfg.num_kv_heads, 512, cfg.head_dim, model.dtype, "cuda") for _ in range(2)]
@@ -185,7 +128,7 @@ def test_prefill_graphs_give_the_eager_prefill(smollm2_gpu):
         prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
         slot = n % 3
         ours = graphs.run(prompt.tolist(), slot).clone()
-        eager = model(prompt[None].cuda(), Batch.prefill([n], [slot], "cuda"), caches[1], last_only=True)
+        eager = model(prompt[None].cuda(), Prefill.pack([n], [slot], "cuda"), caches[1], last_only=True)
         assert ours.argmax(-1).item() == eager.argmax(-1).item(), n
         assert (ours - eager).abs().max() < 2e-2 * eager.abs().max(), n
         for kv in ("k", "v"):
@@ -199,13 +142,12 @@ def test_engine_prefill_graphs(smollm2_gpu):
     """The engine prefills short whole prompts through the prefill graphs -- alone, and
     several arrivals as one replay each -- and their first tokens are the eager prefill's."""
     from woq.models.kv_cache import KVCache
-    from woq.models.llama import Batch
 
     lm = smollm2_gpu
     prompts = [_chat(lm.tokenizer, f"Name a colour that starts with the letter {c}.") for c in "BGRY"]
     cache = KVCache(lm.model.cfg.num_layers, 1, lm.model.cfg.num_kv_heads, 512, lm.model.cfg.head_dim,
                     lm.model.dtype, "cuda")
-    eager_first = [lm.model(torch.tensor([p], device="cuda"), Batch.prefill([len(p)], [0], "cuda"), cache,
+    eager_first = [lm.model(torch.tensor([p], device="cuda"), Prefill.pack([len(p)], [0], "cuda"), cache,
                             last_only=True).argmax(-1).item() for p in prompts]
     eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=4, max_seq_len=512)
     out = [[] for _ in prompts]
@@ -307,33 +249,36 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
 
 @pytest.mark.parametrize("interval,min_steps,eager_steps", [(0.0, 0, 0), (3600.0, 0, 0), (1e-9, 0, 5), (1e-9, 3, 1)])
 def test_eager_profile_steps_feed_the_kernel_metrics(interval, min_steps, eager_steps):
-    """Graph replays never reach the dispatcher, so the engine runs a decode step eagerly
-    every ``profile_interval`` seconds, once ``profile_min_steps`` graph steps ran since
-    the last one, for the kernel metrics: none with 0 or an hour (nothing is observed: the
+    """Graph replays never reach the layers' observed plans, so the engine runs a decode step
+    eagerly every ``profile_interval`` seconds, once ``profile_min_steps`` graph steps ran
+    since the last one, for the kernel metrics: none with 0 or an hour (nothing is observed: the
     prefill is a graph replay too), every step with 1 ns and no minimum, the 4th of 5 with
     a minimum of 3 graph steps; each such step times its GEMV calls."""
     from conftest import random_llama
-    from woq.models import dispatch
+    from woq.kernels import plans
+    from woq.kernels.observe import KernelTiming
 
     model = random_llama(torch.float16, "cuda", 256)
     eng = Engine(model, None, set(), max_batch_size=2, max_seq_len=256, profile_interval=interval,
                  profile_min_steps=min_steps)  # (captures the graphs)
+    assert not model.wants_persistent_decode()  # (a narrow model: its decode steps run a kernel per op)
     seen = []
 
     class Recorder:
         def record(self, call, seconds):
             seen.append((call, seconds))
 
-    dispatch.set_observer(Recorder())
+    timing = KernelTiming(Recorder())  # (every call timed)
+    model.observe_kernels(timing)
     try:
         out = eng.start().generate(list(range(1, 20)), SamplingParams(max_tokens=6, ignore_eos=True))
-        dispatch.flush_observer()
+        timing.drain(wait=True)
     finally:
-        dispatch.set_observer(None)
+        model.observe_kernels(None)
         eng.shutdown()
     assert len(out.token_ids) == 6  # (5 decode steps: the first token comes from the prefill)
     assert eng.profile_steps == eager_steps
-    gemv = [s for c, s in seen if c.m == 1 and c.path == dispatch.GEMV]
+    gemv = [s for c, s in seen if c.m == 1 and c.path == plans.GEMV]
     assert len(gemv) == eager_steps * 4 * 3  # qkv, o, gate_up, down of 3 layers per eager step
     assert all(s is not None and 0 < s < 1 for s in gemv)
     assert len(seen) == len(gemv) + eager_steps  # and the LM head, nothing else

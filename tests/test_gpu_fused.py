@@ -1,13 +1,18 @@
 """The fused Triton kernels of the decoder (``kernels/fused.py``) against the torch ops they
 replace (``models/llama.py``, the CPU path) and an fp64 reference (skipped without a GPU)."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from gpu_poison import poison_next_alloc
 
-from woq.models import llama
+from woq.kernels.options import RuntimeOptions
+from woq.models.attention import Rotary
+from woq.models.batches import Decode, Prefill
+from woq.models.builder import bind_kernels
 from woq.models.kv_cache import KVCache
-from woq.models.llama import RMSNorm, Rotary
+from woq.models.llama import RMSNorm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -53,6 +58,9 @@ def test_add_rms_norm(dtype, rows, n, with_residual):
     for launch_next in ("inputs", "end"):  # where it lets the next kernel launch changes nothing it writes
         y2, stream2 = add_rms_norm(x, res, w, 1e-5, launch_next)
         assert torch.equal(y2, y) and torch.equal(stream2, stream), launch_next
+    for launch_next in ("start", "inputs", "end"):  # nor does launching it programmatically (sm_90+)
+        y2, stream2 = add_rms_norm(x, res, w, 1e-5, launch_next, programmatic=True)
+        assert torch.equal(y2, y) and torch.equal(stream2, stream), (launch_next, "programmatic")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -67,7 +75,9 @@ def test_silu_mul(dtype, rows, inter, interleaved):
     gate, up = gate_up.chunk(2, -1)
     exact = F.silu(gate.double()) * up.double()
     stored = gate_up[:, gate_up_row_order(2 * inter, "cuda")] if interleaved else gate_up  # the GPU layout's order
-    assert_same_rounding(silu_mul(stored, interleaved), F.silu(gate) * up, exact)
+    out = silu_mul(stored, interleaved)
+    assert_same_rounding(out, F.silu(gate) * up, exact)
+    assert torch.equal(silu_mul(stored, interleaved, programmatic=True), out)  # (launched programmatically)
 
 
 SWIGLU_FORMATS = [(4, 128, False), (4, None, True), (8, None, True), (8, 64, False)]
@@ -82,11 +92,12 @@ def test_gemv_swiglu_epilogue(inter, K, bits, group, sym, dtype):
     (partials added by a column's last block) -- against the same launch's plain output
     activated by the torch ops (same sums: at most the last-bit differences of an fp32
     exp) and against fp64; a poisoned output must be wholly overwritten."""
-    from woq.kernels import ops, reference
+    from woq.kernels import build, ops, reference
     from woq.kernels.format import QuantSpec, gate_up_row_order, quantize
     from woq.kernels.layout import pack_for_gpu
 
-    assert ops.available(), "the CUDA kernels failed to build"
+    assert build.load(RuntimeOptions()), "the CUDA kernels failed to build"
+    lim = ops.limits()
     g = torch.Generator(device="cuda").manual_seed(inter + K + bits)
     qw = quantize(torch.randn(2 * inter, K, device="cuda", generator=g) * 0.05, QuantSpec(bits, group, sym, scale_dtype=dtype))
     w64 = reference.dequantize(qw, torch.float64)
@@ -99,9 +110,9 @@ def test_gemv_swiglu_epilogue(inter, K, bits, group, sym, dtype):
         gate_up = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         exact = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         bias_rows = None if bias is None else bias[order]
-        launches = [(ops.GEMV_RING, kw, b) for kw in ops.gemv_k_warps(M) for b in (0, ops.gemv_columns(2 * inter, kw, M))]
-        if M <= ops.STREAM_MAX_M:
-            launches += [(ops.GEMV_STREAM, kw, b) for kw in ops.STREAM_K_WARPS
+        launches = [(ops.GEMV_RING, kw, b) for kw in lim.gemv_k_warps(M) for b in (0, ops.gemv_columns(2 * inter, kw, M))]
+        if M <= lim.stream_max_m:
+            launches += [(ops.GEMV_STREAM, kw, b) for kw in lim.stream_k_warps
                          for b in (0, ops.gemv_stream_columns(2 * inter, kw), 3 * ops.gemv_stream_columns(2 * inter, kw))]
         for pipeline, kw, blocks in launches:
             case = f"M={M} pipeline={pipeline} k_warps={kw} blocks={blocks}"
@@ -155,40 +166,40 @@ def test_rope_and_cache_writes_only_its_positions(dtype, heads, kv_heads, dim):
     assert torch.equal(ours.v.nan_to_num(), ref.v.nan_to_num())  # v is copied
     assert_rotation(ours.k[1, slots, :, positions], ref.k[1, slots, :, positions], kr.view(B, kv_heads, dim))
 
+    again = KVCache(2, S, kv_heads, T, dim, dtype, "cuda")  # launched programmatically (sm_90+): the same writes
+    again.k.fill_(float("nan"))
+    again.v.fill_(float("nan"))
+    q2 = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, again.k[1], again.v[1], heads, kv_heads, dim,
+                        programmatic=True)
+    assert torch.equal(q2, q)
+    for a, b in ((again.k, ours.k), (again.v, ours.v)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("attention_in_o", [False, True])
-def test_model_decode_fused_equals_torch_ops(dtype, attention_in_o, monkeypatch):
+def test_model_decode_fused_equals_torch_ops(dtype):
     """A whole model: a packed prefill of two prompts, then decode steps, through the fused
-    kernels give the logits of the torch ops within rounding (both fed the same tokens: the
-    fused run's greedy ones, so that a near-tie cannot send the two runs apart); with the
-    attention done by the o GEMV's grid too (``Attention.attention_in_o``)."""
+    kernels give the logits of the torch ops (``RuntimeOptions.fused_ops`` off) within
+    rounding (both fed the same tokens: the fused run's greedy ones, so that a near-tie
+    cannot send the two runs apart)."""
     from conftest import random_llama
-    from woq.models.llama import Attention, Batch
-
-    monkeypatch.setattr(Attention, "attention_in_o", attention_in_o)
 
     model = random_llama(dtype, "cuda", 64)
-    if attention_in_o:  # (the path taken: this model's o projections can do it at batch 2)
-        cfg = model.cfg
-        assert model.layers[0].attn.o.attends(2, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     prompt = torch.randint(0, 512, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     logits, fed = {}, [prompt[:, -1:]]
     for fused in (True, False):
-        llama.set_fused_ops(fused)
-        try:
-            cache = KVCache(model.cfg.num_layers, 3, model.cfg.num_kv_heads, 64, model.cfg.head_dim, dtype, "cuda")
-            slots = torch.tensor([2, 0], device="cuda")
-            P = prompt.shape[1]
-            steps = [model(prompt.view(1, -1), Batch.prefill([P, P], slots.tolist(), "cuda"), cache, last_only=True)]
-            for t in range(4):
-                pos = torch.full((2, 1), P + t, device="cuda")
-                steps.append(model(fed[t], Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True))
-                if fused:
-                    fed.append(steps[-1].argmax(-1, keepdim=True))
-            logits[fused] = torch.stack(steps)
-        finally:
-            llama.set_fused_ops(True)
+        bind_kernels(model, replace(RuntimeOptions(), fused_ops=fused))
+        assert model.options.fused_ops == fused
+        cache = KVCache(model.cfg.num_layers, 3, model.cfg.num_kv_heads, 64, model.cfg.head_dim, dtype, "cuda")
+        slots = torch.tensor([2, 0], device="cuda")
+        P = prompt.shape[1]
+        steps = [model(prompt.view(1, -1), Prefill.pack([P, P], slots.tolist(), "cuda"), cache, last_only=True)]
+        for t in range(4):
+            pos = torch.full((2, 1), P + t, device="cuda")
+            steps.append(model(fed[t], Decode.at(pos, slots), cache, last_only=True))
+            if fused:
+                fed.append(steps[-1].argmax(-1, keepdim=True))
+        logits[fused] = torch.stack(steps)
     scale = logits[False].abs().max().item()
     assert (logits[True] - logits[False]).abs().max().item() <= 0.02 * scale
 
@@ -200,7 +211,6 @@ def test_packed_prefill_and_next_step_match_an_fp32_cpu_model(dtype):
     prompt, the logits of the same quantized model in fp32 on the CPU running that prompt
     alone; no worse than prefilling each prompt alone on the GPU."""
     from conftest import random_llama
-    from woq.models.llama import Batch
 
     model = random_llama(dtype, "cuda", 64)
     cpu = random_llama(torch.float32, "cpu", 64)
@@ -214,12 +224,11 @@ def test_packed_prefill_and_next_step_match_an_fp32_cpu_model(dtype):
         first = {}
         for group in groups:
             ids = torch.cat([prompts[i] for i in group])[None].cuda()
-            out = model(ids, Batch.prefill([len(prompts[i]) for i in group], [slots[i] for i in group], "cuda"),
+            out = model(ids, Prefill.pack([len(prompts[i]) for i in group], [slots[i] for i in group], "cuda"),
                         cache, last_only=True)
             first.update(zip(group, out))
         pos = torch.tensor([[len(p)] for p in prompts], device="cuda")
-        step = model(nxt.cuda(), Batch(pos, torch.tensor(slots, device="cuda"), lengths=pos[:, 0] + 1), cache,
-                     last_only=True)
+        step = model(nxt.cuda(), Decode.at(pos, torch.tensor(slots, device="cuda")), cache, last_only=True)
         return torch.stack([first[i] for i in range(len(prompts))]).cpu(), step.cpu()
 
     packed, alone = run([[0, 1, 2, 3]]), run([[0], [1], [2], [3]])
@@ -238,15 +247,14 @@ def test_chunked_prefill_matches_an_fp32_cpu_model(dtype):
     with a whole 7-token prompt: the second chunk attends to the first one's cached keys,
     causally aligned to its end) gives the last-token logits of an fp32 CPU model."""
     from conftest import random_llama
-    from woq.models.llama import Batch
 
     model = random_llama(dtype, "cuda", 64)
     cpu = random_llama(torch.float32, "cpu", 64)
     cfg, g = model.cfg, torch.Generator().manual_seed(7)
     prompt, other = torch.randint(0, 512, (40,), generator=g), torch.randint(0, 512, (7,), generator=g)
     cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, 64, cfg.head_dim, dtype, "cuda")
-    model(prompt[None, :16].cuda(), Batch.prefill([16], [1], "cuda"), cache, last_only=True)
-    ours = model(torch.cat([prompt[16:], other])[None].cuda(), Batch.prefill([24, 7], [1, 0], "cuda", [16, 0]),
+    model(prompt[None, :16].cuda(), Prefill.pack([16], [1], "cuda"), cache, last_only=True)
+    ours = model(torch.cat([prompt[16:], other])[None].cuda(), Prefill.pack([24, 7], [1, 0], "cuda", [16, 0]),
                  cache, last_only=True).cpu()
     ref = torch.stack([cpu(prompt[None])[0, -1], cpu(other[None])[0, -1]])
     assert (ours - ref).abs().max().item() <= 0.03 * ref.abs().max().item()

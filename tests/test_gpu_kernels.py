@@ -1,20 +1,19 @@
 """CUDA kernels against an fp64 reference (skipped without a GPU; run by benchmarks/gpu_check.sh)."""
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpu_poison import poison_next_alloc
-from woq.kernels import reference
+from woq.kernels import build, ops, plans, reference
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
+from woq.kernels.options import RuntimeOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-if torch.cuda.is_available():
-    from woq.kernels import ops
 
 # N not a multiple of 64 (nor 16 for one), K of several groups (and a partial last g128 group)
 SHAPES = [(1000, 576), (4104, 1536), (200, 4096), (24, 128)]
@@ -23,7 +22,15 @@ FORMATS = list(itertools.product([4, 8], [None, 64, 128], [True, False]))
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels_built():
-    assert ops.available(), "the CUDA kernels failed to build"
+    assert build.load(RuntimeOptions()), "the CUDA kernels failed to build"
+
+
+def _forced_plan(gw, bias, path: str) -> plans.KernelPlan:
+    """A plan of ``gw`` whose thresholds send every M down ``path`` (mixed_gemm or
+    dequant_cublas), with the kernels' own launches (no measured grids or tiles)."""
+    max_kernel_m = {plans.MIXED_GEMM: 1 << 20, plans.DEQUANT_CUBLAS: 0}[path]
+    entry = {"grids": {}, "gemm": {}, "gemv_max_m": 0, "max_kernel_m": max_kernel_m}
+    return plans.KernelPlan(gw, bias, entry, RuntimeOptions())
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -52,7 +59,7 @@ def test_gemv_matches_fp64_for_every_m(N, K, bits, group, sym, dtype):
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         cublas = F.linear(x, w_lowp, bias)
         err_cublas = _rel(cublas, ref)
-        for k_warps in (None, *ops.gemv_k_warps(M)):  # the kernel's own choice, then each split of K
+        for k_warps in (0, *ops.limits().gemv_k_warps(M)):  # the kernel's own choice, then each split of K
             poison_next_alloc(M * N, dtype)
             y = ops.gemv(x, gw, bias, k_warps=k_warps)
             assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} k_warps={k_warps}: unwritten output"
@@ -73,12 +80,12 @@ def test_register_stream_gemv_matches_fp64_for_every_grid(N, K, bits, group, sym
     qw, w64, g = _case(N, K, bits, group, sym, dtype, seed=N + K + bits + 1)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     w_lowp = w64.to(dtype)
-    for M in range(1, ops.STREAM_MAX_M + 1):
+    for M in range(1, ops.limits().stream_max_m + 1):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         err_cublas = _rel(F.linear(x, w_lowp, bias), ref)
-        for k_warps in (0, *ops.STREAM_K_WARPS):
+        for k_warps in (0, *ops.limits().stream_k_warps):
             columns = ops.gemv_stream_columns(N, max(k_warps, 1))
             for blocks in (0, columns, 3 * columns, 1000 * columns):  # (the launcher cuts to whole chunks)
                 poison_next_alloc(M * N, dtype)
@@ -110,7 +117,7 @@ def test_register_stream_gemv_keeps_bf16_range(bits, group, sym):
     x = x.to(dtype)
     ref = x.double() @ w64.T
     cublas = F.linear(x, w64.to(dtype))
-    for k_warps in (0, *ops.STREAM_K_WARPS):
+    for k_warps in (0, *ops.limits().stream_k_warps):
         columns = ops.gemv_stream_columns(N, max(k_warps, 1))
         for blocks in (0, 3 * columns):
             poison_next_alloc(5 * N, dtype)
@@ -145,12 +152,13 @@ def test_gemv_stages_past_k_read_no_stale_shared_memory(K, bits, group):
     qw, w64, g = _case(200, K, bits, group, False, dtype, seed=K + bits)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     big = ops.prepare(pack_for_gpu(quantize(torch.randn(4096, 4096, device="cuda"), QuantSpec(bits, group, False)), dtype))
-    launches = [(ops.GEMV_RING, kw) for kw in ops.K_WARPS] + [(ops.GEMV_STREAM, kw) for kw in ops.STREAM_K_WARPS]
+    lim = ops.limits()
+    launches = [(ops.GEMV_RING, kw) for kw in lim.ring_k_warps] + [(ops.GEMV_STREAM, kw) for kw in lim.stream_k_warps]
     for M in (1, 5, 16):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         ref = x.double() @ w64.T
         for pipeline, k_warps in launches:
-            if pipeline == ops.GEMV_STREAM and M > ops.STREAM_MAX_M:
+            if pipeline == ops.GEMV_STREAM and M > lim.stream_max_m:
                 continue
             nan_x = torch.full((M, 4096), float("nan"), device="cuda", dtype=dtype)
             ops.gemv(nan_x, big, k_warps=k_warps, pipeline=pipeline)
@@ -161,16 +169,24 @@ def test_gemv_stages_past_k_read_no_stale_shared_memory(K, bits, group):
 
 
 def test_misaligned_activations_are_realigned_or_refused():
-    """A view of x that does not start on a 16-byte boundary: the dispatch copies it; the raw
-    op refuses it with a clear error (its copies move 16-byte units)."""
+    """A view of x that does not start on a 16-byte boundary: the op wrappers (which every
+    layer's plan calls) copy it; the raw op refuses it with a clear error (its copies move
+    16-byte units)."""
+    from woq.kernels.scratch import scratch
+
     dtype = torch.float16
     qw, w64, g = _case(256, 512, 4, 128, False, dtype, seed=3)
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     x = torch.randn(3 * 512 + 4, device="cuda", generator=g).to(dtype)[4:].view(3, 512)  # 8 bytes off
     assert x.is_contiguous() and x.data_ptr() % 16
-    assert _rel(ops.run_path("gemv", x, gw, None), x.double() @ w64.T) < 2e-3
+    ref = x.double() @ w64.T
+    assert _rel(ops.gemv(x, gw), ref) < 2e-3
+    if ops.supports_mixed_gemm(gw):
+        assert _rel(ops.gemm(x, gw), ref) < 2e-3
+    s = scratch(x.device)
     with pytest.raises(ValueError, match="16-byte boundary"):
-        ops.gemv(x, gw)
+        torch.ops.woq.gemv(x, gw.qweight, gw.scales, gw.zeros, None, gw.bits, gw.group_size, gw.N, gw.K, 0, 0,
+                           ops.GEMV_RING, False, s.workspace, s.counters)
 
 
 GEMM_MS = (1, 9, 16, 17, 31, 48, 64, 100, 128, 256, 1000, 4096)  # tails of every tile configuration
@@ -188,38 +204,43 @@ def test_mixed_gemm_matches_fp64_beyond_the_gemv(N, K, bits, group, sym, dtype):
         bias = torch.randn(N, device="cuda", generator=g).to(dtype) if M % 2 else None
         ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
         err_cublas = _rel(F.linear(x, w_lowp, bias), ref)
-        for config in (None, *ops.gemm_configs()):  # the measured launch, then each tile shape
+        for config in (-1, *ops.gemm_configs()):  # the kernel's own choice by M, then each tile shape
             poison_next_alloc(M * N, dtype)
             y = ops.gemm(x, gw, bias, config=config)
             assert y.shape == (M, N) and torch.isfinite(y).all(), f"M={M} config={config}: unwritten output"
             err = _rel(y, ref)
             assert err <= 2 * err_cublas + 1e-6, f"M={M} config={config}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
-        assert torch.equal(ops.run_path("mixed_gemm", x, gw, bias), ops.gemm(x, gw, bias))
-        dense = ops.run_path("dequant_cublas", x, gw, bias)
+        # a layer's plan sent down each path (no measured launches: the kernels' own)
+        gemm_plan, dense_plan = (_forced_plan(gw, bias, p) for p in (plans.MIXED_GEMM, plans.DEQUANT_CUBLAS))
+        assert gemm_plan.path(M) == plans.MIXED_GEMM and dense_plan.path(M) == plans.DEQUANT_CUBLAS
+        assert torch.equal(gemm_plan(x), ops.gemm(x, gw, bias))
+        dense = dense_plan(x)
         assert _rel(dense, ref) <= 2 * err_cublas + 1e-6
 
 
 def test_hopper_builds_carry_the_wgmma_configurations():
     """On an H100/H200 the build targets sm_90a, so the GEMM tests above and below run the
     wgmma tiles instead of skipping them; elsewhere those tiles are refused, not run empty."""
+    wgmma = ops.limits().wgmma_configs
+    assert wgmma, "the library lists its wgmma tile configurations"
     if torch.cuda.get_device_capability() == (9, 0):
-        assert ops.wgmma_configs_available() and set(ops.GEMM_WGMMA_CONFIGS) <= set(ops.gemm_configs())
+        assert ops.wgmma_configs_available() and wgmma <= set(ops.gemm_configs())
     else:
         assert not ops.wgmma_configs_available()
         x = torch.randn(64, 512, device="cuda", dtype=torch.float16)
         gw = ops.prepare(pack_for_gpu(quantize(torch.randn(256, 512, device="cuda"), QuantSpec(4, 128, False)),
                                       torch.float16))
         with pytest.raises(ValueError, match="wgmma"):
-            ops.gemm(x, gw, config=ops.GEMM_WGMMA_CONFIGS[0])
+            ops.gemm(x, gw, config=min(wgmma))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("config", range(10))  # ops.GEMM_TILES (checked below)
+@pytest.mark.parametrize("config", range(10))  # ops.limits().gemm_tiles (checked below)
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None), (8, 64)])
 def test_mixed_gemm_split_k_is_deterministic(bits, group, config, dtype):
     """Each split count is correct and repeats bit for bit (partials added in split order,
     counters re-armed by each tile's last block, also under graph-style back-to-back calls)."""
-    assert sorted(ops.GEMM_TILES) == list(range(10)), "parametrize over every tile configuration"
+    assert sorted(ops.limits().gemm_tiles) == list(range(10)), "parametrize over every tile configuration"
     if config not in ops.gemm_configs():
         pytest.skip(f"config {config} needs wgmma (an sm_90a build on an H100/H200)")
     qw, w64, g = _case(700, 4096, bits, group, True, dtype, seed=11)
@@ -256,7 +277,7 @@ def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, 
         for M in (1, 8, 16, 17, 32):
             x = torch.randn(M, 1536, device="cuda", generator=g).to(dtype)
             ref = x.double() @ w64.T
-            for k_warps in (None, *ops.gemv_k_warps(M)):
+            for k_warps in (0, *ops.limits().gemv_k_warps(M)):  # (0: the kernel's own choice)
                 poison_next_alloc(M * 1000, dtype)
                 try:
                     y = ops.gemv(x, gw, k_warps=k_warps)
@@ -269,7 +290,7 @@ def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, 
             x = torch.randn(M, 1536, device="cuda", generator=g).to(dtype)
             ref = x.double() @ w64.T
             # (the mma configurations: GPUs this small have no wgmma)
-            for config in (-1, *(c for c in ops.gemm_configs() if c not in ops.GEMM_WGMMA_CONFIGS)):
+            for config in (-1, *(c for c in ops.gemm_configs() if c not in ops.limits().wgmma_configs)):
                 poison_next_alloc(M * 1000, dtype)
                 try:
                     y = ops.gemm(x, gw, config=config, splits=0)
@@ -278,8 +299,8 @@ def test_smaller_gpus_get_shallower_rings_that_give_the_same_results(gpu, bits, 
                     refused.append(("gemm", M, config))
                     continue
                 assert torch.isfinite(y).all() and _rel(y, ref) < 2e-3, f"gemm M={M} config={config}"
-    assert not [r for r in refused if r[2] in (None, -1) and r[1] <= 16 or r[0] == "gemm" and r[2] == -1]
-    t4_int4_wide = [("gemv", 32, kw) for kw in (None, 1, 2)]
+    assert not [r for r in refused if r[2] in (0, -1) and r[1] <= 16 or r[0] == "gemm" and r[2] == -1]
+    t4_int4_wide = [("gemv", 32, kw) for kw in (0, 1, 2)]
     if gpu == "T4" and bits == 4:
         assert set(t4_int4_wide) <= set(refused)
     if gpu == "A100":
@@ -349,31 +370,31 @@ def test_dequantize_kernel_is_bit_exact(bits, group, sym, dtype):
     assert torch.equal(dense, reference.dequantize(qw, torch.float32).to(dtype))
 
 
-def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path, monkeypatch):
+def test_gemv_under_cuda_graph_and_measured_dispatch(tmp_path):
     from woq.kernels import tuning
-    from woq.models import dispatch
     from woq.models.quant_linear import WeightOnlyLinear
 
-    monkeypatch.setenv("WOQ_CACHE", str(tmp_path))
-    monkeypatch.setattr(tuning, "_shipped_path", lambda: tmp_path / "no-shipped-table.json")  # measure anew
-    tuning._tables.clear()
+    options = RuntimeOptions(cache_dir=tmp_path, shipped_tables=False)  # measured anew (tune: on, the default)
     torch.manual_seed(0)
     layer = WeightOnlyLinear.from_float(torch.randn(4096, 4096, device="cuda") * 0.02, None,
                                         QuantSpec(4, 128, False), "down")
-    assert layer.prepare_gpu(torch.float16)  # measures grids and the crossover, saves them
+    layer.bind(torch.float16, options, gpu=True)  # measures grids and the crossover, saves them
+    assert layer.gpu is not None and isinstance(layer.plan, plans.KernelPlan)
     saved = json.loads(next((tmp_path / "tuning").glob("*.json")).read_text())
     entry = saved[tuning.shape_key(layer.gpu)]
-    assert set(entry["grids"]) == {str(m) for m in ops.GEMV_TUNED_MS} and 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
-    assert entry["gemm"] and all(c in ops.GEMM_TILES and s >= 0 for c, s in entry["gemm"].values())  # 0: stream-K
-    assert entry["gemv_max_m"] in (8, 16, 17, 24, 32) and layer.gpu.gemv_max_m == entry["gemv_max_m"]
+    assert set(entry["grids"]) == {str(m) for m in tuning.GEMV_TUNED_MS}
+    assert 16 <= entry["max_kernel_m"] <= max(tuning.GEMM_MS)
+    tiles = ops.limits().gemm_tiles
+    assert entry["gemm"] and all(c in tiles and s >= 0 for c, s in entry["gemm"].values())  # (splits 0: stream-K)
+    assert entry["gemv_max_m"] in (8, 16, 17, 24, 32) and layer.plan.gemv_max_m == entry["gemv_max_m"]
+    assert layer.plan.max_kernel_m == entry["max_kernel_m"]
     x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
-    assert dispatch.choose_path(x, layer) == dispatch.GEMV
+    assert layer.plan.path(x.shape[0]) == plans.GEMV
     for m in (8, 9, 16, 17, 24, 25, 32, 33, 64, 65, 300, 2000):
-        path = dispatch.choose_path(torch.randn(m, 4096, device="cuda", dtype=torch.float16), layer)
-        expect = (dispatch.GEMV if m <= entry["gemv_max_m"] else
-                  dispatch.MIXED_GEMM if m <= entry["max_kernel_m"] else dispatch.DEQUANT_CUBLAS)
+        path = layer.plan.path(m)
+        expect = (plans.GEMV if m <= entry["gemv_max_m"] else
+                  plans.MIXED_GEMM if m <= entry["max_kernel_m"] else plans.DEQUANT_CUBLAS)
         assert path == expect, (m, path)
-    tuning._tables.clear()  # later tests see the normal tables again
     eager = layer(x)
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
@@ -400,7 +421,7 @@ def test_bad_arguments_raise_clear_errors():
         ops.gemv(torch.randn(33, 128, device="cuda", dtype=torch.float16), gw)
     g32 = ops.prepare(pack_for_gpu(quantize(torch.randn(64, 128, device="cuda"), QuantSpec(4, 32, False)),
                                    torch.float16))
-    with pytest.raises(ValueError, match="1 to 16 rows for this weight"):
+    with pytest.raises(ValueError, match="1 to 16 rows"):  # (g32: the GEMV's 16 rows, no more)
         ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), g32)
     with pytest.raises(ValueError, match="above 16 rows the GEMV takes k_warps"):
         ops.gemv(torch.randn(17, 128, device="cuda", dtype=torch.float16), gw, k_warps=4)
@@ -410,8 +431,11 @@ def test_bad_arguments_raise_clear_errors():
                                           torch.float16)))
     with pytest.raises(ValueError, match="features"):
         ops.gemv(torch.randn(2, 64, device="cuda", dtype=torch.float16), gw)
-    with pytest.raises(TypeError, match="packed for"):
-        ops.run_path("gemv", torch.randn(2, 128, device="cuda", dtype=torch.bfloat16), gw, None)
+    bf16 = torch.randn(2, 128, device="cuda", dtype=torch.bfloat16)
+    for run in (lambda: ops.gemv(bf16, gw), lambda: ops.gemm(bf16, gw),
+                lambda: _forced_plan(gw, None, plans.DEQUANT_CUBLAS)(bf16)):  # each path of a layer's plan
+        with pytest.raises(TypeError, match="packed for"):
+            run()
 
 
 def test_custom_ops_work_under_torch_compile():
@@ -432,10 +456,12 @@ def test_custom_ops_work_under_torch_compile():
 def test_programmatic_launches_give_the_plain_launches_bits(m):
     """A dependent chain (GEMV/GEMM -> Triton RMSNorm -> GEMV/GEMM -> SiLU*up -> ...), each
     kernel reading the previous one's output and sharing the split-K scratch, replayed from
-    a CUDA graph with new inputs: with programmatic launches (kernels/pdl.py, sm_90+) every
-    replay equals the plain-launch result bit for bit. A kernel that touched x, its output
-    or the workspace before `griddepcontrol.wait` would read the last replay's values."""
-    from woq.kernels import fused, pdl
+    a CUDA graph with new inputs: with programmatic launches (kernels/pdl.py, sm_90+: the
+    library's launch attribute from ``RuntimeOptions.programmatic_launch``, the Triton
+    kernels' ``programmatic`` argument) every replay equals the plain-launch result bit for
+    bit. A kernel that touched x, its output or the workspace before `griddepcontrol.wait`
+    would read the last replay's values."""
+    from woq.kernels import fused
 
     dtype = torch.float16
     torch.manual_seed(5)
@@ -446,36 +472,37 @@ def test_programmatic_launches_give_the_plain_launches_bits(m):
     norm_w = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
 
     def linear(x, gw):
-        return ops.gemv(x, gw) if m <= ops.GEMV_WIDE_MAX_M else ops.gemm(x, gw)
+        return ops.gemv(x, gw) if m <= ops.limits().gemv_wide_max_m else ops.gemm(x, gw)
 
-    def chain(x):
+    def chain(x, programmatic: bool):
         h = linear(x, layers[0])  # [m, 8192]
-        h = fused.silu_mul(h)  # [m, 4096]
-        h, _ = fused.add_rms_norm(h, x, norm_w, 1e-5)
+        h = fused.silu_mul(h, programmatic=programmatic)  # [m, 4096]
+        h, _ = fused.add_rms_norm(h, x, norm_w, 1e-5, programmatic=programmatic)
         h = linear(torch.cat([h, h], 1), layers[1])  # [m, 4096]
         h = linear(h, layers[2])  # [m, 3000], odd N
         return linear(h[:, :1504].contiguous(), layers[3])
 
     inputs = [torch.randn(m, 4096, device="cuda", dtype=dtype) for _ in range(4)]
-    was = pdl.enabled()
+    programmatic = RuntimeOptions()
+    assert programmatic.programmatic_launch  # (the default)
     try:
-        pdl.set_enabled(False)
-        plain = [chain(x) for x in inputs]
+        assert build.load(replace(programmatic, programmatic_launch=False))  # the library's launches plain
+        plain = [chain(x, False) for x in inputs]
         assert all(torch.isfinite(y).all() for y in plain)
-        pdl.set_enabled(True)
-        assert [torch.equal(chain(x), y) for x, y in zip(inputs, plain)] == [True] * 4  # eager
+        assert build.load(programmatic)
+        assert [torch.equal(chain(x, True), y) for x, y in zip(inputs, plain)] == [True] * 4  # eager
         static_x = inputs[0].clone()
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
-            chain(static_x)
+            chain(static_x, True)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = chain(static_x)
+            out = chain(static_x, True)
         for _ in range(3):
             for x, y in zip(inputs, plain):
                 static_x.copy_(x)
                 graph.replay()
                 assert torch.equal(out, y)
     finally:
-        pdl.set_enabled(was)
+        build.load(RuntimeOptions())  # (the default launch attribute for the tests after)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from woq.kernels import emulate, reference
+import emulate
+from woq.kernels import reference
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import INT4_NIBBLE_ORDER, INT8_BYTE_ORDER, pack_for_gpu, padded_codes
 

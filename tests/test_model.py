@@ -68,8 +68,8 @@ def test_packed_prefill_then_decode_match_transformers(tiny):
     """Prompts prefilled together (packed into one forward, each into its own cache slot)
     give each prompt's last-token logits, and a decode step after them gives the logits of
     the prompt + token, as HF computes each sequence alone."""
+    from woq.models.batches import Decode, Prefill
     from woq.models.kv_cache import KVCache
-    from woq.models.llama import Batch
 
     path, ref = tiny
     lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
@@ -77,11 +77,11 @@ def test_packed_prefill_then_decode_match_transformers(tiny):
     prompts = [_ids(1, n, seed=10 + n)[0] for n in (7, 1, 19)]
     slots = [2, 0, 1]
     cache = KVCache(cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
-    ours = model(torch.cat(prompts)[None], Batch.prefill([len(p) for p in prompts], slots, "cpu"), cache,
+    ours = model(torch.cat(prompts)[None], Prefill.pack([len(p) for p in prompts], slots, "cpu"), cache,
                  last_only=True)
     nxt = _ids(3, 1, seed=4)
     positions = torch.tensor([[len(p)] for p in prompts])
-    step = model(nxt, Batch(positions, torch.tensor(slots), int(positions.max()) + 1), cache, last_only=True)
+    step = model(nxt, Decode.at(positions, torch.tensor(slots)), cache, last_only=True)
     for i, p in enumerate(prompts):
         theirs = ref(torch.cat([p, nxt[i]])[None]).logits[0]
         scale = theirs.abs().max()
@@ -94,8 +94,8 @@ def test_padded_prompt_prefill_then_decode_match_transformers(tiny, n):
     """One prompt padded to 16 tokens (as a prefill graph runs it) gives its last real
     token's logits, and the decode step after it those of prompt + token: the padding's
     k and v, written past the prompt in its slot, are never seen."""
+    from woq.models.batches import Decode, PaddedPrompt
     from woq.models.kv_cache import KVCache
-    from woq.models.llama import Batch
 
     path, ref = tiny
     lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
@@ -104,9 +104,9 @@ def test_padded_prompt_prefill_then_decode_match_transformers(tiny, n):
     cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
     cache.k.normal_(), cache.v.normal_()  # what an earlier sequence left in the slot
     padded = torch.cat([prompt, _ids(1, 16 - n, seed=6)[0]])[None]
-    batch = Batch(torch.arange(16)[None], torch.full((16,), 1), last_index=torch.tensor([n - 1]))
+    batch = PaddedPrompt(torch.arange(16)[None], torch.full((16,), 1), torch.tensor([n - 1]))
     ours = model(padded, batch, cache, last_only=True)
-    step = model(nxt, Batch(torch.tensor([[n]]), torch.tensor([1]), n + 1), cache, last_only=True)
+    step = model(nxt, Decode.at(torch.tensor([[n]]), torch.tensor([1])), cache, last_only=True)
     theirs = ref(torch.cat([prompt, nxt[0]])[None]).logits[0]
     scale = theirs.abs().max()
     assert (ours[0] - theirs[-2]).abs().max() < 1e-4 * scale
@@ -184,18 +184,29 @@ def test_chunked_prefill_engine_matches_transformers(tiny):
 
 
 def test_the_persistent_decode_step_is_asked_for_by_width_unless_set():
-    """By default (``persistent_decode`` None) a model asks for the persistent decode step when
-    it is at least ``persistent_min_hidden`` wide -- the width it was measured faster at --
-    and not when narrower; True or False on the model decide for it either way."""
+    """By default (``DecodeStepOptions.enabled`` None) a model asks for the persistent decode
+    step when it is at least ``min_hidden`` wide -- the width it was measured faster at --
+    and not when narrower; True or False in the options decide for it either way. On the CPU
+    the engine's step runner never builds it."""
+    from dataclasses import replace
+
     from conftest import random_llama
+    from woq.engine.decode import DecodeRunner
+    from woq.kernels.options import DecodeStepOptions, RuntimeOptions
+    from woq.models.builder import bind_kernels
+    from woq.models.kv_cache import KVCache
 
     model = random_llama(torch.float32, "cpu", 64)  # hidden 256
-    assert model.persistent_decode is None and model.cfg.hidden_size < model.persistent_min_hidden
+    default = RuntimeOptions()
+    assert default.decode_step.enabled is None and model.cfg.hidden_size < default.decode_step.min_hidden
     assert not model.wants_persistent_decode()
-    model.persistent_min_hidden = model.cfg.hidden_size
+    wide = DecodeStepOptions(min_hidden=model.cfg.hidden_size)
+    bind_kernels(model, replace(default, decode_step=wide))
     assert model.wants_persistent_decode()
-    model.persistent_decode = False
+    bind_kernels(model, replace(default, decode_step=replace(wide, enabled=False)))
     assert not model.wants_persistent_decode()
-    model.persistent_min_hidden = 1 << 20
-    model.persistent_decode = True
+    bind_kernels(model, replace(default, decode_step=DecodeStepOptions(min_hidden=1 << 20, enabled=True)))
     assert model.wants_persistent_decode()
+    cfg = model.cfg
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
+    assert DecodeRunner(model, cache)._persistent_step() is None

@@ -1,5 +1,5 @@
 """The ``woq`` command: ``woq serve``, ``woq generate PROMPT``, ``woq quantize MODEL OUT``,
-``woq eval ppl MODEL``, ``woq bench dispatch``.
+``woq eval ppl MODEL``.
 
 Flags and ``WOQ_*`` environment variables come from the pydantic-settings models in
 ``service/config.py`` (``woq serve --help`` lists them).
@@ -121,72 +121,6 @@ class EvalPpl(ModelSettings):
                           "perplexity": round(r.perplexity, 4), "tokens": r.tokens, "windows": r.windows}))
 
 
-def _gemv_launch_cell(launch: list[int]) -> str:
-    """A measured GEMV launch as "k-warps x grid", "s" before it for the register stream
-    (tables from before it hold two entries: the shared-memory ring)."""
-    from woq.kernels.ops import GEMV_STREAM
-
-    k_warps, blocks, *pipeline = launch
-    return ("s" if pipeline and pipeline[0] == GEMV_STREAM else "") + f"{k_warps}x{blocks}"
-
-
-class BenchDispatch(ModelSettings):
-    """Print (and plot) the measured dispatch table: per weight shape, the GEMV's grid at each
-    tuned M, the mixed GEMM's launch per M range, the largest M the GEMV serves and the
-    crossover M from the kernels to dequantize + cuBLAS. With a CUDA GPU, --tune-model
-    loads a model first, measuring its shapes that are new."""
-
-    tune_model: bool = Field(False, description="load --model on the GPU first (measures new shapes)")
-    plot: Path | None = Field(None, description="write a PNG of the crossovers here")
-
-    def cli_cmd(self) -> None:
-        from woq.kernels.tuning import all_tables
-
-        if self.tune_model:
-            from woq.service.server import load
-
-            load(self)
-        tables = all_tables()
-        if not tables:
-            print("no dispatch tables yet: they are measured on a GPU at first model load "
-                  "(or run with --tune-model on one)")
-            return
-        for name, table in tables.items():
-            print(f"\n{name}\n(GEMV: k-warps x grid size, 's' before it: the register-stream pipeline; mixed GEMM: "
-                  "tile config x split-K, 0: stream-K over one wave; per M range)")
-            gemv_ms = sorted({int(m) for e in table.values() for m in e["grids"]})
-            ms = sorted({int(m) for e in table.values() for m in e.get("gemm", {})})
-            print("| weight (NxK, format, dtype) | " + " | ".join(f"GEMV M<={m}" for m in gemv_ms) + " | "
-                  + " | ".join(f"GEMM M<={m}" for m in ms) + " | GEMV up to M | kernels up to M |")
-            print("|---" * (3 + len(gemv_ms) + len(ms)) + "|")
-            for key, e in sorted(table.items()):
-                g, p = e["grids"], e.get("gemm", {})
-                cells = [_gemv_launch_cell(g[str(m)]) if str(m) in g else "-" for m in gemv_ms]
-                cells += ["c{}x{}".format(*p[str(m)]) if str(m) in p else "-" for m in ms]
-                print(f"| {key} | " + " | ".join(cells) + f" | {e.get('gemv_max_m', 16)} | {e['max_kernel_m']} |")
-        if self.plot:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            entries = [(k, e) for t in tables.values() for k, e in sorted(t.items())]
-            fig, ax = plt.subplots(figsize=(8, 0.3 * len(entries) + 1.5))
-            ax.barh([k for k, _ in entries], [e["max_kernel_m"] for _, e in entries])
-            ax.set_xlabel("largest M served by the GEMV / mixed-GEMM kernel (beyond: dequantize + cuBLAS)")
-            fig.tight_layout()
-            fig.savefig(self.plot, dpi=110)
-            print("wrote", self.plot)
-
-
-class Bench(BaseSettings):
-    """Benchmarks (the full ones live in benchmarks/)."""
-
-    dispatch: CliSubCommand[BenchDispatch]
-
-    def cli_cmd(self) -> None:
-        CliApp.run_subcommand(self)
-
-
 class Eval(BaseSettings):
     """Evaluate a model."""
 
@@ -205,7 +139,6 @@ class Woq(BaseSettings):
     generate: CliSubCommand[Generate]
     quantize: CliSubCommand[Quantize]
     eval: CliSubCommand[Eval]
-    bench: CliSubCommand[Bench]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -1,0 +1,56 @@
+"""The runtime options of the whole stack: one frozen value, built once from the settings
+(``service/config.py``) and passed explicitly to the model builder, the model, the engine
+and the kernels. Nothing reads a switch from a class attribute, a module global or the
+environment; a test or a benchmark that wants another behaviour builds other options."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """``$WOQ_CACHE``, default ``~/.cache/woq``: fetched models, compiled kernels, tuning tables."""
+    return Path(os.environ.get("WOQ_CACHE", Path.home() / ".cache" / "woq")).expanduser()
+
+
+@dataclass(frozen=True)
+class DecodeStepOptions:
+    """The persistent batch-1 decode step (``kernels/decode_step.py``)."""
+
+    # None: used for models at least ``min_hidden`` wide (where it was measured faster than
+    # a kernel per op); True/False: always/never where the model qualifies.
+    enabled: bool | None = None
+    min_hidden: int = 4096
+    # L2 use, a mask of csrc/decode_step.cuh's kHint*: 1 the weight stream marked
+    # evict_first, 2 the step's small critical-path data prefetched into L2.
+    cache_hints: int = 3
+    # Depth of the shared-memory weight ring at most (0: as many slots as fit).
+    ring_slots: int = 0
+    # Shares of a KV head's live tokens at most (one attention block each).
+    max_shares: int = 16
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # Measure the kernels' launches for a weight shape new to this GPU (once, cached in
+    # cache_dir/tuning); off: the shipped table, else the kernels' own defaults.
+    tune: bool = True
+    # Read the tables shipped in kernels/tuned/ (off: only what is measured here).
+    shipped_tables: bool = True
+    # Programmatic dependent launches (sm_90+): a kernel's blocks start while its
+    # predecessor drains and wait only before reading its outputs.
+    programmatic_launch: bool = True
+    # The fused Triton kernels on CUDA (add + RMSNorm, RoPE + cache write, SwiGLU, decode
+    # attention); off: the torch ops, which are their reference.
+    fused_ops: bool = True
+    # Rows of x the dense GEMV takes for an unquantized layer on CUDA (0: cuBLAS only).
+    dense_gemv_rows: int = 2
+    decode_step: DecodeStepOptions = field(default_factory=DecodeStepOptions)
+
+    def tuning_dir(self) -> Path:
+        return self.cache_dir / "tuning"
+
+    def extensions_dir(self) -> Path:
+        return self.cache_dir / "torch_extensions"

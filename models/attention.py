@@ -1,0 +1,204 @@
+"""Attention behind one interface, one implementation per kind of pass and device.
+
+A decoder layer hands its attention the qkv projection's rows ``[rows, (H + 2 Hkv) D]`` and
+gets back ``[rows, H D]`` for the o projection; what happens between -- RoPE, the KV-cache
+write, which cached positions each query sees -- belongs to the implementation chosen for
+the pass (``attention_for``). A paged KV cache or a tensor-parallel shard of the heads
+is another implementation, not a change to the model.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from .batches import Batch, Causal, PaddedPrompt, Prefill
+from .kv_cache import KVCache
+
+# Prefill attention never takes cuDNN's SDPA, the default on an H100: cuDNN builds an
+# execution plan for every new sequence length (~50 ms on its first call at that length),
+# which a server, whose prompts come in every length, would pay in time to first token
+# again and again. Flash attention has no such set-up; memory-efficient attention and the
+# math kernel are the fallbacks (and the CPU's).
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions [0, max_len), computed in fp32 like the reference."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int):
+        super().__init__()
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, heads, T, D]`` at ``positions`` ``[B, T]``."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class Heads:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        return qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+
+
+class _Attention:
+    """What every implementation holds: its pass's batch, the head shape, RoPE, the cache,
+    the fused kernels (``kernels/fused.py``; None: the torch ops) and whether they launch
+    programmatically."""
+
+    def __init__(self, batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool):
+        self.batch, self.h, self.rope, self.cache = batch, heads, rope, cache
+        self.fused, self.programmatic = fused, programmatic
+
+    def context(self):
+        """Entered once around a whole forward (switching SDPA backends costs host time)."""
+        return contextlib.nullcontext()
+
+    def _rope_and_cache(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """Rotate the q and k of token rows ``qkv`` ``[T, (H + 2 Hkv) D]`` at ``positions`` ``[T]``,
+        store k and v at those positions of ``slots`` ``[T]``; the rotated q ``[T, H, D]``."""
+        T = qkv.shape[0]
+        H, Hkv, D = self.h.heads, self.h.kv_heads, self.h.head_dim
+        cache = self.cache
+        if self.fused is not None:
+            return self.fused.rope_and_cache(qkv, positions, slots, self.rope.cos, self.rope.sin, cache.k[layer],
+                                             cache.v[layer], H, Hkv, D, programmatic=self.programmatic)
+        q, k, v = self.h.split(qkv)
+        q = self.rope(q.view(1, T, H, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
+        k = self.rope(k.view(1, T, Hkv, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
+        cache.write(layer, slots, positions, k, v.view(T, Hkv, D))
+        return q
+
+
+class CausalAttention(_Attention):
+    """Tokens attending to the earlier tokens of their own row; no cache."""
+
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        B, T = self.batch.positions.shape
+        H, Hkv, D = self.h.heads, self.h.kv_heads, self.h.head_dim
+        q, k, v = self.h.split(qkv.view(B, T, -1))
+        q = self.rope(q.view(B, T, H, D).transpose(1, 2), self.batch.positions)
+        k = self.rope(k.view(B, T, Hkv, D).transpose(1, 2), self.batch.positions)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=H != Hkv)
+        return out.transpose(1, 2).reshape(B * T, H * D)
+
+
+class PrefillAttention(_Attention):
+    """Packed prompt chunks. Every token's rotated k and v go to its slot first (on CUDA RoPE
+    and the write are one kernel for all tokens); a chunk of n tokens from position p then
+    sees the contiguous positions ``[0, p + n)`` of its slot (its prompt's earlier chunks
+    are there already), causally aligned to the end: one SDPA call per chunk."""
+
+
+    def context(self):
+        return sdpa_kernel(_PREFILL_BACKENDS)
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        H, D = self.h.heads, self.h.head_dim
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        q = self._rope_and_cache(layer, qkv, b.positions.view(-1), b.slots).transpose(0, 1)  # [H, T, D]
+        outs, start = [], 0
+        for n, slot, p in zip(b.prompt_lens, b.prompt_slots, b.prompt_starts):
+            causal = {"is_causal": True} if p == 0 else {"attn_mask": causal_lower_right(n, p + n)}
+            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :p + n],
+                                                 v_cache[None, slot, :, :p + n], enable_gqa=H != self.h.kv_heads,
+                                                 **causal)
+            outs.append(out[0].transpose(0, 1).reshape(n, H * D))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class PaddedPromptAttention(_Attention):
+    """One whole prompt padded to T tokens, every value on the device (a CUDA graph captures
+    it): its keys and values are read back from its slot, positions ``[0, T)``."""
+
+
+    def context(self):
+        return sdpa_kernel(_PREFILL_BACKENDS)
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        T = qkv.shape[0]
+        H, D = self.h.heads, self.h.head_dim
+        q = self._rope_and_cache(layer, qkv, self.batch.positions.view(T), self.batch.slots).transpose(0, 1)
+        k, v = self.cache.read(layer, self.batch.slots[:1], T)
+        out = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, enable_gqa=H != self.h.kv_heads)
+        return out[0].transpose(0, 1).reshape(T, H * D)
+
+
+class FusedDecodeAttention(_Attention):
+    """A CUDA decode step: RoPE, the cache write and attention over the live tokens in one
+    Triton kernel (``kernels/decode_attention.py``)."""
+
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        from ..kernels.decode_attention import rope_cache_attention
+
+        b, B = self.batch, qkv.shape[0]
+        out = rope_cache_attention(qkv, b.positions.view(B), b.slots, b.lengths, self.rope.cos, self.rope.sin,
+                                   self.cache.k[layer], self.cache.v[layer], self.h.heads, self.h.head_dim,
+                                   programmatic=self.programmatic)
+        return out.view(B, -1)
+
+
+class TorchDecodeAttention(_Attention):
+    """A decode step through torch ops (the fused kernels' reference): RoPE, the cache write,
+    then on CUDA the decode-attention kernel over the live tokens, elsewhere the batch's
+    cached rows gathered up to its longest sequence and masked per row."""
+
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        b, B = self.batch, qkv.shape[0]
+        H, Hkv, D = self.h.heads, self.h.kv_heads, self.h.head_dim
+        q, k, v = self.h.split(qkv.view(B, 1, -1))
+        q = self.rope(q.view(B, 1, H, D).transpose(1, 2), b.positions)
+        k = self.rope(k.view(B, 1, Hkv, D).transpose(1, 2), b.positions)
+        self.cache.write(layer, b.slots, b.positions.view(B), k.view(B, Hkv, D), v.view(B, Hkv, D))
+        if qkv.is_cuda:
+            from ..kernels.decode_attention import decode_attention
+
+            out = decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], b.slots, b.lengths,
+                                   programmatic=self.programmatic)
+            return out.reshape(B, H * D)
+        length = int(b.lengths.max())
+        k, v = self.cache.read(layer, b.slots, length)
+        keys = torch.arange(length, device=qkv.device)
+        mask = (keys[None, None, :] <= b.positions[:, :, None]).unsqueeze(1)  # [B, 1, 1, length]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
+        return out.transpose(1, 2).reshape(B, H * D)
+
+
+def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool):
+    """The attention implementation of a pass of this kind (``fused``: the fused-kernel
+    module on CUDA, else None)."""
+    if isinstance(batch, Causal):
+        kind = CausalAttention
+    elif cache is None:
+        raise ValueError(f"a {type(batch).__name__} pass needs a KV cache")
+    elif isinstance(batch, Prefill):
+        kind = PrefillAttention
+    elif isinstance(batch, PaddedPrompt):
+        kind = PaddedPromptAttention
+    else:
+        kind = FusedDecodeAttention if fused is not None else TorchDecodeAttention
+    return kind(batch, heads, rope, cache, fused, programmatic)
