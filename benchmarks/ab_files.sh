@@ -4,19 +4,19 @@
 # the tree with the files under $AB_DIR in place of theirs (B), then the tree restored.
 # $AB_DIR mirrors the repository's paths (e.g. $AB_DIR/kernels/csrc/decode_step.cuh); it
 # must travel with the tree (untracked and not ignored, or carried).
-# $B_ENV: NAME=VALUE words (no spaces in a value) set for B only, e.g. B_ENV=PERSISTENTAB_ARGS=
+# $B_ENV: NAME=VALUE words (no spaces in a value) set for B only, e.g. B_ENV=ENGINE_ARGS=--batches=1
 # where A's arguments name settings B lacks.
 # Results: $OUT/ab.tgz (a/ and b/: each side's gpu_check output; only 8 files come back).
-#   AB_DIR=ab_b STAGES_A="build pytest steptimeline persistentab" STAGES_B="build steptimeline persistentab" \
-#     PYTEST_K=decode_step bash benchmarks/ab_files.sh
+#   AB_DIR=ab_b STAGES_A="build pytest engine" STAGES_B="build engine" PYTEST_K=decode_step \
+#     ENGINE_ARGS="--models llama3-8b --batches 1,16" bash benchmarks/ab_files.sh
 set -u
 cd "$(dirname "$0")/.."
 : "${AB_DIR:?AB_DIR: a folder with the B files at their repository paths}"
 FINAL=${OUT:-/tmp/woq-out}
 WORK=$(mktemp -d)
-STAGES_A=${STAGES_A:-build steptimeline persistentab}
-STAGES_B=${STAGES_B-build steptimeline persistentab}
-export STEPTIMELINE_ARGS=${STEPTIMELINE_ARGS:---variants persistent} TAIL=${TAIL:-6}
+STAGES_A=${STAGES_A:-build engine}
+STAGES_B=${STAGES_B-build engine}
+export TAIL=${TAIL:-6}
 
 OUT=$WORK/a bash benchmarks/gpu_check.sh $STAGES_A
 if [ -n "$STAGES_B" ]; then

@@ -1,5 +1,6 @@
-"""Measurement helpers shared by the benchmarks (METHOD.md: events/graph replays, rotated
-weights past L2, medians, a measured bandwidth ceiling)."""
+"""Measurement helpers shared by the benchmarks (benchmarks/README.md, "How to read the
+numbers": CUDA-graph replays timed with events, weights rotated past L2, medians, a
+measured bandwidth ceiling)."""
 from __future__ import annotations
 
 import json

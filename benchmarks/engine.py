@@ -1,21 +1,20 @@
 """Offline engine benchmark on the GPU (no HTTP): decode and prefill throughput.
 
-Random-weight models with real shapes (Llama-3-8B; SmolLM2-135M), fp16 / int8 / int4-g128:
-decode tokens/s at batch 1, 4, 16 and the maximum (greedy, 128 new tokens after a
-128-token prompt, CUDA graphs; median of 3 runs), prefill tokens/s of a 2048-token prompt
-(median of 3 after one warm-up), and at batch 1 the
-fraction of the roofline (tokens/s x bytes read per token / measured copy bandwidth). In the
-same run, HF transformers fp16 ``generate`` on the same weights (eager dynamic cache, and
-static cache), and the cost of the per-kernel metrics at their default sampling rate.
+Random-weight models with real shapes (Llama-3-8B; SmolLM2-135M), fp16 / int8 / int4-g128,
+each with the default runtime options (the engine's decode runner takes the persistent
+batch-1 step where the model asks for it: ``engine/decode.py``): decode tokens/s at batch
+1, 4, 16 and the maximum (greedy, 128 new tokens after a 128-token prompt, CUDA graphs;
+median of 3 runs), prefill tokens/s of a 2048-token prompt (median of 3 after one
+warm-up), and at batch 1 the fraction of the roofline (tokens/s x bytes read per token /
+measured copy bandwidth). In the same run, HF transformers fp16 ``generate`` on the same
+weights (eager dynamic cache, and static cache), and the cost of the per-kernel metrics at
+their default sampling rate.
 
-    python benchmarks/engine.py --out docs/bench
-    python benchmarks/engine.py --pdl-ab        # programmatic launches on / off (8B int4)
-    python benchmarks/engine.py --persistent-ab # the persistent decode step off / on (8B int4, batch 1)
+    python benchmarks/engine.py --out docs/bench [--models llama3-8b] [--batches 1,16]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import statistics
 import sys
@@ -31,7 +30,7 @@ from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa:
 
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
-from woq.models import dispatch  # noqa: E402
+from woq.kernels.observe import KernelTiming  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 from woq.models.quant_linear import DenseLinear, WeightOnlyLinear  # noqa: E402
 
@@ -163,88 +162,10 @@ def prefill_tps(engine: Engine, vocab: int, tokens: int = 2048, repeats: int = 3
 
 
 class _Discard:
+    """A kernel observer that keeps nothing: the metrics' cost without the metrics."""
+
     def record(self, call, seconds):
         pass
-
-
-def metrics_overhead(name: str, out: Path, repeats: int = 5) -> str:
-    """What the per-kernel metrics cost the int4 model's decode, by part, in alternating
-    runs: the dispatcher timing 1 linear call in ``kernel_timing_every`` (graph replays
-    never reach it: only eager forwards), and the eager decode steps that feed it, one every
-    ``profile_interval`` seconds. An eager step's price is measured with every step eager
-    (its time over a graph replay's); at the default interval it costs that price once per
-    interval."""
-    from woq.service.config import ServeSettings
-
-    d = ServeSettings.model_fields
-    interval, sample = d["profile_interval"].default, d["kernel_timing_every"].default
-    config = configs()[name]
-    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
-                        progress=False)
-    # (an interval of 1 ns and no minimum of graph steps: every decode step runs eagerly)
-    engines = {"graphs": Engine(model, None, set(), max_batch_size=16, max_seq_len=CONTEXT).start(),
-               "eager": Engine(model, None, set(), max_batch_size=16, max_seq_len=CONTEXT, profile_interval=1e-9,
-                               profile_min_steps=0).start()}
-    for e in engines.values():
-        e.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
-    variants = {"off": ("graphs", False), f"timing 1 call in {sample}": ("graphs", True),
-                "every step eager, timed": ("eager", True)}
-    lines = []
-    for b in (1, 16):
-        rates: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(repeats):
-            for v, (engine, timing) in variants.items():
-                if timing:
-                    dispatch.set_observer(_Discard(), sample_every=sample)
-                rates[v].append(decode_tps(engines[engine], config.vocab_size, b).steady_tps)
-                dispatch.set_observer(None)
-        off, timed, eager = (statistics.median(rates[v]) for v in variants)
-        step_ms, eager_ms = 1e3 * b / off, 1e3 * b / eager
-        lines.append([f"{name} int4-g128", b, off, f"{timed:.1f} ({100 * (1 - timed / off):+.1f} %)", step_ms,
-                      eager_ms, f"{100 * (eager_ms - step_ms) / 1e3 / interval:.2f} %"])
-        print(lines[-1], flush=True)
-    for e in engines.values():
-        e.shutdown()
-    table = markdown_table(["model", "batch", "decode tok/s, metrics off", f"timing 1 linear call in {sample}",
-                            "graph step ms", "eager, timed step ms", f"cost of one eager step every {interval:g} s"],
-                           lines)
-    (out / f"metrics_overhead_{name}.md").write_text(
-        f"GPU: {torch.cuda.get_device_name()}; median of {repeats} alternating runs each; {PROMPT}-token prompts, "
-        f"{NEW} new tokens. `python benchmarks/engine.py --metrics-overhead --models {name}`\n\n" + table + "\n")
-    return table
-
-
-def pdl_ab(name: str, out: Path, batches=(1, 16, 64), repeats: int = 5) -> str:
-    """Decode tok/s of the int4 model with programmatic launches (kernels/pdl.py) and
-    without: two engines whose graphs were captured each way, runs alternating."""
-    from woq.kernels import pdl
-
-    config = configs()[name]
-    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
-                        progress=False)
-    engines = {}
-    for on in (False, True):
-        pdl.set_enabled(on)
-        engines[on] = Engine(model, None, set(), max_batch_size=max(batches), max_seq_len=CONTEXT).start()
-        engines[on].generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
-    lines = []
-    for b in batches:
-        rates = {False: [], True: []}
-        for _ in range(repeats):
-            for on in (False, True):
-                pdl.set_enabled(on)  # (the eager prefills too)
-                rates[on].append(decode_tps(engines[on], config.vocab_size, b).steady_tps)
-        plain, programmatic = statistics.median(rates[False]), statistics.median(rates[True])
-        lines.append([f"{name} int4-g128", b, plain, programmatic, f"{programmatic / plain:.3f}×"])
-        print(lines[-1], flush=True)
-    for e in engines.values():
-        e.shutdown()
-    pdl.set_enabled(True)
-    table = markdown_table(["model", "batch", "decode tok/s, plain launches", "programmatic launches", "ratio"], lines)
-    (out / "pdl_ab.md").write_text(f"GPU: {torch.cuda.get_device_name()}; median of {repeats} alternating runs each; "
-                                   f"{PROMPT}-token prompts, {NEW} new tokens, CUDA graphs captured each way.\n\n"
-                                   + table + "\n")
-    return table
 
 
 def bytes_per_token(config, wbytes: int) -> float:
@@ -252,80 +173,6 @@ def bytes_per_token(config, wbytes: int) -> float:
     KV cache at the run's middle position (a PROMPT-token prompt, NEW new tokens)."""
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
     return wbytes + kv_bytes * (PROMPT + NEW / 2)
-
-
-def parse_step_settings(text: str) -> dict[str, dict]:
-    """``"ring_slots=3;max_shares=4,cache_hints=1"`` -> ``{label: {setting: int}}``: DecodeStep
-    settings, or another class's as ``DenseLinear.dense_gemv_rows=0`` (persistent_ab)."""
-    variants = {}
-    for spec in filter(None, text.split(";")):
-        variants[spec] = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-    return variants
-
-
-def persistent_ab(name: str, out: Path, repeats: int = 5, step_variants: dict[str, dict] | None = None) -> str:
-    """Batch-1 decode tok/s and % of roofline of the int4 model with the kernel-per-op step
-    and with the persistent step (models/llama.py, ``CausalLM.persistent_decode``), and with
-    the persistent step under each of ``step_variants`` (class settings: DecodeStep's by
-    default, e.g. ``ring_slots``, or ``DenseLinear.dense_gemv_rows``): an engine whose graphs
-    were captured each way, runs alternating."""
-    from woq.kernels.decode_step import DecodeStep
-    from woq.models.llama import CausalLM
-    from woq.models.quant_linear import DenseLinear
-
-    def owner(key: str):  # -> (class, attribute)
-        cls, _, attr = key.rpartition(".")
-        return {"": DecodeStep, "DecodeStep": DecodeStep, "DenseLinear": DenseLinear}[cls], attr
-
-    config = configs()[name]
-    bw = copy_bandwidth()
-    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
-                        progress=False)
-    per_token = bytes_per_token(config, weight_bytes(model))
-    # label: (persistent_decode, class settings)
-    ways = {"kernel per op": (False, {}), "persistent step": (True, {})}
-    ways.update({f"persistent step, {label}": (True, s) for label, s in (step_variants or {}).items()})
-
-    @contextlib.contextmanager
-    def way(label):  # (the settings are read as the step is built and its graphs captured)
-        on, settings = ways[label]
-        saved = {k: getattr(*owner(k)) for k in settings}, CausalLM.persistent_decode
-        CausalLM.persistent_decode = on
-        for k, v in settings.items():
-            setattr(*owner(k), v)
-        try:
-            yield
-        finally:
-            for k, v in saved[0].items():
-                setattr(*owner(k), v)
-            CausalLM.persistent_decode = saved[1]
-
-    engines = {}
-    try:
-        for label in ways:
-            with way(label):  # (each engine its own cache, so its own step)
-                engines[label] = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
-                engines[label].generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))
-        rates = {label: [] for label in ways}
-        for _ in range(repeats):
-            for label in ways:
-                with way(label):
-                    rates[label].append(decode_tps(engines[label], config.vocab_size, 1).steady_tps)
-    finally:
-        for e in engines.values():
-            e.shutdown()
-    lines = []
-    for label in ways:
-        tps = statistics.median(rates[label])
-        lines.append([f"{name} int4-g128", label, tps, 1e6 / tps, 100 * tps * per_token / bw,
-                      ", ".join(f"{r:.1f}" for r in rates[label])])
-        print(lines[-1], flush=True)
-    table = markdown_table(["model", "decode step", "decode tok/s b1", "µs / token", "% roofline b1", "runs"], lines)
-    (out / "persistent_ab.md").write_text(
-        f"GPU: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; median of {repeats} alternating "
-        f"runs each; {PROMPT}-token prompts, {NEW} new tokens, CUDA graphs captured each way; roofline as engine.md's "
-        f"({per_token / 1e9:.3f} GB a token).\n\n" + table + "\n")
-    return table
 
 
 def run(models: list[str], batches: list[int], out: Path) -> dict:
@@ -367,10 +214,10 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
                 engine.shutdown()
                 engine = Engine(model, None, set(), max_batch_size=max_batch, max_queue=4096, max_seq_len=CONTEXT,
                                 profile_interval=d["profile_interval"].default).start()
-                dispatch.set_observer(_Discard(), sample_every=d["kernel_timing_every"].default)
+                model.observe_kernels(KernelTiming(_Discard(), d["kernel_timing_every"].default))
                 for b in (1, 16):
                     row[f"decode_tps_b{b}_with_kernel_metrics"] = median_decode_tps(engine, config.vocab_size, b).steady_tps
-                dispatch.set_observer(None)
+                model.observe_kernels(None)
             engine.shutdown()
             rows.append(row)
             print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -418,7 +265,7 @@ def summary(result: dict) -> str:
             f"Roofline b1 = bandwidth / (weight bytes + KV bytes read per token). HF: transformers fp16 generate, same weights.\n\n"
             + markdown_table(head, table) + "\n\nCost of the per-kernel metrics at the server's defaults (timing 1 linear "
             f"call in {d['kernel_timing_every'].default}, an eager step every {d['profile_interval'].default:g} s, which a "
-            "128-token run rarely meets: that step's own price is in metrics_overhead_*.md): " + "; ".join(over) + "\n")
+            "128-token run rarely meets): " + "; ".join(over) + "\n")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -448,27 +295,7 @@ def main() -> None:
     ap.add_argument("--models", default="llama3-8b,smollm2-135m")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
-    ap.add_argument("--metrics-overhead", action="store_true",
-                    help="only the cost of the kernel metrics, by part (int4, each of --models)")
-    ap.add_argument("--pdl-ab", action="store_true", help="only programmatic launches on/off (8B int4)")
-    ap.add_argument("--persistent-ab", action="store_true", help="only the persistent decode step off/on (8B int4, b1)")
-    ap.add_argument("--step-settings", default="",
-                    help="with --persistent-ab, more persistent steps: DecodeStep settings, e.g. "
-                         "'ring_slots=3;max_shares=4', or DenseLinear.dense_gemv_rows=0")
     a = ap.parse_args()
-    if a.persistent_ab:
-        a.out.mkdir(parents=True, exist_ok=True)
-        print(persistent_ab("llama3-8b", a.out, step_variants=parse_step_settings(a.step_settings)))
-        return
-    if a.pdl_ab:
-        a.out.mkdir(parents=True, exist_ok=True)
-        print(pdl_ab("llama3-8b", a.out))
-        return
-    if a.metrics_overhead:
-        a.out.mkdir(parents=True, exist_ok=True)
-        for name in a.models.split(","):
-            print(metrics_overhead(name, a.out))
-        return
     res = run(a.models.split(","), [int(b) for b in a.batches.split(",")], a.out)
     print(summary(res))
 

@@ -1,14 +1,16 @@
-"""Kernel benchmark on the GPU: the woq GEMV against the peers, in one run.
+"""Kernel benchmark on the GPU: the woq kernels against their peers, in one run.
 
-For each weight shape W[N, K] (nn.Linear layout) and M: our GEMV (int4 g128 with zeros,
-int8 per-channel; fp16 and bf16 activations), cuBLAS fp16/bf16 (F.linear), torch tinygemm
-int4 g128 (bf16), and gemlite / bitsandbytes when installed. Each figure is the median
-microseconds per call of a CUDA graph of 20 calls rotating over enough weight copies to
-exceed 4x L2. Roofline = bytes that must move (weights + scales/zeros + x + y) / the
-measured copy bandwidth.
+For each weight shape W[N, K] (nn.Linear layout) and M: what a layer's kernel plan runs
+(``kernels/plans.py``: its path and measured launch from the tuning table; int4 g128 with
+zeros, int8 per-channel; fp16 and bf16 activations), cuBLAS fp16/bf16 (F.linear), torch
+tinygemm int4 g128 (bf16), and gemlite / bitsandbytes when installed. Each figure is the
+median microseconds per call of a CUDA graph of 20 calls rotating over enough weight
+copies to exceed 4x L2. Roofline = bytes that must move (weights + scales/zeros + x + y) /
+the measured copy bandwidth.
 
-    python benchmarks/kernels.py --out docs/bench            # full table
-    python benchmarks/kernels.py --grid-sweep                # grid sizes against the default
+    python benchmarks/kernels.py --out docs/bench             # M = 1..16: kernels.*
+    python benchmarks/kernels.py --m-sweep --out docs/bench   # every path over M: kernels_msweep.*
+    python benchmarks/kernels.py --merge-msweeps A.json B.json --out docs/bench
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,9 +27,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copies_to_defeat_l2, copy_bandwidth, gpu_info, markdown_table, time_calls, write_json  # noqa: E402
 
-from woq.kernels import ops, pdl  # noqa: E402
+from woq.kernels import build, ops, plans  # noqa: E402
 from woq.kernels.format import QuantSpec, quantize  # noqa: E402
-from woq.kernels.layout import pack_for_gpu  # noqa: E402
+from woq.kernels.options import RuntimeOptions  # noqa: E402
+from woq.kernels.plans import KernelPlan  # noqa: E402
 
 SHAPES = [(28672, 8192), (21504, 14336), (14336, 4096), (4096, 14336), (4096, 4096)]
 MS = [1, 2, 4, 8, 16]
@@ -121,14 +125,31 @@ class Peers:
         return out
 
 
-def ours(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, copies: int):
-    """``copies`` packed copies of ``w`` (for rotation), with the grids measured for its shape."""
+def ours(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, copies: int,
+         options: RuntimeOptions) -> list[KernelPlan]:
+    """``copies`` kernel plans of ``w`` quantized as ``spec`` (for rotation), each with the
+    launches measured for its shape (the tuning table; measured now if new)."""
     qw = quantize(w.float(), QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=dtype))
-    gws = [ops.prepare(pack_for_gpu(qw, dtype), tune=True) for _ in range(copies)]
-    return gws, gws[0].nbytes()
+    return [plans.kernel_plan(qw, None, dtype, False, options) for _ in range(copies)]
 
 
-def run(shapes, ms, out_dir: Path, dtypes) -> dict:
+def gemv_calls(x: torch.Tensor, kps: list[KernelPlan]) -> list:
+    """The GEMV at the launch the plans measured for ``x``'s rows, whichever path they serve there."""
+    k_warps, blocks, pipeline = plans.measured_gemv(kps[0].grids, x.shape[0], ops.limits().stream_max_m)
+    return [lambda p=p: ops.gemv(x, p.gw, None, blocks, k_warps, pipeline) for p in kps]
+
+
+def time_plain(calls, options: RuntimeOptions) -> float:
+    """``time_calls`` with our kernels launched plainly, as the peers are (the library's
+    launch attribute is process-wide; a graph keeps the launches it captured)."""
+    build.load(replace(options, programmatic_launch=False))
+    try:
+        return time_calls(calls)
+    finally:
+        build.load(options)
+
+
+def run(shapes, ms, out_dir: Path, dtypes, options: RuntimeOptions) -> dict:
     info = gpu_info()
     bw = copy_bandwidth()
     print(f"{info['gpu']}: copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -142,29 +163,28 @@ def run(shapes, ms, out_dir: Path, dtypes) -> dict:
         for fmt, spec in FORMATS.items():
             for dtype in dtypes:
                 c = copies_to_defeat_l2(N * K * spec.bits // 8)
-                packs[(fmt, dtype)] = ours(w, spec, dtype, c)
+                packs[(fmt, dtype)] = ours(w, spec, dtype, c, options)
         for M in ms:
             x16 = torch.randn(M, K, device="cuda", dtype=torch.float16)
             t = peers.timings(x16)
-            for (fmt, dtype), (gws, wbytes) in packs.items():
+            for (fmt, dtype), kps in packs.items():
                 x = x16.to(dtype)
                 name = f"woq_{fmt}_{str(dtype).split('.')[-1]}"
+                wbytes = kps[0].gw.nbytes()
                 roof = (wbytes + io_bytes(M, N, K)) / bw * 1e6
-                # What the dispatch serves: the GEMV, or the mixed GEMM where the tuner gave it
-                # these rows (its 16-row tile; GpuWeight.gemv_max_m); then also the GEMV itself.
-                path = "mixed_gemm" if M > gws[0].gemv_max_m and ops.supports_mixed_gemm(gws[0]) else "gemv"
-                kernel = ops.gemm if path == "mixed_gemm" else ops.gemv
-                calls = [lambda g=g: kernel(x, g) for g in gws]
+                # What a layer serves: its plan's path and launch at M rows (the GEMV, or the
+                # mixed GEMM where the tuning table gives it these rows); then also the GEMV
+                # itself where it is not the one served.
+                path = kps[0].path(M)
+                calls = [lambda p=p: p(x) for p in kps]
                 t[name] = time_calls(calls)
                 rows.append(dict(N=N, K=K, M=M, impl=name, us=t[name], roof_us=roof, bytes=wbytes, path=path))
-                if path != "gemv":
-                    t[name + "_gemv"] = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
+                if path != plans.GEMV and M <= ops.gemv_rows_limit(kps[0].gw):
+                    t[name + "_gemv"] = time_calls(gemv_calls(x, kps))
                     rows.append(dict(N=N, K=K, M=M, impl=name + "_gemv", us=t[name + "_gemv"], roof_us=roof,
-                                     bytes=wbytes, path="gemv"))
+                                     bytes=wbytes, path=plans.GEMV))
                 if dtype == torch.float16:  # the same calls without programmatic launches
-                    pdl.set_enabled(False)
-                    t[name + "_plain"] = time_calls(calls)
-                    pdl.set_enabled(True)
+                    t[name + "_plain"] = time_plain(calls, options)
                     rows.append(dict(N=N, K=K, M=M, impl=name + "_plain", us=t[name + "_plain"], roof_us=roof,
                                      bytes=wbytes))
             for name in [k for k in t if not k.startswith("woq_")]:
@@ -205,7 +225,7 @@ def summary(result: dict) -> str:
             i4, i4b, i8, i8b = g("woq_int4_g128_float16"), g("woq_int4_g128_bfloat16"), g("woq_int8_channel_float16"), g("woq_int8_channel_bfloat16")
             cb = g("cublas_fp16")
             opt = lambda r: r["us"] if r else "-"  # noqa: E731
-            short = {"gemv": "GEMV", "mixed_gemm": "GEMM"}
+            short = {plans.GEMV: "GEMV", plans.MIXED_GEMM: "GEMM", plans.DEQUANT_CUBLAS: "deq+cuBLAS"}
             paths = "/".join(short.get((r or {}).get("path", "gemv"), "?") for r in (i4, i8))
             table.append([f"{N}×{K}", M, paths, opt(i4), 100 * i4["roof_us"] / i4["us"] if i4 else "-",
                           opt(g("woq_int4_g128_float16_plain")), opt(i4b), opt(g("woq_int4_g128_float16_gemv")),
@@ -214,7 +234,7 @@ def summary(result: dict) -> str:
                           opt(cb), opt(g("tinygemm_int4_bf16")),
                           opt(g("gemlite_w4_fp16")), opt(g("gemlite_w8_fp16")), opt(g("bnb_nf4_fp16")),
                           f"{cb['us'] / i4['us']:.2f}×" if (cb and i4) else "-"])
-    # the issue's bar: faster than every peer at every M; the closest call per peer
+    # the closest call per peer (its time over ours; above 1: we are faster)
     margins = {}
     for N, K in shapes:
         for M in ms:
@@ -228,18 +248,19 @@ def summary(result: dict) -> str:
     hdr = (f"GPU: {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, CUDA {result['cuda']}; "
            f"copy bandwidth {bw:.2f} TB/s (read+write). Median µs per call, CUDA graph of 20 calls, weights "
            f"rotated past 4× L2. % roof = (weight+scale+zero bytes + x + y) / bandwidth ÷ time. "
-           f"Our kernels launch programmatically on sm_90+ (kernels/pdl.py: a call's weight stream overlaps the "
-           f"previous call's tail); \"plain\": the same calls launched plainly, as the peers are. "
-           f"int4/int8 µs: the kernel the dispatch serves (path: the GEMV, or the mixed GEMM's 16-row tile where "
-           f"the tuner gave it 9..16 rows); GEMV µs: the GEMV kernel itself where it is not "
-           f"the one served.\n\n")
+           f"Our kernels launch programmatically on sm_90+ (RuntimeOptions.programmatic_launch, kernels/pdl.py: a "
+           f"call's weight stream overlaps the previous call's tail); \"plain\": the same calls launched plainly, "
+           f"as the peers are. "
+           f"int4/int8 µs: what a layer's kernel plan serves (kernels/plans.py; path: the GEMV, or the mixed "
+           f"GEMM's 16-row tile where the tuning table gives it 9..16 rows), at its measured launch; GEMV µs: "
+           f"the GEMV kernel itself, at its measured launch, where it is not the one served.\n\n")
     return (hdr + markdown_table(head, table) + "\n\n" + ratio_lines(rows, shapes)
             + "\nAgainst the peers (int4 vs the int4 peers, int8 vs gemlite w8):\n\n" + peer_margins(margins))
 
 
 def ratio_lines(rows, shapes) -> str:
-    """Issue 3's ratios per shape: M = 16 over M = 1 (served, and the GEMV's own), and the
-    largest bf16-vs-fp16 difference over the Ms."""
+    """Per shape: M = 16 over M = 1 (served, and the GEMV's own), and the largest
+    bf16-vs-fp16 difference over the Ms."""
     out = []
     for N, K in shapes:
         for fmt in FORMATS:
@@ -287,36 +308,18 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def grid_sweep(shapes, ms) -> None:
-    """Time several launches (k-warps x grid size) against the tuned one."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for N, K in shapes:
-        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-        for fmt, spec in FORMATS.items():
-            gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
-            for M in ms:
-                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-                tuned = time_calls([lambda g=g: ops.gemv(x, g) for g in gws])
-                res = {}
-                for kw in ops.K_WARPS:
-                    for b in (0, sms, 2 * sms, 3 * sms, ops.gemv_columns(N, kw, M)):
-                        res[kw, b] = time_calls([lambda g=g: ops.gemv(x, g, max_blocks=b, k_warps=kw) for g in gws])
-                best = min(res, key=res.get)
-                print(f"GRID {N}x{K} {fmt} M={M}: tuned {gws[0].grids.get(ops.gemv_tuning_m(M))} {tuned:.1f}us, "
-                      f"best {best} {res[best]:.1f}us | " + " ".join(f"{k}:{v:.1f}" for k, v in res.items()), flush=True)
-
-
 M_SWEEP = [1, 4, 16, 17, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096]
 # From this M on, the paths and cuBLAS fp16 are compute-bound and run at the card's power cap
 # (700 W on the H100 SXM; nvidia-smi read SM clocks from ~1.1 to ~1.4 GHz seconds apart), so two
 # timings taken seconds apart differ by up to ~10 %. There every path and cuBLAS fp16 are timed
-# in turn over rounds and compared round by round (docs/bench/dequant.md).
+# in turn over rounds and compared round by round.
 PAIRED_FROM_M, PAIRED_ROUNDS = 512, 9
 
 
-def m_sweep(shapes, ms, out_dir: Path) -> dict:
-    """Every path over M (issue 4): GEMV / mixed GEMM, dequantize + cuBLAS, what the
-    dispatcher picks, cuBLAS fp16 and the peers."""
+def m_sweep(shapes, ms, out_dir: Path, options: RuntimeOptions) -> dict:
+    """Every path over M: GEMV / mixed GEMM, dequantize + cuBLAS (each at the launch the plan
+    measured), what the plan serves ("dispatched", timed through the plan), cuBLAS fp16 and
+    the peers."""
     info = gpu_info()
     rows = []
     for N, K in shapes:
@@ -324,20 +327,22 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
         w = torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
         peers = Peers(w, copies_to_defeat_l2(N * K // 2))
         for fmt, spec in FORMATS.items():
-            gws, _ = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8))
-            crossover, gemv_reach = gws[0].max_kernel_m, gws[0].gemv_max_m
+            kps = ours(w, spec, torch.float16, copies_to_defeat_l2(N * K * spec.bits // 8), options)
+            plan = kps[0]
+            crossover, gemv_reach = plan.max_kernel_m, plan.gemv_max_m
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 calls = {}
-                if M <= ops.gemv_rows_limit(gws[0]):
-                    calls["gemv"] = [lambda g=g: ops.gemv(x, g) for g in gws]
-                if M > min(ops.GEMV_MAX_M, gemv_reach) and ops.supports_mixed_gemm(gws[0]):
-                    calls["mixed_gemm"] = [lambda g=g: ops.gemm(x, g) for g in gws]
-                calls["dequant_cublas"] = [lambda g=g: F.linear(x, ops.dequantize(g)) for g in gws]
-                # what models/dispatch.py runs: the GEMV up to its measured reach, the mixed
-                # GEMM up to the crossover, dequantize + cuBLAS beyond
-                kernel = "gemv" if M <= gemv_reach else "mixed_gemm"
-                served = kernel if (M <= crossover and kernel in calls) else "dequant_cublas"
+                if M <= ops.gemv_rows_limit(plan.gw):
+                    calls[plans.GEMV] = gemv_calls(x, kps)
+                if M > min(ops.limits().gemv_max_m, gemv_reach) and plan.mixed_gemm:
+                    config, splits = plan.gemm_launch(M)
+                    calls[plans.MIXED_GEMM] = [lambda p=p: ops.gemm(x, p.gw, None, config, splits) for p in kps]
+                calls[plans.DEQUANT_CUBLAS] = [lambda p=p: F.linear(x, ops.dequantize(p.gw)) for p in kps]
+                # what a layer runs: the GEMV up to its measured reach, the mixed GEMM up to the
+                # crossover, dequantize + cuBLAS beyond -- timed through the plan itself
+                served = plan.path(M)
+                calls[served] = [lambda p=p: p(x) for p in kps]
                 rounds = None
                 if M < PAIRED_FROM_M:
                     t = {path: time_calls(fns) for path, fns in calls.items()}
@@ -346,10 +351,10 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                     rounds = [{path: time_calls(fns) for path, fns in calls.items()} for _ in range(PAIRED_ROUNDS)]
                     t = {path: statistics.median(r[path] for r in rounds) for path in calls}
                     del t["cublas_paired"]
-                paths = [p for p in t if p in ("gemv", "mixed_gemm", "dequant_cublas")]
+                paths = [p for p in t if p in (plans.GEMV, plans.MIXED_GEMM, plans.DEQUANT_CUBLAS)]
                 t["dispatched"] = t[served]
-                # Peers once per shape; beyond M = 256 (the issue's peer range) cuBLAS only:
-                # tinygemm alone takes milliseconds a call there.
+                # Peers with the int4 rows; beyond M = 256 cuBLAS only: tinygemm alone takes
+                # milliseconds a call there.
                 if fmt == "int4_g128":
                     t.update(peers.timings(x, others=M <= 256))
                 cell = {impl: dict(N=N, K=K, M=M, fmt=fmt, impl=impl, us=us, crossover=crossover, gemv_max_m=gemv_reach)
@@ -363,11 +368,11 @@ def m_sweep(shapes, ms, out_dir: Path) -> dict:
                         paired_speedup=statistics.median(r["cublas_paired"] / r[served] for r in rounds))
                 print(f"MSWEEP {N}x{K} {fmt} M={M} (GEMV to {gemv_reach}, crossover {crossover}): "
                       + "  ".join(f"{k}={v:.1f}" for k, v in t.items()) + f"  dispatched / fastest {vs_fastest:.3f}"
-                      + (f"  vs cuBLAS fp16 per round: " + " ".join(f"{r['cublas_paired'] / r[served]:.3f}" for r in rounds)
+                      + ("  vs cuBLAS fp16 per round: " + " ".join(f"{r['cublas_paired'] / r[served]:.3f}" for r in rounds)
                          if rounds else ""), flush=True)
             # what is measured so far survives a run cut short (the GPU machine's time limit)
             write_json(out_dir / "kernels_msweep.json", dict(info, rows=rows, complete=False))
-        del peers, gws
+        del peers, kps, plan
         torch.cuda.empty_cache()
     result = dict(info, rows=rows, complete=True)
     write_json(out_dir / "kernels_msweep.json", result)
@@ -414,7 +419,7 @@ def msweep_summary(result: dict) -> str:
                           g("int4_g128", "tinygemm_int4_bf16"), g("int4_g128", "gemlite_w4_fp16"),
                           g("int4_g128", "gemlite_w8_fp16"), g("int4_g128", "bnb_nf4_fp16"), vs_cublas("int4_g128"),
                           vs_cublas("int8_channel"), vs_fastest("int4_g128"), vs_fastest("int8_channel")])
-            if 17 <= M <= 256:  # the issue's range for the peers
+            if 17 <= M <= 256:  # past the decode batches, where every peer is timed
                 for ours_us, peer in [(d4, "tinygemm_int4_bf16"), (d4, "gemlite_w4_fp16"), (d4, "bnb_nf4_fp16"),
                                       (d8, "gemlite_w8_fp16")]:
                     q = g("int4_g128", peer)
@@ -495,10 +500,9 @@ def plot_msweep(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
-    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--ms", help=f"default {','.join(map(str, MS))}; with --m-sweep {','.join(map(str, M_SWEEP))}")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--dtypes", default="float16,bfloat16")
-    ap.add_argument("--grid-sweep", action="store_true")
     ap.add_argument("--m-sweep", action="store_true", help="every path over M up to 4096 (crossovers)")
     ap.add_argument("--merge-msweeps", nargs="+", type=Path, metavar="JSON",
                     help="write one M-sweep table (--out) from runs over disjoint shape groups")
@@ -507,15 +511,13 @@ def main() -> None:
         print(msweep_summary(merge_msweeps(a.merge_msweeps, a.out)))
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    ms = [int(m) for m in a.ms.split(",")]
-    assert ops.available(), "woq CUDA kernels unavailable"
-    if a.grid_sweep:
-        grid_sweep(shapes, ms)
-        return
+    ms = [int(m) for m in a.ms.split(",")] if a.ms else (M_SWEEP if a.m_sweep else MS)
+    options = RuntimeOptions()
+    assert build.load(options), "woq CUDA kernels unavailable"
     if a.m_sweep:
-        print(msweep_summary(m_sweep(shapes, [int(m) for m in a.ms.split(",")] if a.ms != ",".join(map(str, MS)) else M_SWEEP, a.out)))
+        print(msweep_summary(m_sweep(shapes, ms, a.out, options)))
         return
-    res = run(shapes, ms, a.out, [getattr(torch, d) for d in a.dtypes.split(",")])
+    res = run(shapes, ms, a.out, [getattr(torch, d) for d in a.dtypes.split(",")], options)
     print(summary(res))
 
 

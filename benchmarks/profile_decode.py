@@ -1,17 +1,24 @@
 """Where one decode step's time goes (GPU): a kernel-level profile of a batch-1 step.
 
-For each model (random weights, real shapes), with the fused decoder kernels
-(``kernels/fused.py``) and with the plain torch ops:
+For each model (random weights, real shapes, int4 g128), with the fused decoder kernels
+(``kernels/fused.py``) and with the plain torch ops (``RuntimeOptions.fused_ops``), the
+step the engine runs (its ``DecodeRunner``: the persistent step where the model asks for
+it, else a kernel per op):
 
 * kernels of one eager decode step (torch.profiler, CUDA activity), grouped by what they
   do: count and summed GPU time;
 * the same step replayed as a CUDA graph (median over replays, CUDA events): the kernels'
-  time plus the gaps between them;
+  time plus the gaps between them; with programmatic launches and without;
+* the step's linear layers alone, the graph step of 16 sequences, and prefills;
 * the engine's batch-1 decode rate, i.e. the graph plus the host's work per step
   (scheduling, sampling, copying the token to the host).
 
+``--ablation``: the graph step under other runtime options -- the kernel-per-op step
+against the persistent step with other L2 hints, ring depths and attention shares
+(``DecodeStepOptions``) -- and other launch points of the add + RMSNorm kernels.
+
     python benchmarks/profile_decode.py --out docs/bench
-    python benchmarks/profile_decode.py --ablation --models llama3-8b   # what each part adds
+    python benchmarks/profile_decode.py --ablation --models llama3-8b
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import contextlib
 import re
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,19 +38,21 @@ from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa:
 from engine import CONTEXT, NEW, PROMPT, configs, decode_tps, random_state, weight_bytes  # noqa: E402
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from woq.engine.decode import DecodeRunner  # noqa: E402
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams, greedy  # noqa: E402
-from woq.kernels import pdl  # noqa: E402
+from woq.kernels.options import RuntimeOptions  # noqa: E402
 from woq.kernels.timing import graph_time_us  # noqa: E402
-from woq.models import llama  # noqa: E402
-from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.batches import Decode, Prefill  # noqa: E402
+from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
-from woq.models.llama import Batch  # noqa: E402
 
 # (group, regex on the kernel name), first match wins
 GROUPS = [
+    ("lm_head / dense: woq dense GEMV", r"dense_gemv_kernel"),
     ("linear: woq GEMV", r"gemv_kernel|gemv_stream_kernel"),
     ("linear: woq mixed GEMM", r"woq::gemm_kernel"),
+    ("linear: woq dequantize (for cuBLAS)", r"dequant_kernel"),
     ("lm_head / dense: cuBLAS", r"gemm|gemv2|sm90|sm80|cutlass|cublas|Kernel2|splitK"),
     ("persistent decode step (every decoder layer)", r"decode_step_kernel"),
     ("attention, with RoPE + KV write (Triton)", r"_decode_attention"),
@@ -59,22 +69,29 @@ def group_of(name: str) -> str:
     return next(g for g, pattern in GROUPS if re.search(pattern, name))
 
 
+def rebind(model, options: RuntimeOptions) -> None:
+    """The model's kernels bound for ``options`` (only where they differ from its own:
+    binding repacks every quantized weight)."""
+    if model.options != options:
+        bind_kernels(model, options)
+
+
 def step_inputs(model, cache, position: int = PROMPT):
     """A batch-1 decode step at ``position`` of slot 0 (after a prefill of that many tokens)."""
     dev = model.device
     prompt = torch.randint(0, model.cfg.vocab_size, (1, position), device=dev)
-    model(prompt, Batch.prefill([position], [0], dev), cache, last_only=True)
+    model(prompt, Prefill.pack([position], [0], dev), cache, last_only=True)
     ids = prompt[:, -1:]
     pos = torch.full((1, 1), position, device=dev)
     return ids, pos, torch.tensor([0], device=dev)
 
 
 def eager_kernels(model, cache, ids, pos, slots) -> dict[str, dict]:
-    """Kernels of one eager decode step: {group: {count, us}}."""
+    """Kernels of one eager decode step as the engine runs it: {group: {count, us}}."""
+    runner = DecodeRunner(model, cache)
 
     def step():
-        logits = model(ids, Batch(pos, slots, lengths=pos[:, 0] + 1), cache, last_only=True)
-        return greedy(logits)  # (the engine's greedy pick)
+        return greedy(runner(ids, Decode.at(pos, slots)))  # (the engine's greedy pick)
 
     return kernels_of(step)
 
@@ -115,8 +132,10 @@ def host_ops(step, rows: int = 14) -> str:
 
 
 def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
-    """Median µs of one decode step of ``ids.shape[0]`` sequences replayed as a CUDA graph."""
-    graphs = DecodeGraphs(model, cache, ids.shape[0], scratch_slot=cache.num_slots - 1)
+    """Median µs of one decode step of ``ids.shape[0]`` sequences replayed as a CUDA graph
+    (the engine's step: a new ``DecodeRunner``, so a persistent step built for the model's
+    current options)."""
+    graphs = DecodeGraphs(DecodeRunner(model, cache), ids.shape[0], scratch_slot=cache.num_slots - 1)
     graphs.capture()
     times = []
     for _ in range(replays):
@@ -167,7 +186,7 @@ def prefill_ms_of(model, cache, prompts: int = 1, repeats: int = 5) -> tuple[flo
     forward (slots 0, 1, ...), as the engine runs it, and its kernels by group."""
     dev = model.device
     prompt = torch.randint(0, model.cfg.vocab_size, (1, prompts * PROMPT), device=dev)
-    batch = Batch.prefill([PROMPT] * prompts, list(range(prompts)), dev)
+    batch = Prefill.pack([PROMPT] * prompts, list(range(prompts)), dev)
 
     def step():
         return model(prompt, batch, cache, last_only=True).argmax(-1).tolist()
@@ -185,23 +204,24 @@ def prefill_ms_of(model, cache, prompts: int = 1, repeats: int = 5) -> tuple[flo
     return statistics.median(times), kernels_of(step)
 
 
-def profile_model(name: str, bw: float) -> list[dict]:
+def profile_model(name: str, bw: float, base: RuntimeOptions) -> list[dict]:
     config = configs()[name]
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
-                        progress=False)
+                        progress=False, options=base)
     cfg = model.cfg
     linears_us = linears_alone_us(model)
     print("linears alone, graph µs:", {k: round(v, 1) for k, v in linears_us.items()}, flush=True)
     rows = []
     for fused in (True, False):
-        llama.set_fused_ops(fused)
+        options = replace(base, fused_ops=fused)
+        rebind(model, options)
         cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
         ids, pos, slots = step_inputs(model, cache)
         groups = eager_kernels(model, cache, ids, pos, slots)
         graph_us = graph_step_us(model, cache, ids, pos, slots)
-        pdl.set_enabled(False)  # the same step captured with plain launches
+        rebind(model, replace(options, programmatic_launch=False))  # the same step captured with plain launches
         graph_plain_us = graph_step_us(model, cache, ids, pos, slots)
-        pdl.set_enabled(True)
+        rebind(model, options)
         del cache
         # batch 16 (the GEMV's second row block) at the same position, and one eager
         # PROMPT-token prefill (what a new sequence costs the running ones)
@@ -229,117 +249,7 @@ def profile_model(name: str, bw: float) -> list[dict]:
         print({k: v for k, v in rows[-1].items() if k not in ("groups", "prefill_groups")}, flush=True)
         for g, v in sorted(groups.items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {g:40s} {v['count']:5d} {v['us']:9.1f} us  {v['names']}", flush=True)
-    llama.set_fused_ops(True)
     return rows
-
-
-@contextlib.contextmanager
-def _without(part: str):
-    """The decoder with one kind of its non-GEMV kernels replaced by a view of its input
-    (no kernel at all): what remains of the step is its GEMVs and the other parts, so the
-    graph step's difference is what that part costs in place, its launch and the wait it
-    puts between two GEMVs included. Batch 1 only (the views assume one row)."""
-    from woq.kernels import decode_attention, fused
-
-    originals = {"norm": (fused, "add_rms_norm"), "attention": (decode_attention, "rope_cache_attention")}
-    stand_ins = {
-        "norm": lambda x, residual, weight, eps, launch_next="start": (x, x if residual is None else residual),
-        "attention": lambda qkv, positions, slots, lengths, cos, sin, k, v, heads, head_dim, **options:
-            qkv.reshape(-1)[: heads * head_dim].view(1, heads, head_dim),
-    }
-    parts = [p for p in part.split("+") if p]
-    saved = {p: getattr(*originals[p]) for p in parts}
-    for p in parts:
-        setattr(*originals[p], stand_ins[p])
-    try:
-        with _attention_in_o(False) if "attention" in parts else contextlib.nullcontext():
-            yield
-    finally:
-        for p in parts:
-            setattr(*originals[p], saved[p])
-
-
-@contextlib.contextmanager
-def _class_setting(cls, name: str, value):
-    """``cls.name = value`` for the block, the previous value back after it."""
-    saved = getattr(cls, name)
-    setattr(cls, name, value)
-    try:
-        yield
-    finally:
-        setattr(cls, name, saved)
-
-
-def _attention_in_o(enabled: bool):
-    """The decode attention done by the o GEMV's grid (kernels/csrc/attention.cuh), or as its
-    own kernel before it (decode_attention.py): models/llama.py, ``Attention.attention_in_o``."""
-    from woq.models.llama import Attention
-
-    return _class_setting(Attention, "attention_in_o", enabled)
-
-
-def kernel_per_op_step():
-    """The batch-1 decode step as one kernel per op (models/llama.py: ``CausalLM.persistent_decode``
-    off), the step the ablation's variants other than the persistent ones change."""
-    from woq.models.llama import CausalLM
-
-    return _class_setting(CausalLM, "persistent_decode", False)
-
-
-@contextlib.contextmanager
-def _persistent_decode(skip: int = 0, model=None, **options):
-    """Every decoder layer of a batch-1 step in one persistent kernel (kernels/decode_step.py):
-    models/llama.py, ``CausalLM.persistent_decode``; ``skip``: parts it leaves out, for
-    timing only (``DecodeStep.skip``); ``options``: other ``cache_hints``, ``ring_slots`` or
-    ``max_shares`` (the step is then rebuilt for ``model``, before and after)."""
-    from woq.kernels.decode_step import DecodeStep
-    from woq.models.llama import CausalLM
-
-    with contextlib.ExitStack() as settings:
-        settings.enter_context(_class_setting(CausalLM, "persistent_decode", True))
-        for k, v in {"skip": skip, **options}.items():
-            settings.enter_context(_class_setting(DecodeStep, k, v))
-        if model is not None:
-            model._decode_steps.clear()
-        try:
-            yield
-        finally:
-            if model is not None:
-                model._decode_steps.clear()
-
-
-@contextlib.contextmanager
-def _attention_with(**options):
-    """Decode attention with other shares (``splits``), tiles (``block``) or pipeline
-    ``stages`` than its defaults (``decode_attention.tiles``)."""
-    from woq.kernels import decode_attention
-
-    original = decode_attention.rope_cache_attention
-    decode_attention.rope_cache_attention = lambda *a, **kw: original(*a, **{**kw, **options})
-    try:
-        with _attention_in_o(False):
-            yield
-    finally:
-        decode_attention.rope_cache_attention = original
-
-
-@contextlib.contextmanager
-def _swiglu_kernel():
-    """SwiGLU's activation as its own kernel after the gate/up GEMV, as before the GEMV's
-    epilogue took it (``ops.gemv(..., swiglu=True)``): what that fusion saves."""
-    from woq.kernels import fused, ops
-
-    original = ops.run_path
-
-    def separate(path, x, gw, bias, swiglu=False):
-        y = original(path, x, gw, bias)
-        return fused.silu_mul(y, interleaved=gw.swiglu_rows) if swiglu else y
-
-    ops.run_path = separate
-    try:
-        yield
-    finally:
-        ops.run_path = original
 
 
 @contextlib.contextmanager
@@ -358,123 +268,56 @@ def _norms_launching(model, input_norm: str | None = None, post_norm: str | None
             layer.input_norm.launch_next, layer.post_norm.launch_next = i, p
 
 
-@contextlib.contextmanager
-def _gemv_grids(model, grids: dict[str, tuple[int, int]], m: int = 1):
-    """Every layer's GEMVs of the kinds in ``grids`` launched at ``m`` rows with the register
-    stream at (k-warps, blocks; 0: the kernel's own count) instead of their tuned launch."""
-    from woq.kernels import ops
-
-    weights = [(lin.gpu, grids[kind]) for kind, _, lin in decoder_linears(model) if kind in grids]
-    saved = [gw.grids.get(m) for gw, _ in weights]
-    for gw, (k_warps, blocks) in weights:
-        gw.grids[m] = (k_warps, blocks, ops.GEMV_STREAM)
-    try:
-        yield
-    finally:
-        for (gw, _), g in zip(weights, saved):
-            if g is None:  # (no tuned launch at m: the kernel's own choice again)
-                gw.grids.pop(m, None)
-            else:
-                gw.grids[m] = g
+# label: (the persistent step's settings, DecodeStepOptions fields -- None: a kernel per op
+# --, the add + RMSNorm kernels' launch points). "full step" is the baseline: the
+# kernel-per-op step, which the launch variants change (at batch 1 the 8B model's served
+# step is the persistent one: CausalLM.wants_persistent_decode).
+ABLATIONS = {
+    "full step": (None, {}),
+    "persistent step: every layer in one kernel": ({}, {}),
+    **{f"persistent step, L2: {label}": ({"cache_hints": hints}, {})
+       for hints, label in ((0, "no hints"), (1, "weights evict_first only"), (2, "small data prefetched only"))},
+    **{f"persistent step, {n} ring slots": ({"ring_slots": n}, {}) for n in (2, 3, 4)},
+    **{f"persistent step, at most {n} shares a KV head": ({"max_shares": n}, {}) for n in (1, 2, 4, 8)},
+    "launch: post-attention norm lets gate/up launch at its start": (None, {"post_norm": "start"}),
+    "launch: post-attention norm lets gate/up launch at its end": (None, {"post_norm": "end"}),
+    "launch: input norm lets qkv launch after its inputs": (None, {"input_norm": "inputs"}),
+}
 
 
 @contextlib.contextmanager
-def _with(*variants):
-    """Several variants at once."""
-    with contextlib.ExitStack() as stack:
-        for v in variants:
-            stack.enter_context(v)
+def _variant(model, base: RuntimeOptions, label: str):
+    """The model bound for ``label``'s options and launch points, for the block."""
+    step, norms = ABLATIONS[label]
+    enabled = step is not None
+    rebind(model, replace(base, decode_step=replace(base.decode_step, enabled=enabled, **(step or {}))))
+    with _norms_launching(model, **norms):
         yield
 
 
-# Other GEMV grids in the step than the tuner's (measured alone, after an add + RMSNorm:
-# kernels/tuning.py), as (label, kind, k-warps, blocks); H100 results in
-# docs/bench/decode_step_tried.md.
-GRID_VARIANTS = [("o 4 k-warps, 128 blocks", "o", 4, 0), ("o 2 k-warps, 128 blocks", "o", 2, 128),
-                 ("o 1 k-warp, 128 blocks", "o", 1, 128), ("o 2 k-warps, 256 blocks", "o", 2, 256),
-                 ("qkv 2 k-warps, 96 blocks", "qkv", 2, 96), ("qkv 8 k-warps, 384 blocks", "qkv", 8, 0),
-                 ("gate/up 1 k-warp, 448 blocks", "gate_up", 1, 448), ("gate/up 4 k-warps, 896 blocks", "gate_up", 4, 0),
-                 ("gate/up 8 k-warps, 1792 blocks", "gate_up", 8, 0), ("down 1 k-warp, 256 blocks", "down", 1, 256),
-                 ("down 2 k-warps, 128 blocks", "down", 2, 128), ("down 4 k-warps, 256 blocks", "down", 4, 0),
-                 ("down 8 k-warps, 256 blocks (no split-K)", "down", 8, 0)]
-
-ABLATIONS = {"full step": lambda model: contextlib.nullcontext(),
-             "no add + RMSNorm": lambda model: _without("norm"),
-             "SiLU * up as its own kernel": lambda model: _swiglu_kernel(),
-             "no attention": lambda model: _without("attention"),
-             "attention done by o's GEMV grid": lambda model: _attention_in_o(True),
-             "persistent step: every layer in one kernel": lambda model: _persistent_decode(),
-             "persistent step, L2: no hints": lambda model: _persistent_decode(cache_hints=0),
-             "persistent step, L2: weights evict_first": lambda model: _persistent_decode(cache_hints=1),
-             "persistent step, L2: small data prefetched": lambda model: _persistent_decode(cache_hints=2),
-             "persistent step, L2: weights evict_first, small data prefetched":
-                 lambda model: _persistent_decode(cache_hints=3),
-             **{f"persistent step, L2: weights evict_first, small data prefetched, {n} ring slots":
-                (lambda model, n=n: _persistent_decode(cache_hints=3, ring_slots=n)) for n in (2, 3, 4)},
-             **{f"persistent step, at most {n} shares a KV head": (lambda model, n=n: _persistent_decode(
-                 model=model, max_shares=n)) for n in (1, 2, 4, 8)},
-             # (timing only: the parts of the persistent step, left out; its results are then wrong)
-             "persistent step without its attention": lambda model: _persistent_decode(skip=1),
-             "persistent step without its attention, L2: weights evict_first, small data prefetched":
-                 lambda model: _persistent_decode(skip=1, cache_hints=3),
-             "persistent step without its GEMV arithmetic": lambda model: _persistent_decode(skip=2),
-             "persistent step without waits (blocks run free)": lambda model: _persistent_decode(skip=4),
-             "persistent step without waits and attention": lambda model: _persistent_decode(skip=5),
-             "persistent step streaming only (no attention, arithmetic, waits)":
-                 lambda model: _persistent_decode(skip=7),
-             "GEMVs, embedding, LM head only": lambda model: _without("norm+attention"),  # (SiLU: in the gate/up GEMV)
-             "attention, tiles of 128 tokens, 1 stage": lambda model: _attention_with(block=128, stages=1),
-             "attention, tiles of 64 tokens, 3 stages": lambda model: _attention_with(block=64, stages=3),
-             "attention, tiles of 256 tokens, 1 stage": lambda model: _attention_with(block=256, stages=1),
-             "attention, 8 shares": lambda model: _attention_with(splits=8),
-             # (the model's own: the post-attention norm lets gate/up launch after its inputs, the
-             # input norm and attention let the next kernel launch at their start; models/llama.py)
-             "launch: post-attention norm lets gate/up launch at its start":
-                 lambda model: _norms_launching(model, post_norm="start"),
-             "launch: post-attention norm lets gate/up launch at its end":
-                 lambda model: _norms_launching(model, post_norm="end"),
-             "launch: input norm lets qkv launch after its inputs": lambda model: _norms_launching(model, input_norm="inputs"),
-             "launch: attention lets o launch after its q": lambda model: _attention_with(launch_next="inputs"),
-             "launch: attention lets o launch at its end": lambda model: _attention_with(launch_next="end"),
-             # attention's programs small enough to share an SM with a GEMV block (Triton's maxnreg)
-             "regs: attention 8 warps, <= 128 registers": lambda model: _attention_with(max_registers=128),
-             "regs: attention 4 warps, <= 128 registers": lambda model: _attention_with(warps=4, max_registers=128),
-             "regs: attention 4 warps, <= 128 registers, tiles of 64":
-                 lambda model: _attention_with(warps=4, max_registers=128, block=64, stages=1),
-             "regs: attention 4 warps, <= 64 registers, tiles of 64":
-                 lambda model: _attention_with(warps=4, max_registers=64, block=64, stages=1),
-             "regs: attention 8 warps, <= 128 registers + o 4 k-warps, 128 blocks":
-                 lambda model: _with(_attention_with(max_registers=128), _gemv_grids(model, {"o": (4, 0)})),
-             "grid: o 4 k-warps, 128 blocks + down 8 k-warps, 256 blocks":
-                 lambda model: _gemv_grids(model, {"o": (4, 0), "down": (8, 0)}),
-             **{f"grid: {label}": (lambda model, kind=kind, grid=(kw, blocks): _gemv_grids(model, {kind: grid}))
-                for label, kind, kw, blocks in GRID_VARIANTS}}
-TAKEN_OUT = ("no ", "GEMVs", "persistent")  # batch 1 only: views of one row, the one-sequence kernel
-
-
-def ablation(name: str, position: int, batch: int = 1, rounds: int = 3, only: tuple[str, ...] = ()) -> dict:
-    """Graph step (median µs) of ``batch`` sequences at ``position`` with each part of the
-    decoder taken out (batch 1 only), and with other shares, tiles or stages of the decode
-    attention; the variants alternate over ``rounds`` rounds and each reports the median of
-    its rounds. ``only``: the variants whose label contains one of these (and the full step)."""
+def ablation(name: str, position: int, base: RuntimeOptions, batch: int = 1, rounds: int = 3,
+             only: tuple[str, ...] = ()) -> dict:
+    """Graph step (median µs) of ``batch`` sequences at ``position`` under each variant of
+    ``ABLATIONS`` (the persistent ones at batch 1 only: it is a one-sequence step); the
+    variants alternate over ``rounds`` rounds and each reports the median of its rounds.
+    ``only``: the variants whose label contains one of these (and the full step)."""
     config = configs()[name]
     model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT,
-                        progress=False)
+                        progress=False, options=base)
     cfg = model.cfg
     cache = KVCache(cfg.num_layers, batch + 1, cfg.num_kv_heads, CONTEXT, cfg.head_dim, model.dtype, "cuda")
     ids, pos, slots = step_inputs(model, cache, position)
     if batch > 1:  # (the other rows attend over whatever their slots hold: the same amount of work)
         ids, pos = ids.expand(batch, 1).contiguous(), pos.expand(batch, 1).contiguous()
         slots = torch.arange(batch, device=ids.device)
-    variants = {k: v for k, v in ABLATIONS.items() if (batch == 1 or not k.startswith(TAKEN_OUT))
-                and (k == "full step" or not only or any(o in k for o in only))}
+    variants = [k for k, (step, _) in ABLATIONS.items() if (batch == 1 or step is None)
+                and (k == "full step" or not only or any(o in k for o in only))]
     times: dict[str, list[float]] = {k: [] for k in variants}
-    with kernel_per_op_step():
-        for _ in range(rounds):
-            for label, variant in variants.items():
-                with variant(model):
-                    times[label].append(graph_step_us(model, cache, ids, pos, slots))
-                print(f"{name} b{batch} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
+    for _ in range(rounds):
+        for label in variants:
+            with _variant(model, base, label):
+                times[label].append(graph_step_us(model, cache, ids, pos, slots))
+            print(f"{name} b{batch} @{position} {label}: {times[label][-1]:.1f} us", flush=True)
     del model, cache
     torch.cuda.empty_cache()
     full = statistics.median(times["full step"])
@@ -487,10 +330,9 @@ def ablation_summary(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}, torch {result['torch']}. int4 g128 random weights, decode at the batch and "
              "position shown; graph step: median µs of 200 CUDA-graph replays (programmatic launches), each variant captured "
              f"afresh, the variants alternating over {result.get('rounds', 3)} rounds (median of the rounds). \"full step\": "
-             "the kernel-per-op step, which every variant but the persistent ones changes (at batch 1 the served "
-             "8B step is the persistent one: models/llama.py). \"no X\": that kind of kernel "
-             "replaced by a view of its input, so \"saved\" is what it costs in place, its launch and the wait "
-             "between the GEMVs around it included (batch 1 only). `python benchmarks/profile_decode.py --ablation`\n"]
+             "the kernel-per-op step, which the launch variants change; the persistent step's variants (batch 1 only) "
+             "are its DecodeStepOptions (at batch 1 the served 8B step is the persistent one with the defaults). "
+             "\"saved\": the full step's µs minus the variant's. `python benchmarks/profile_decode.py --ablation`\n"]
     for m in result["models"]:
         lines.append(f"\n**{m['model']}, batch {m.get('batch', 1)}, position {m['position']}**\n")
         lines.append(markdown_table(["variant", "graph step µs", "saved µs", "per layer µs"],
@@ -501,9 +343,10 @@ def ablation_summary(result: dict) -> str:
 
 def summary(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
-             f"int4 g128 random weights, batch 1, decode at position {PROMPT} ({NEW}-token runs for the engine rate). "
-             "Kernel µs: summed GPU time of one eager step's kernels (torch.profiler); graph step: the same step replayed "
-             "as a CUDA graph (median of 200, CUDA events), with programmatic launches (kernels/pdl.py, the default) and "
+             f"int4 g128 random weights, batch 1, decode at position {PROMPT} ({NEW}-token runs for the engine rate), "
+             "the step the engine runs (engine/decode.py: the persistent step where the model asks for it and the "
+             "fused ops are on, else a kernel per op). Kernel µs: summed GPU time of one eager step's kernels (torch.profiler); graph step: the same step replayed "
+             "as a CUDA graph (median of 200, CUDA events), with programmatic launches (RuntimeOptions.programmatic_launch, the default) and "
              "without; its linears alone: the step's linear layers and LM head in the same order on fixed inputs, one "
              "graph, nothing else (linears_alone_us in the JSON has each kind); engine step: 1 / the engine's batch-1 decode rate; graph step b16: the graph of 16 sequences "
              f"at that position; prefill: one eager {PROMPT}-token prompt with its first token, and 16 of them packed into "
@@ -529,7 +372,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2-135m,llama3-8b")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
-    ap.add_argument("--ablation", action="store_true", help="graph step with each non-GEMV part taken out")
+    ap.add_argument("--ablation", action="store_true",
+                    help="graph step under other decode-step options and launch points")
     ap.add_argument("--positions", default=f"{PROMPT},1024", help="decode positions of the ablation")
     ap.add_argument("--batches", default="1,4,16", help="batch sizes of the ablation")
     ap.add_argument("--variants", default="", help="comma-separated parts of the ablation variants' labels to run "
@@ -537,16 +381,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the ablation's alternating variants")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    base = RuntimeOptions()
     if args.ablation:
         only = tuple(v for v in args.variants.split(",") if v)
-        result = dict(gpu_info(), rounds=args.rounds, models=[ablation(name, int(p), int(b), rounds=args.rounds, only=only) for name in args.models.split(",")
-                                          for b in args.batches.split(",") for p in args.positions.split(",")])
+        result = dict(gpu_info(), rounds=args.rounds,
+                      models=[ablation(name, int(p), base, int(b), rounds=args.rounds, only=only)
+                              for name in args.models.split(",")
+                              for b in args.batches.split(",") for p in args.positions.split(",")])
         write_json(args.out / "decode_ablation.json", result)
         (args.out / "decode_ablation.md").write_text(ablation_summary(result))
         print(ablation_summary(result))
         return
     bw = copy_bandwidth()
-    rows = [r for name in args.models.split(",") for r in profile_model(name, bw)]
+    rows = [r for name in args.models.split(",") for r in profile_model(name, bw, base)]
     result = dict(gpu_info(), bandwidth_bytes_per_s=bw, rows=rows)
     write_json(args.out / "decode_profile.json", result)
     (args.out / "decode_profile.md").write_text(summary(result))

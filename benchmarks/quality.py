@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from woq.models.builder import QuantConfig  # noqa: E402
-from woq.models.checkpoint import save_checkpoint  # noqa: E402
-from woq.models.evaluate import DEFAULT_TEXT, perplexity  # noqa: E402
-from woq.models.fetch import fetch_default_model  # noqa: E402
-from woq.models.loader import load_model, read_checkpoint  # noqa: E402
-from woq.models.quantize import quantize_model  # noqa: E402
+from woq.models.builder import QuantConfig
+from woq.models.checkpoint import save_checkpoint
+from woq.models.evaluate import DEFAULT_TEXT, perplexity
+from woq.models.fetch import fetch_default_model
+from woq.models.loader import load_model, read_checkpoint
+from woq.models.quantize import quantize_model
 
 RTN = [("fp32 (unquantized)", QuantConfig("none")), ("int8 per-channel sym (RTN)", QuantConfig("int8")),
        ("int4 g128 asym (RTN)", QuantConfig("int4", 128)), ("int4 g64 asym (RTN)", QuantConfig("int4", 64)),
@@ -32,7 +29,7 @@ GPTQ = [("int4 g128 asym (GPTQ)", QuantConfig("int4", 128), False),
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=Path("docs"))

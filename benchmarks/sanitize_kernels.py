@@ -13,15 +13,16 @@ import itertools
 
 import torch
 
-from woq.kernels import ops
+from woq.kernels import build, ops
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.layout import pack_for_gpu
+from woq.kernels.options import RuntimeOptions
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--gemm-only", action="store_true")
 gemm_only = parser.parse_args().gemm_only
 
-assert ops.available()
+assert build.load(RuntimeOptions()), "woq CUDA kernels unavailable"
 torch.manual_seed(0)
 GEMM_LAUNCHES = [(17, 0, 0), (70, 1, 3), (129, 2, 2), (33, 2, 1)]  # (M, config, splits)
 if ops.wgmma_configs_available():
