@@ -18,7 +18,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY docker/install.sh docker/install.sh
 COPY woq woq
 COPY service service
@@ -28,7 +28,7 @@ COPY kernels kernels
 # Same install script as `make install` (and CI); torch for CUDA 12.8, kernels built ahead of time.
 ENV TORCH_SPEC=torch==2.11.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128 WOQ_EXTRAS="" \
     WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;8.9;9.0a" MAX_JOBS=4
-RUN python -m pip install --quiet setuptools==75.8.0 wheel==0.45.1 ninja==1.11.1.3 \
+RUN python -m pip install --quiet setuptools==80.9.0 wheel==0.45.1 ninja==1.11.1.3 \
  && sh docker/install.sh \
  && python -c "import pathlib, woq.kernels as k; assert list(pathlib.Path(k.__file__).parent.glob('_C*.so'))"
 

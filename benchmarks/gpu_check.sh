@@ -59,7 +59,7 @@ for stage in "$@"; do
     tune) run tune bash -c "$PY benchmarks/tune_shapes.py ${TUNE_ARGS:-} && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
     serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
                --concurrency 1,4,16,64 --requests-per-client 5 --offline --out "$OUT" --name "${SERVING_NAME:-serving_h100_smollm2_int4}" ;;
-    e2e) WOQ_EVAL_TEXT=$PWD/.carry2/test.txt run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
+    e2e) run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     racecheck)  # shared-memory hazards and barrier misuse in the mixed GEMM (ring barriers: mbarriers, cp.async)
       run racecheck bash -c "compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only && compute-sanitizer --tool synccheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only" ;;

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext-2" / "test.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "wikitext-2" / "test.txt"  # (shipped: data/wikitext-2/README.md)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from .batches import Causal
 from .llama import CausalLM
 from .quant_linear import DenseLinear, WeightOnlyLinear
 
-DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext-2" / "valid.txt"
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"  # (shipped, as DEFAULT_TEXT)
 
 
 def calibration_windows(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:

@@ -114,3 +114,22 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips counted by reason (hundreds of GPU tests skip on a CPU machine), and the optional
+    tools whose absence skipped tests named at the very end."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.section("skipped, by reason")
+    for reason, n in sorted(reasons.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{n:5d}  {reason}")
+    missing = [reason for reason in reasons if reason.startswith("needs ") and "GPU" not in reason]
+    for reason in missing:
+        terminalreporter.write_line(f"optional tool missing: {reason.removeprefix('needs ')}", yellow=True, bold=True)

@@ -1,8 +1,6 @@
 """SmolLM2 through the CUDA kernels against the reference path on the same GPU (issue 3's
 end-to-end check): same greedy tokens for 32 steps (up to the reference's own near-ties),
 perplexity within 0.1 %."""
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -89,10 +87,7 @@ def test_kernels_match_the_reference_path(smollm2_dir, quant):
     assert {p for p, big in paths.seen if big} <= {plans.MIXED_GEMM, plans.DEQUANT_CUBLAS, plans.DENSE}
     _assert_same_greedy_tokens_up_to_ties(fast, ref, PROMPTS, fast_tokens, _greedy(ref, PROMPTS))
 
-    text_path = Path(os.environ.get("WOQ_EVAL_TEXT", DEFAULT_TEXT))
-    if not text_path.exists():
-        pytest.skip(f"no evaluation text at {text_path}")
-    text = text_path.read_text()
+    text = DEFAULT_TEXT.read_text()
     p_fast = perplexity(fast.model, fast.tokenizer, text, progress=False).perplexity
     p_ref = perplexity(ref.model, ref.tokenizer, text, progress=False).perplexity
     print(f"SmolLM2 {quant} wikitext-2 (40x512): kernels {p_fast:.4f}, reference {p_ref:.4f}")
