@@ -19,6 +19,7 @@ and the model config and names the offending tensor on any mismatch.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -85,7 +86,32 @@ def save_checkpoint(model: CausalLM, hf_config, tokenizer, out: Path, source: st
     save_file(tensors, out / WEIGHTS, metadata={"woq": json.dumps(meta)})
     hf_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # safetensors writes its file 0600 (a temporary file renamed); the weights get the mode the
+    # config was written with (the umask's), so that whoever may read the config may load them
+    os.chmod(out / WEIGHTS, (out / "config.json").stat().st_mode & 0o777)
     return out
+
+
+def read_metadata(directory: Path) -> dict:
+    """A woq checkpoint's metadata header (format, source model, quantizer, linears), without
+    reading its tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / WEIGHTS), framework="pt") as f:
+        return json.loads((f.metadata() or {})["woq"])
+
+
+def describe(meta: dict) -> str:
+    """What a checkpoint holds, from its metadata: e.g. "int4 g128 asym, gptq"."""
+    kinds: dict[tuple[int, bool], set[int]] = {}  # (bits, symmetric) -> group sizes smaller than K
+    for m in meta["linears"].values():
+        groups = kinds.setdefault((m["bits"], m["symmetric"]), set())
+        if m["group_size"] < m["in_features"]:  # (a group as wide as K is a channel: any layer may be)
+            groups.add(m["group_size"])
+    text = ", ".join(f"int{b} {'/'.join(f'g{g}' for g in sorted(groups)) or 'channel'} {'sym' if sym else 'asym'}"
+                     for (b, sym), groups in sorted(kinds.items())) or "unquantized"
+    method = (meta.get("quantizer") or {}).get("method")
+    return f"{text}, {method}" if method else text
 
 
 def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, ImportedLinear], dict]:

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.options import RuntimeOptions
 from .builder import QuantConfig, build_model
-from .checkpoint import is_woq_checkpoint
+from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
 from .importers import import_quantized, quantization_config
@@ -41,6 +41,7 @@ class LoadedModel:
     hf_config: object
     name: str
     load_seconds: float
+    quantization: str  # what the weights are, e.g. "int4 g128 asym" ("..., gptq" for a checkpoint)
 
 
 def resolve_source(model: str, cache: Path | None = None) -> tuple[Path, str | None]:
@@ -132,5 +133,24 @@ def load_model(
     max_seq_len = min(max_seq_len or limit, limit)
     built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress, prequantized=quantized,
                         options=options)
-    name = DEFAULT_MODEL if model == DEFAULT_MODEL else Path(model).stem if gguf_file else directory.name
-    return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0)
+    if is_woq_checkpoint(directory):  # served under its source model's name, described as stored
+        meta = read_metadata(directory)
+        name, quantization = model_name(meta.get("source_model") or str(directory)), describe(meta)
+    else:
+        name = model_name(model)
+        quantization = "none (dense)" if quant.spec() is None or quantized else quant.describe()
+        if quantized:
+            quantization = "imported: " + describe({"linears": {n: _linear_meta(q.weight) for n, q in quantized.items()}})
+    return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0, quantization)
+
+
+def model_name(model: str) -> str:
+    """The name a model is served under: the alias, a .gguf file's stem, a directory's name."""
+    if model == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    p = Path(model)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def _linear_meta(qw) -> dict:
+    return {"bits": qw.bits, "group_size": qw.group_size, "in_features": qw.in_features, "symmetric": qw.symmetric}

@@ -60,7 +60,7 @@ def serve(settings: ServeSettings) -> None:
 
     setup_logging(settings.log_level, settings.log_format)
     loaded = load(settings)
-    log.info("loaded %s (%s) on %s in %.1f s", loaded.name, settings.quant_config().describe(),
+    log.info("loaded %s (%s) on %s in %.1f s", loaded.name, loaded.quantization,
              loaded.model.device, loaded.load_seconds)
     state = build_state(settings, loaded)
 

@@ -1,5 +1,6 @@
 """GPTQ, the woq prepacked checkpoint, GPTQ/AWQ import, and clear errors on bad checkpoints."""
 import json
+import os
 import shutil
 
 import pytest
@@ -70,6 +71,13 @@ def test_woq_checkpoint_loads_the_same_model_without_requantizing(tiny, tmp_path
     with safe_open(str(tmp_path / "ck" / WEIGHTS), framework="pt") as f:
         meta = json.loads(f.metadata()["woq"])
     assert meta["format_version"] == 1 and meta["layout_version"] == 1 and meta["quantizer"] == {"method": "rtn"}
+    # served under the source model's name, reported in the format it holds (not --quant's
+    # int8 default), its weights as readable as its config
+    assert loaded.name == tiny.name and loaded.quantization == "int4 g64 asym, rtn"
+    ck = tmp_path / "ck"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (ck / WEIGHTS).stat().st_mode & 0o777 == 0o666 & ~umask == (ck / "config.json").stat().st_mode & 0o777
 
 
 def test_gptq_checkpoint_on_a_tiny_model_runs(tiny, tmp_path):

@@ -94,8 +94,10 @@ class Quantize(BaseSettings):
         model = quantize_model(config, state, tokenizer, quant, self.method, self.act_order, self.calib, self.samples,
                                self.seq_len, resolve_device(self.device))
         info = {"method": self.method, "bits": self.bits, "group_size": self.group_size or "channel",
-                "symmetric": self.sym, "act_order": self.act_order, "samples": self.samples, "seq_len": self.seq_len,
-                "calibration": str(self.calib or "wikitext-2 valid.txt") if self.method == "gptq" else None}
+                "symmetric": self.sym}
+        if self.method == "gptq":  # (what calibrated it)
+            info.update(act_order=self.act_order, samples=self.samples, seq_len=self.seq_len,
+                        calibration=str(self.calib or "wikitext-2 valid.txt"))
         save_checkpoint(model, config, tokenizer, self.out, str(self.model), info)
         print(f"wrote {self.out} ({quant.describe()}, {self.method}) in {time.perf_counter() - t0:.0f} s")
 
@@ -117,7 +119,7 @@ class EvalPpl(ModelSettings):
         loaded = load(self)
         text = Path(self.text or DEFAULT_TEXT).read_text()
         r = perplexity(loaded.model, loaded.tokenizer, text, self.seq_len_eval, None if self.full else 40)
-        print(json.dumps({"model": loaded.name, "quant": self.quant_config().describe(), "device": str(loaded.model.device),
+        print(json.dumps({"model": loaded.name, "quant": loaded.quantization, "device": str(loaded.model.device),
                           "perplexity": round(r.perplexity, 4), "tokens": r.tokens, "windows": r.windows}))
 
 
