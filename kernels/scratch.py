@@ -10,8 +10,8 @@ import torch
 from .device import sm_count
 from .layout import GpuWeight
 
-# The largest M the tuner lets the mixed GEMM serve (tuning.GEMM_MS); beyond, it runs one
-# block per output tile, which needs no counters.
+# The largest M the tuner lets the mixed GEMM serve (the last of tuning.GEMM_MS); beyond,
+# it runs one block per output tile, which needs no counters.
 MAX_GEMM_M = 1024
 
 

@@ -32,13 +32,14 @@ from . import ops
 from .layout import GpuWeight
 from .limits import GEMV_RING, GEMV_STREAM, limits
 from .options import RuntimeOptions
+from .scratch import MAX_GEMM_M
 from .timing import graph_time_us
 
 log = logging.getLogger("woq.kernels")
 
 DEFAULT_MAX_KERNEL_M = 128  # without measurements (tuning off)
 # 16: the GEMV's rival at a decode batch of 16 (config 9's 16-row tile); 17: at its measured 17 rows
-GEMM_MS = (16, 17, 24, 32, 64, 128, 256, 512, 1024)
+GEMM_MS = (16, 17, 24, 32, 64, 128, 256, 512, MAX_GEMM_M)
 POWER_CAPPED_M, POWER_CAPPED_ROUNDS = 512, 3  # the GEMM against dequantize + cuBLAS (measure)
 # The Ms at which the GEMV's launch is measured, each standing for the Ms up to it: the
 # kernel's shared memory, hence the blocks an SM holds, grows with M, so a grid measured at

@@ -158,7 +158,7 @@ def build_model(
     for i in tqdm(range(cfg.num_layers), desc=f"building layers ({quant.describe()})", disable=not progress):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        attn = Attention(cfg, linear(a + "qkv_proj", [a + f"{n}_proj" for n in "qkv"], "qkv"),
+        attn = Attention(linear(a + "qkv_proj", [a + f"{n}_proj" for n in "qkv"], "qkv"),
                          linear(a + "o_proj", [a + "o_proj"], "o"), i)
         mlp = MLP(linear(m + "gate_up_proj", [m + "gate_proj", m + "up_proj"], "gate_up"),
                   linear(m + "down_proj", [m + "down_proj"], "down"))

@@ -71,7 +71,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, qkv: nn.Module, o: nn.Module, layer_idx: int):
+    """The qkv projection, the pass's attention (``Pass.attention``) and the o projection."""
+
+    def __init__(self, qkv: nn.Module, o: nn.Module, layer_idx: int):
         super().__init__()
         self.qkv, self.o = qkv, o
         self.layer_idx = layer_idx
