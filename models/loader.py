@@ -30,6 +30,10 @@ log = logging.getLogger("woq.models")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only, whatever a caller forgets
 
 
+class DeviceError(ValueError):
+    """A device this machine does not have, or no device at all."""
+
+
 class ModelSourceError(FileNotFoundError):
     pass
 
@@ -83,8 +87,15 @@ def read_checkpoint(directory: Path, gguf_file: str | None):
     kw = dict(local_files_only=True)
     if gguf_file:
         kw["gguf_file"] = gguf_file
-    config = AutoConfig.from_pretrained(directory, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
+        with open(directory / gguf_file, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelSourceError(f"{directory / gguf_file} is not a GGUF file (no GGUF magic bytes at its start)")
+    try:
+        config = AutoConfig.from_pretrained(directory, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
+    except (OSError, ValueError, KeyError) as exc:  # transformers' word for a directory it cannot read
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(f"cannot read the model in {directory / (gguf_file or '')}: {first}") from exc
     quantized: dict = {}
     if gguf_file:
         state = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kw).state_dict()
@@ -107,9 +118,20 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` (CUDA where torch sees a GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``;
+    a CUDA device this machine does not have is refused here, before anything is built."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise DeviceError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {device}: torch sees no CUDA GPU on this machine "
+                              f"(torch {torch.__version__}); use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
 
 
 def load_model(

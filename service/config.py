@@ -39,6 +39,13 @@ class ModelSettings(BaseSettings):
     max_seq_len: int = Field(2048, ge=16, description="longest prompt + completion, in tokens")
     cache: Path = Field(default_factory=default_cache_dir, description="cache directory for fetched models ($WOQ_CACHE)")
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not (v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit())):
+            raise ValueError(f"unknown device {v!r}: use auto, cpu, cuda or cuda:N")
+        return v
+
     @field_validator("group_size")
     @classmethod
     def _group(cls, v: int | None) -> int | None:

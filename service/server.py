@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from ..engine.engine import Engine
 from ..models.loader import LoadedModel, load_model
@@ -55,10 +56,29 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
                        request_timeout=settings.request_timeout)
 
 
+class PortInUseError(OSError):
+    """The address ``woq serve`` was asked to listen on cannot be bound."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now -- before the model loads, so that a busy
+    port is reported at once rather than after minutes of loading. uvicorn serves on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds: TIME_WAIT is no conflict)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 def serve(settings: ServeSettings) -> None:
     import uvicorn
 
     setup_logging(settings.log_level, settings.log_format)
+    sock = listen(settings.host, settings.port)
     loaded = load(settings)
     log.info("loaded %s (%s) on %s in %.1f s", loaded.name, loaded.quantization,
              loaded.model.device, loaded.load_seconds)
@@ -79,6 +99,6 @@ def serve(settings: ServeSettings) -> None:
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
                             log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout)
     try:
-        DrainingServer(config).run()  # on a signal, uvicorn re-raises it once drained: exit status 128 + signal
+        DrainingServer(config).run(sockets=[sock])  # on a signal, uvicorn re-raises it once drained: 128 + signal
     finally:
         state.engine.shutdown()

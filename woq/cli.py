@@ -146,8 +146,48 @@ class Woq(BaseSettings):
         CliApp.run_subcommand(self)
 
 
-def app() -> None:
-    CliApp.run(Woq)
+def _flag_errors(exc) -> str:
+    """A pydantic ValidationError as one line naming the flags: "--port: Input should be ..."."""
+    parts = []
+    for e in exc.errors():
+        loc = [str(x) for x in e["loc"] if not str(x).isdigit()]
+        flag = "--" + loc[-1].replace("_", "-") if loc else "input"
+        given = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        parts.append(f"{flag}: {e['msg'].removeprefix('Value error, ')}{given}")
+    return "; ".join(parts)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are a user's mistake (a bad flag, path, model file or device), shown as
+    one line. Anything else is a bug and keeps its traceback."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from woq.models.importers import CheckpointError
+    from woq.models.loader import DeviceError, ModelSourceError
+    from woq.service.server import PortInUseError
+
+    return ValidationError, SettingsError, CheckpointError, DeviceError, ModelSourceError, PortInUseError
+
+
+def app(argv: list[str] | None = None) -> None:
+    """The ``woq`` command. A user's mistake ends in one line on stderr and exit status 2;
+    ``--debug`` (or ``WOQ_LOG_LEVEL=debug``) shows its traceback instead."""
+    import os
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("WOQ_LOG_LEVEL", "").lower() == "debug"
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        CliApp.run(Woq, cli_args=argv)
+    except _user_errors() as exc:
+        if debug:
+            raise
+        from pydantic import ValidationError
+
+        message = _flag_errors(exc) if isinstance(exc, ValidationError) else str(exc).strip().splitlines()[0]
+        print(f"woq: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""A user's mistake at the command line or at start-up ends in one line on stderr and exit
+status 2, with no traceback; --debug shows the traceback. The real `woq` command, in a
+subprocess."""
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def woq(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "woq", *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("woq: error: "), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and all(n in lines[0] for n in needles), lines
+
+
+def test_a_model_path_that_does_not_exist():
+    assert_one_line_error(woq("serve", "--model", "/nonexistent/model"), "/nonexistent/model")
+
+
+@pytest.mark.parametrize("flag, value", [("--quant", "int3"), ("--port", "99999"), ("--device", "gpu"),
+                                         ("--group-size", "48")])
+def test_a_bad_flag_value_names_the_flag(flag, value):
+    assert_one_line_error(woq("serve", flag, value), flag, value)
+
+
+def test_a_file_that_is_not_gguf(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not a model")
+    assert_one_line_error(woq("serve", "--model", str(bad)), str(bad), "not a GGUF file")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_asked_for_without_a_gpu():
+    assert_one_line_error(woq("generate", "hi", "--device", "cuda"), "--device cuda", "no CUDA GPU")
+
+
+def test_a_busy_port_is_reported_before_the_model_loads():
+    """The port is bound first: with a busy port and a model that does not exist, the port
+    is what fails."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = woq("serve", "--port", str(port), "--model", "/nonexistent/model")
+    assert_one_line_error(r, f"127.0.0.1:{port}", "in use")
+
+
+def test_debug_shows_the_traceback():
+    r = woq("serve", "--model", "/nonexistent/model", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ModelSourceError" in r.stderr
