@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..kernels.format import QuantSpec
 from ..kernels.options import RuntimeOptions
 from .config import ArchConfig, rope_inv_freq
 from .llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, Rotary
+from .progress import progress as progress_of
 from .quant_linear import DenseLinear, WeightOnlyLinear
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def build_model(
         return make(w, bias, kind)
 
     layers = []
-    for i in tqdm(range(cfg.num_layers), desc=f"building layers ({quant.describe()})", disable=not progress):
+    for i in progress_of(range(cfg.num_layers), f"building layers ({quant.describe()})", progress):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         attn = Attention(linear(a + "qkv_proj", [a + f"{n}_proj" for n in "qkv"], "qkv"),
@@ -195,7 +195,7 @@ def bind_kernels(model: CausalLM, options: RuntimeOptions, progress: bool = Fals
     for mod in dense:
         mod.bind(options, gpu)
     desc = "packing for the GPU kernels (tuning new shapes)" if gpu else "binding the reference kernels"
-    for mod in tqdm(quantized, desc=desc, disable=not (progress and gpu)):
+    for mod in progress_of(quantized, desc, progress and gpu):
         mod.bind(model.dtype, options, gpu)
     model.observe_kernels(model.kernel_timing)  # (new plans, observed as the old ones were)
     return model

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from .progress import progress as progress_of
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "wikitext-2" / "test.txt"  # (shipped: data/wikitext-2/README.md)
 
@@ -49,7 +50,7 @@ def perplexity(model, tokenizer, text: str, seq_len: int = 512, windows: int | N
     if n < 1:
         raise ValueError(f"the text has fewer than {seq_len} tokens")
     total, count = 0.0, 0
-    for w in tqdm(range(n), desc="perplexity", disable=not progress):
+    for w in progress_of(range(n), "perplexity", progress):
         chunk = ids[w * seq_len : (w + 1) * seq_len].to(model.device)[None]
         logits = model(chunk)[0, :-1].float()
         total += F.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()

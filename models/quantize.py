@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..kernels.format import QuantSpec
 from ..kernels.gptq import gptq_quantize
 from .builder import QuantConfig, build_model
 from .batches import Causal
 from .llama import CausalLM
+from .progress import progress as progress_of
 from .quant_linear import DenseLinear, WeightOnlyLinear
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"  # (shipped, as DEFAULT_TEXT)
@@ -59,7 +59,7 @@ def gptq_model(model: CausalLM, windows: torch.Tensor, spec: QuantSpec, act_orde
     def run_layer(layer, xs):
         return [model.layer_output(layer, x, Causal(positions[: x.shape[0]])) for x in xs]
 
-    for layer in tqdm(model.layers, desc="GPTQ layers", disable=not progress):
+    for layer in progress_of(model.layers, "GPTQ layers", progress):
         linears = {"qkv": layer.attn, "o": layer.attn, "gate_up": layer.mlp, "down": layer.mlp}
         hooks = {}
         handles = []

@@ -6,38 +6,40 @@ variable (``WOQ_MAX_BATCH_SIZE=8``); flags win. ``docs``/README list them all.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..models.builder import QuantConfig
-from ..kernels.options import RuntimeOptions, default_cache_dir
+from ..kernels.options import RuntimeOptions
 from ..models.fetch import DEFAULT_MODEL
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+if TYPE_CHECKING:  # (torch and the model code load only when a command runs: a fast --help)
+    import torch
+
+    from ..models.builder import QuantConfig
+
 
 
 class ModelSettings(BaseSettings):
     """What model to load and how to quantize it."""
 
-    model_config = SettingsConfigDict(env_prefix="WOQ_", extra="ignore", cli_kebab_case=True,
+    model_config = SettingsConfigDict(env_prefix="WOQ_", extra="ignore", cli_kebab_case=True, cli_hide_none_type=True,
                                       cli_implicit_flags=True, protected_namespaces=())
 
     model: str = Field(DEFAULT_MODEL, description="model alias, Hugging Face directory or .gguf file")
     quant: Literal["int8", "int4", "none"] = Field("int8", description="weight quantization")
     group_size: int | None = Field(
-        None, description="0 = per-channel; 32/64/128/256 = group-wise (default: int8 per-channel, int4 128)"
+        None, description="0 = per-channel; 32/64/128/256 = group-wise (unset: per-channel for int8, 128 for int4)"
     )
-    sym: bool | None = Field(None, description="symmetric quantization (default: int8 yes, int4 no: zero points)")
+    sym: bool | None = Field(None, description="symmetric quantization (unset: yes for int8, no for int4: zero points)")
     quantize_lm_head: bool = Field(False, description="also quantize the LM head")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         "auto", description="activation dtype (auto: float16 on CUDA, float32 on CPU)"
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     max_seq_len: int = Field(2048, ge=16, description="longest prompt + completion, in tokens")
-    cache: Path = Field(default_factory=default_cache_dir, description="cache directory for fetched models ($WOQ_CACHE)")
+    cache: Path = Field(Path.home() / ".cache" / "woq", description="fetched models, compiled kernels, tuning tables")
 
     @field_validator("device")
     @classmethod
@@ -49,14 +51,20 @@ class ModelSettings(BaseSettings):
     @field_validator("group_size")
     @classmethod
     def _group(cls, v: int | None) -> int | None:
+        from ..models.builder import QuantConfig
+
         QuantConfig(group_size=v)  # raises a clear message for unsupported sizes
         return v
 
     def quant_config(self) -> QuantConfig:
+        from ..models.builder import QuantConfig
+
         return QuantConfig(self.quant, self.group_size, self.sym, self.quantize_lm_head)
 
     def torch_dtype(self) -> torch.dtype | None:
-        return _DTYPES.get(self.dtype)
+        import torch
+
+        return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(self.dtype)
 
     def runtime_options(self) -> RuntimeOptions:
         """The options the model, the engine and the kernels run with."""
@@ -85,7 +93,8 @@ class ServeSettings(ModelSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may take, queueing included (504)")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight requests")
-    log_format: Literal["json", "text"] = Field("json", description="log lines as JSON objects or plain text")
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto", description="log lines as JSON objects or plain text (auto: text on a terminal, else JSON)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
 

@@ -1,15 +1,19 @@
-"""Structured logs: one JSON object per line, with the request id of the request being served."""
+"""Logs: plain text on a terminal, else (a file, a container's log collector) one JSON object
+per line, with the request id of the request being served."""
 from __future__ import annotations
 
 import contextvars
 import json
 import logging
+import re
 import sys
 import time
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("woq_request_id", default=None)
 
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+# (color_message: uvicorn's copy of the message with ANSI colours, for its own console)
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class JsonFormatter(logging.Formatter):
@@ -18,7 +22,7 @@ class JsonFormatter(logging.Formatter):
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _ANSI.sub("", record.getMessage()),
         }
         rid = request_id.get()
         if rid:
@@ -29,9 +33,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup_logging(level: str = "info", fmt: str = "json") -> None:
+def setup_logging(level: str = "info", fmt: str = "auto") -> None:
+    """``fmt``: "json", "text", or "auto" (text when stderr is a terminal)."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
+    if fmt == "json" or (fmt == "auto" and not sys.stderr.isatty()):
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -55,3 +55,20 @@ def test_a_busy_port_is_reported_before_the_model_loads():
 def test_debug_shows_the_traceback():
     r = woq("serve", "--model", "/nonexistent/model", "--debug")
     assert r.returncode != 0 and "Traceback" in r.stderr and "ModelSourceError" in r.stderr
+
+
+def test_help_describes_every_subcommand_without_loading_torch():
+    """`woq --help` and `woq serve --help` import neither torch nor the model code (they answer
+    in a fraction of a second), list each subcommand with its description, and show
+    optional flags without a `{...,null}` type."""
+    code = ("import sys\nfrom woq.cli import app\n"
+            "for args in (['--help'], ['serve', '--help']):\n"
+            "    try:\n        app(args)\n    except SystemExit:\n        pass\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("no torch"), r.stdout + r.stderr
+    top, serve = r.stdout.split("usage: woq serve", 1)
+    for command in ("serve", "generate", "quantize", "eval"):
+        line = next(x for x in top.splitlines() if x.strip().startswith(command + " "))
+        assert len(line.split()) > 3, line  # the name and a description
+    assert "null}" not in serve and "--group-size int" in serve

@@ -126,7 +126,7 @@ class EvalPpl(ModelSettings):
 class Eval(BaseSettings):
     """Evaluate a model."""
 
-    ppl: CliSubCommand[EvalPpl]
+    ppl: CliSubCommand[EvalPpl] = Field(description="perplexity on a text (wikitext-2 test.txt by default)")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -135,12 +135,13 @@ class Eval(BaseSettings):
 class Woq(BaseSettings):
     """woq: weight-only int8/int4 LLM inference server."""
 
-    model_config = SettingsConfigDict(cli_prog_name="woq", cli_kebab_case=True, cli_implicit_flags=True)
+    model_config = SettingsConfigDict(cli_prog_name="woq", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_hide_none_type=True)
 
-    serve: CliSubCommand[Serve]
-    generate: CliSubCommand[Generate]
-    quantize: CliSubCommand[Quantize]
-    eval: CliSubCommand[Eval]
+    serve: CliSubCommand[Serve] = Field(description="serve a model over OpenAI-compatible HTTP")
+    generate: CliSubCommand[Generate] = Field(description="generate a completion for one prompt and print it")
+    quantize: CliSubCommand[Quantize] = Field(description="quantize a model once into a woq checkpoint")
+    eval: CliSubCommand[Eval] = Field(description="evaluate a model (perplexity)")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -180,8 +181,8 @@ def app(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     try:
         CliApp.run(Woq, cli_args=argv)
-    except _user_errors() as exc:
-        if debug:
+    except Exception as exc:  # (not SystemExit: --help imports nothing more)
+        if debug or not isinstance(exc, _user_errors()):
             raise
         from pydantic import ValidationError
 
