@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.options import RuntimeOptions
+from . import quant_cache
 from .builder import QuantConfig, build_model
 from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
@@ -46,6 +47,7 @@ class LoadedModel:
     name: str
     load_seconds: float
     quantization: str  # what the weights are, e.g. "int4 g128 asym" ("..., gptq" for a checkpoint)
+    from_cache: bool = False  # read from the quantized-model cache (quant_cache.py)
 
 
 def resolve_source(model: str, cache: Path | None = None) -> tuple[Path, str | None]:
@@ -148,6 +150,11 @@ def load_model(
     dtype = dtype or default_dtype(device)
     options = options or RuntimeOptions()
     directory, gguf_file = resolve_source(model, options.cache_dir)
+    cached = None  # the quantized-model cache's entry for what is quantized here
+    if quant.spec() is not None and not is_woq_checkpoint(directory):
+        cached = quant_cache.entry(directory, gguf_file, quant, dtype, options.cache_dir, model_name(model))
+        if is_woq_checkpoint(cached):
+            directory, gguf_file = cached, None  # quantized before: read, not quantized again
     config, tokenizer, state, quantized = read_checkpoint(directory, gguf_file)
     from .config import ArchConfig
 
@@ -155,6 +162,8 @@ def load_model(
     max_seq_len = min(max_seq_len or limit, limit)
     built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress, prequantized=quantized,
                         options=options)
+    if cached is not None and directory != cached and not quantized:
+        quant_cache.store(built, config, tokenizer, cached, model, quant)
     if is_woq_checkpoint(directory):  # served under its source model's name, described as stored
         meta = read_metadata(directory)
         name, quantization = model_name(meta.get("source_model") or str(directory)), describe(meta)
@@ -163,7 +172,8 @@ def load_model(
         quantization = "none (dense)" if quant.spec() is None or quantized else quant.describe()
         if quantized:
             quantization = "imported: " + describe({"linears": {n: _linear_meta(q.weight) for n, q in quantized.items()}})
-    return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0, quantization)
+    return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0, quantization,
+                       from_cache=cached is not None and directory == cached)
 
 
 def model_name(model: str) -> str:

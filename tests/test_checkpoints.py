@@ -200,3 +200,25 @@ def test_corrupt_or_mismatched_checkpoint_fails_naming_the_tensor(woq_ck, case):
     _rewrite(woq_ck, edit_t, edit_m)
     with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
         load_model(str(woq_ck), device="cpu", max_seq_len=128, progress=False)
+
+
+def test_a_quantize_on_load_is_cached_and_read_back(tiny, tmp_path):
+    """The first load quantizes and saves the result in the cache; the next load of the same
+    model and quantization reads it (same logits, nothing quantized); another quantization,
+    or a changed source file, is quantized anew."""
+    from woq.kernels.options import RuntimeOptions
+
+    options = RuntimeOptions(cache_dir=tmp_path / "cache")
+    quant = QuantConfig("int4", 64, False)
+    first = load_model(str(tiny), quant, device="cpu", max_seq_len=128, progress=False, options=options)
+    entries = list((tmp_path / "cache" / "quantized").iterdir())
+    assert not first.from_cache and len(entries) == 1 and (entries[0] / WEIGHTS).exists()
+    again = load_model(str(tiny), quant, device="cpu", max_seq_len=128, progress=False, options=options)
+    assert again.from_cache and again.name == first.name == tiny.name
+    assert torch.equal(again.model(_ids()), first.model(_ids()))
+    other = load_model(str(tiny), QuantConfig("int8"), device="cpu", max_seq_len=128, progress=False, options=options)
+    assert not other.from_cache and len(list((tmp_path / "cache" / "quantized").iterdir())) == 2
+    weights = next(tiny.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # "edited"
+    edited = load_model(str(tiny), quant, device="cpu", max_seq_len=128, progress=False, options=options)
+    assert not edited.from_cache and len(list((tmp_path / "cache" / "quantized").iterdir())) == 3
