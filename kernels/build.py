@@ -8,7 +8,6 @@ import this module's CUDA side: ``available`` is False without CUDA.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -58,8 +57,19 @@ def _build_jit(build_root: Path) -> None:
     )
 
 
-@functools.cache
+_loaded: bool | None = None  # whether the library is in this process (decided by the first load)
+
+
 def _load(build_root: Path) -> bool:
+    """Load the library once per process: its ops are registered process-wide, so a later
+    load with another cache directory uses the library already there."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load_once(build_root)
+    return _loaded
+
+
+def _load_once(build_root: Path) -> bool:
     if not torch.cuda.is_available():
         return False
     aot = sorted(Path(__file__).parent.glob("_C*.so"))
