@@ -24,9 +24,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, default=default_cache_dir())
     args = ap.parse_args()
-    tables = all_tables(RuntimeOptions(cache_dir=args.cache))
-    for name, table in tables.items():
-        print(f"\n{name}\n(GEMV: k-warps x grid size, 's': the register-stream pipeline; mixed GEMM: "
+    options = RuntimeOptions(cache_dir=args.cache)
+    measured = sorted(options.tuning_dir().glob("*.json")) if options.tuning_dir().exists() else []
+    print("measured on this machine: " + (", ".join(p.stem for p in measured) if measured else
+                                          "nothing yet (a GPU measures new shapes at their first load)"))
+    for name, table in all_tables(options).items():
+        origin = "measured here" if any(p.stem == name for p in measured) else "shipped (kernels/tuned/)"
+        print(f"\n{name}: {origin}\n(GEMV: k-warps x grid size, 's': the register-stream pipeline; mixed GEMM: "
               "tile config x split-K, 0: stream-K over one wave; per M range)")
         gemv_ms = sorted({int(m) for e in table.values() for m in e["grids"]})
         ms = sorted({int(m) for e in table.values() for m in e["gemm"]})
