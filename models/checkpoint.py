@@ -53,8 +53,11 @@ def _linear_items(model: CausalLM):
     yield "lm_head", model.lm_head
 
 
-def save_checkpoint(model: CausalLM, hf_config, tokenizer, out: Path, source: str, quantizer: dict) -> Path:
-    """Write ``model`` (already quantized) as a woq checkpoint directory."""
+def save_checkpoint(model: CausalLM, hf_config, tokenizer, out: Path, source: str, quantizer: dict,
+                    dtype: torch.dtype | None = None) -> Path:
+    """Write ``model`` (already quantized) as a woq checkpoint directory; its unquantized
+    floating-point tensors (embeddings, norms, biases, an unquantized LM head) in ``dtype``
+    (default: as the model holds them). The quantized weights' scales keep their own dtype."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -82,7 +85,9 @@ def save_checkpoint(model: CausalLM, hf_config, tokenizer, out: Path, source: st
             tensors[f"{name}.bias"] = mod.bias
     meta = {"format": "woq", "format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION, "source_model": source,
             "quantizer": quantizer, "linears": linears}
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    scales = {k for k in tensors if k.endswith(".scales")}
+    tensors = {k: v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() and k not in scales
+                                  else v.dtype).contiguous() for k, v in tensors.items()}
     save_file(tensors, out / WEIGHTS, metadata={"woq": json.dumps(meta)})
     hf_config.save_pretrained(out)
     tokenizer.save_pretrained(out)

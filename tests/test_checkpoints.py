@@ -222,3 +222,27 @@ def test_a_quantize_on_load_is_cached_and_read_back(tiny, tmp_path):
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # "edited"
     edited = load_model(str(tiny), quant, device="cpu", max_seq_len=128, progress=False, options=options)
     assert not edited.from_cache and len(list((tmp_path / "cache" / "quantized").iterdir())) == 3
+
+
+def test_unquantized_tensors_are_stored_in_the_asked_dtype(tiny, tmp_path):
+    """`woq quantize` stores embeddings, norms and biases in the activations' dtype (fp16 by
+    default) rather than the fp32 they were quantized in: the checkpoint shrinks, the codes
+    and scales are the same bits, and the model computes what its fp32 twin does up to
+    those tensors' rounding."""
+    quant = QuantConfig("int4", 64, False)
+    config, tok, state, _ = read_checkpoint(tiny, None)
+    model = quantize_model(config, state, tok, quant, "rtn", seq_len=128, progress=False)
+    save_checkpoint(model, config, tok, tmp_path / "f32", str(tiny), {"method": "rtn"})
+    save_checkpoint(model, config, tok, tmp_path / "f16", str(tiny), {"method": "rtn"}, torch.float16)
+    f32, f16 = (load_file(tmp_path / d / WEIGHTS) for d in ("f32", "f16"))
+    assert f32.keys() == f16.keys()
+    for name in f32:
+        if name.endswith((".packed", ".scales", ".zeros")):
+            assert f16[name].dtype == f32[name].dtype and torch.equal(f16[name], f32[name]), name
+        else:
+            assert f32[name].dtype == torch.float32 and f16[name].dtype == torch.float16, name
+            assert torch.equal(f16[name], f32[name].half()), name
+    assert (tmp_path / "f16" / WEIGHTS).stat().st_size < 0.75 * (tmp_path / "f32" / WEIGHTS).stat().st_size
+    a, b = (load_model(str(tmp_path / d), device="cpu", max_seq_len=128, progress=False).model(_ids())
+            for d in ("f32", "f16"))
+    assert ((a - b).norm() / a.norm()).item() < 1e-2

@@ -74,9 +74,14 @@ class Quantize(BaseSettings):
     samples: int = Field(128, description="GPTQ calibration windows")
     seq_len: int = Field(512, description="tokens per calibration window")
     device: str = Field("auto", description="auto, cpu, cuda")
+    dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        "float16", description="dtype the unquantized tensors (embeddings, norms, biases) are stored in: the "
+        "activations'")
 
     def cli_cmd(self) -> None:
         import time
+
+        import torch
 
         from woq.models.builder import QuantConfig
         from woq.models.checkpoint import save_checkpoint
@@ -98,7 +103,7 @@ class Quantize(BaseSettings):
         if self.method == "gptq":  # (what calibrated it)
             info.update(act_order=self.act_order, samples=self.samples, seq_len=self.seq_len,
                         calibration=str(self.calib or "wikitext-2 valid.txt"))
-        save_checkpoint(model, config, tokenizer, self.out, str(self.model), info)
+        save_checkpoint(model, config, tokenizer, self.out, str(self.model), info, getattr(torch, self.dtype))
         print(f"wrote {self.out} ({quant.describe()}, {self.method}) in {time.perf_counter() - t0:.0f} s")
 
 
