@@ -82,12 +82,12 @@ def free_port() -> int:
 class LiveServer:
     """``woq serve`` in a subprocess on loopback: the real CLI, uvicorn and model."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, python: str = sys.executable, cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"woq-server-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "woq", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+        cmd = [python, "-m", "woq", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      env={**os.environ, **(env or {})})
         deadline = time.time() + 300
         while time.time() < deadline:
