@@ -16,6 +16,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from .plans import Epilogue
+
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
@@ -92,9 +94,7 @@ class ObservedPlan:
     def path(self, m: int) -> str:
         return self.plan.path(m)
 
-    def __call__(self, x: torch.Tensor, epilogue=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
         m = x.shape[0]
         call = KernelCall(self.plan.path(m), self.layer_kind, self.bits, m, self.n, self.k)
-        if epilogue is None:
-            return self.timing.run(call, lambda: self.plan(x), x.is_cuda)
         return self.timing.run(call, lambda: self.plan(x, epilogue), x.is_cuda)

@@ -221,7 +221,10 @@ class CausalLM(nn.Module):
         """Logits ``[1, V]`` of a one-sequence decode step with every decoder layer in the
         persistent kernel ``step`` (``persistent_step``); launch-only, a CUDA graph captures it."""
         x = self.embed(input_ids)
-        run = lambda: step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths)  # noqa: E731
+
+        def run() -> torch.Tensor:
+            return step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths)
+
         if self.kernel_timing is None:
             run()
         else:

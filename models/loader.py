@@ -169,9 +169,10 @@ def load_model(
         name, quantization = model_name(meta.get("source_model") or str(directory)), describe(meta)
     else:
         name = model_name(model)
-        quantization = "none (dense)" if quant.spec() is None or quantized else quant.describe()
         if quantized:
             quantization = "imported: " + describe({"linears": {n: _linear_meta(q.weight) for n, q in quantized.items()}})
+        else:
+            quantization = "none (dense)" if quant.spec() is None else quant.describe()
     return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0, quantization,
                        from_cache=cached is not None and directory == cached)
 
