@@ -80,8 +80,8 @@ def serve(settings: ServeSettings) -> None:
     setup_logging(settings.log_level, settings.log_format)
     sock = listen(settings.host, settings.port)
     loaded = load(settings)
-    log.info("loaded %s (%s) on %s in %.1f s", loaded.name, loaded.quantization,
-             loaded.model.device, loaded.load_seconds)
+    log.info("loaded %s (%s) on %s in %.1f s%s", loaded.name, loaded.quantization, loaded.model.device,
+             loaded.load_seconds, ", from the quantized-model cache" if loaded.from_cache else "")
     state = build_state(settings, loaded)
 
     class DrainingServer(uvicorn.Server):
