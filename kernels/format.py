@@ -99,9 +99,7 @@ class QuantizedWeight:
         N, K, b = self.out_features, self.in_features, self.bits
         if b not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {b}")
-        if b == 4 and K % 2:
-            raise ValueError(f"int4 weights need an even in_features, got {K}")
-        expect = (N, K * b // 8)
+        expect = (N, -(-K * b // 8))  # (int4, odd K: the last byte half padding)
         if self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != expect:
             raise ValueError(f"packed must be uint8 {expect}, got {self.packed.dtype} {tuple(self.packed.shape)}")
         groups = (N, self.num_groups)
@@ -134,15 +132,16 @@ class QuantizedWeight:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``[N, K]`` → packed storage (identity for int8, two nibbles per byte for int4)."""
+    """uint8 codes ``[N, K]`` → packed storage (identity for int8, two nibbles per byte for int4,
+    ``ceil(K / 2)`` bytes a row)."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     if bits == 8:
         return codes.contiguous()
-    if codes.shape[-1] % 2:
-        raise ValueError("int4 packing needs an even number of columns")
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError("int4 codes must be in [0, 15]")
+    if codes.shape[-1] % 2:  # an odd K: the last byte's high nibble is padding (0), never read
+        codes = torch.nn.functional.pad(codes, (0, 1))
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
@@ -152,7 +151,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Ten
         return packed
     out = torch.empty(*packed.shape[:-1], in_features, dtype=torch.uint8, device=packed.device)
     out[..., 0::2] = packed & 0xF
-    out[..., 1::2] = packed >> 4
+    out[..., 1::2] = (packed >> 4)[..., : in_features // 2]  # (an odd K: the last high nibble is padding)
     return out
 
 

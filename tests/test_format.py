@@ -19,13 +19,14 @@ def _weights(N=96, K=576, seed=0):
     return w
 
 
+@pytest.mark.parametrize("K", [130, 131])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_pack_unpack_roundtrip_bit_exact(bits):
+def test_pack_unpack_roundtrip_bit_exact(bits, K):
     g = torch.Generator().manual_seed(1)
-    codes = torch.randint(0, 1 << bits, (37, 130), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 1 << bits, (37, K), generator=g, dtype=torch.uint8)
     packed = pack_codes(codes, bits)
-    assert packed.shape == (37, 130 * bits // 8)
-    assert torch.equal(unpack_codes(packed, bits, 130), codes)
+    assert packed.shape == (37, -(-K * bits // 8))  # (int4, odd K: half of the last byte is padding)
+    assert torch.equal(unpack_codes(packed, bits, K), codes)
     if bits == 4:  # element 2j in the low nibble, 2j+1 in the high nibble
         assert int(packed[0, 0]) == int(codes[0, 0]) | int(codes[0, 1]) << 4
 
@@ -63,11 +64,12 @@ def test_asymmetric_uses_full_range_and_beats_symmetric_on_skewed_weights():
     assert err[False] < err[True] / 2
 
 
+@pytest.mark.parametrize("K", [256, 77])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_linear_matches_fp64(dtype):
-    w = _weights(N=80, K=256)
+def test_reference_linear_matches_fp64(dtype, K):
+    w = _weights(N=80, K=K)
     qw = quantize(w.float(), QuantSpec(4, 64, False))
-    x = torch.randn(7, 256, dtype=torch.float64)
+    x = torch.randn(7, K, dtype=torch.float64)
     bias = torch.randn(80, dtype=torch.float64)
     ref = x @ reference.dequantize(qw, torch.float64).T + bias
     out = reference.linear(x.to(dtype), qw, bias.to(dtype)).double()

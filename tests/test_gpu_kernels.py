@@ -506,3 +506,61 @@ def test_programmatic_launches_give_the_plain_launches_bits(m):
                 assert torch.equal(out, y)
     finally:
         build.load(RuntimeOptions())  # (the default launch attribute for the tests after)
+
+
+def _layer_plan(layer, path: str):
+    """``layer``'s plan with thresholds that send every M down ``path`` (its bias as the layer
+    bound it: a gate_up layer's rows interleaved)."""
+    if path == plans.CPU_REFERENCE:
+        return layer._plan
+    entry = {"grids": {}, "gemm": {}, "gemv_max_m": 1 << 20 if path == plans.GEMV else 0,
+             "max_kernel_m": 0 if path == plans.DEQUANT_CUBLAS else 1 << 20}
+    return plans.KernelPlan(layer._plan.gw, layer._plan.bias, entry, RuntimeOptions())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_layers_on_every_path_match_fp64(seed):
+    """Random quantized layers as a model builds them -- shapes odd and even (K not a multiple
+    of 8 included: such a layer serves dequantize + cuBLAS in torch), int8/int4, per-channel
+    and grouped, with and without zero points and bias, gate_up layers (interleaved rows)
+    among them, fp16 and bf16 -- on every path the layer has, forced, at M from 1 to past the
+    crossovers: within 2x the error of cuBLAS on the exactly dequantized weight (fp64 reference)."""
+    import random
+
+    from woq.kernels.format import GATE_UP_BLOCK
+    from woq.models.quant_linear import WeightOnlyLinear
+
+    rnd = random.Random(seed)
+    dtype = rnd.choice([torch.float16, torch.bfloat16])
+    bits, group, sym = rnd.choice([(8, None, True), (8, 128, False), (4, 128, False), (4, 64, True), (4, 32, False)])
+    kind = rnd.choice(["qkv", "o", "gate_up", "down"])
+    N = 2 * GATE_UP_BLOCK * rnd.randint(1, 300) if kind == "gate_up" else rnd.randint(1, 5000)
+    K = rnd.choice([rnd.randint(2, 600), 8 * rnd.randint(1, 700)])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.05
+    bias = (torch.randn(N, device="cuda", generator=g) * 0.1).to(dtype) if rnd.random() < 0.5 else None
+    layer = WeightOnlyLinear.from_float(w, bias, QuantSpec(bits, group, sym, scale_dtype=dtype), kind)
+    layer.bind(dtype, RuntimeOptions(), gpu=True)
+    w64 = reference.dequantize(layer.qweight, torch.float64)
+    paths = [plans.CPU_REFERENCE] if layer.gpu is None else [plans.GEMV, plans.MIXED_GEMM, plans.DEQUANT_CUBLAS]
+    assert (layer.gpu is None) == (K % 8 != 0), "the kernels take every K that is a multiple of 8"
+    interleaved = layer.gpu is not None and layer._plan.swiglu_rows
+    for M in sorted({1, 2, 7, 16, 17, 33, rnd.randint(34, 300), 600}):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        ref = x.double() @ w64.T + (bias.double() if bias is not None else 0)
+        err_cublas = _rel(F.linear(x, w64.to(dtype), bias), ref)
+        for path in paths:
+            if path == plans.GEMV and M > ops.gemv_rows_limit(layer.gpu):
+                continue
+            if path == plans.MIXED_GEMM and not ops.supports_mixed_gemm(layer.gpu):
+                continue
+            plan = _layer_plan(layer, path)
+            assert plan.path(M) == path
+            poison_next_alloc(M * N, dtype)
+            y = plan(x)
+            if interleaved:  # (the kernels' gate_up rows come in blocks of eight: back to gate, up)
+                y = torch.cat(reference.gate_and_up(y, interleaved=True), dim=-1)
+            assert y.shape == (M, N) and torch.isfinite(y).all(), f"{path} M={M}: unwritten output"
+            err = _rel(y, ref)
+            case = f"{path} M={M} N={N} K={K} int{bits} g{group} sym={sym} {dtype} {kind} bias={bias is not None}"
+            assert err <= 2 * err_cublas + 1e-6, f"{case}: rel err {err:.2e} vs cuBLAS {err_cublas:.2e}"
