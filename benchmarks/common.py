@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -14,21 +13,9 @@ import torch
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(times)
+    from woq.kernels.timing import measure_copy_bandwidth
+
+    return measure_copy_bandwidth(None, nbytes, reps)
 
 
 def copies_to_defeat_l2(nbytes: int, factor: int = 4, cap: int = 64) -> int:

@@ -31,8 +31,10 @@ def panels() -> list[dict]:
     return json.loads(DASHBOARD.read_text())["panels"]
 
 
-def expressions() -> list[str]:
-    return [t["expr"] for p in panels() for t in p["targets"]]
+def expressions(cuda: bool = True) -> list[str]:
+    """Every panel's PromQL (``cuda=False``: not the panels described as "CUDA only", which a
+    CPU server leaves without data)."""
+    return [t["expr"] for p in panels() if cuda or "CUDA only" not in p.get("description", "") for t in p["targets"]]
 
 
 class Prometheus:
@@ -153,8 +155,11 @@ def main() -> None:
     ap.add_argument("--serve-args", default="--quant int4 --max-seq-len 512")
     ap.add_argument("--seconds", type=float, default=40)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--timing-every", type=int, default=1, help="the server's --kernel-timing-every")
     a = ap.parse_args()
-    server, url = spawn(a.serve_args + " --kernel-timing-every 1")
+    server, url = spawn(a.serve_args + f" --kernel-timing-every {a.timing_every}")
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -162,9 +167,17 @@ def main() -> None:
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         start = time.time()
-        n = asyncio.run(load(url, model, a.seconds))
+        n = asyncio.run(load(url, model, a.seconds, a.clients, a.max_tokens))
         time.sleep(3)
         end = time.time()
+        # what Prometheus holds at the end, beside the picture: calls and timed samples by
+        # path and layer kind, the roofline gauges
+        snapshot = {e: [(r["metric"], float(r["value"][1])) for r in prom.query(e)] for e in (
+            "sum by (path, layer, m_bucket) (woq_kernel_calls_total)",
+            "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_count)",
+            "woq_kernel_roofline_ratio", "woq_decode_step_roofline_ratio", "woq_build_info")}
+        a.out.with_suffix(".json").write_text(json.dumps(dict(requests=n, seconds=a.seconds, clients=a.clients,
+                                                                 serve_args=a.serve_args, queries=snapshot), indent=1))
         empty = [e for e in expressions() if not prom.query(e)]
         print(f"{n} requests; {len(expressions()) - len(empty)}/{len(expressions())} dashboard queries returned data")
         for e in empty:

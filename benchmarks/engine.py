@@ -7,8 +7,8 @@ batch-1 step where the model asks for it: ``engine/decode.py``): decode tokens/s
 median of 3 runs), prefill tokens/s of a 2048-token prompt (median of 3 after one
 warm-up), and at batch 1 the fraction of the roofline (tokens/s x bytes read per token /
 measured copy bandwidth). In the same run, HF transformers fp16 ``generate`` on the same
-weights (eager dynamic cache, and static cache), and the cost of the per-kernel metrics at
-their default sampling rate.
+weights (eager dynamic cache, and static cache). (The per-kernel metrics' cost:
+``metrics_overhead.py``.)
 
     python benchmarks/engine.py --out docs/bench [--models llama3-8b] [--batches 1,16]
 """
@@ -30,7 +30,6 @@ from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa:
 
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
-from woq.kernels.observe import KernelTiming  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 from woq.models.quant_linear import DenseLinear, WeightOnlyLinear  # noqa: E402
 
@@ -161,13 +160,6 @@ def prefill_tps(engine: Engine, vocab: int, tokens: int = 2048, repeats: int = 3
     return statistics.median(rates)
 
 
-class _Discard:
-    """A kernel observer that keeps nothing: the metrics' cost without the metrics."""
-
-    def record(self, call, seconds):
-        pass
-
-
 def bytes_per_token(config, wbytes: int) -> float:
     """Bytes a batch-1 decode step reads, the roofline's numerator: the weights, and the fp16
     KV cache at the run's middle position (a PROMPT-token prompt, NEW new tokens)."""
@@ -207,17 +199,6 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
             row["roofline_tps_b1"] = bw / per_token
             row["pct_roofline_b1"] = 100 * row["decode_tps_b1"] / row["roofline_tps_b1"]
             row["vs_hf_eager_b1"] = row["decode_tps_b1"] / hf["dynamic"]
-            if fmt == "int4-g128":  # the metrics' cost: kernel timing at its default rate
-                from woq.service.config import ServeSettings
-
-                d = ServeSettings.model_fields
-                engine.shutdown()
-                engine = Engine(model, None, set(), max_batch_size=max_batch, max_queue=4096, max_seq_len=CONTEXT,
-                                profile_interval=d["profile_interval"].default).start()
-                model.observe_kernels(KernelTiming(_Discard(), d["kernel_timing_every"].default))
-                for b in (1, 16):
-                    row[f"decode_tps_b{b}_with_kernel_metrics"] = median_decode_tps(engine, config.vocab_size, b).steady_tps
-                model.observe_kernels(None)
             engine.shutdown()
             rows.append(row)
             print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -236,9 +217,6 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
 
 
 def summary(result: dict) -> str:
-    from woq.service.config import ServeSettings
-
-    d = ServeSettings.model_fields
     bs = result["batches"]
     wide = [b for b in bs if b > 1]
     head = ["model", "format", "weights GB"] + [f"decode tok/s b{b}" for b in bs] + [f"b{b} / b1" for b in wide] + \
@@ -251,11 +229,6 @@ def summary(result: dict) -> str:
                      [r.get(f"end_to_end_tps_b{b}", "-") for b in wide] +
                      [r["pct_roofline_b1"], f"{r['vs_hf_eager_b1']:.1f}×", f"{r['hf_eager_tps']:.0f} / {r['hf_static_tps']:.0f}",
                       r["prefill_tps_2048"]])
-    over = [f"{r['model']} int4: b1 {r['decode_tps_b1']:.0f} → {r['decode_tps_b1_with_kernel_metrics']:.0f} tok/s "
-            f"({100 * (1 - r['decode_tps_b1_with_kernel_metrics'] / r['decode_tps_b1']):+.1f} %), b16 "
-            f"{r['decode_tps_b16']:.0f} → {r['decode_tps_b16_with_kernel_metrics']:.0f} "
-            f"({100 * (1 - r['decode_tps_b16_with_kernel_metrics'] / r['decode_tps_b16']):+.1f} %)"
-            for r in result["rows"] if "decode_tps_b1_with_kernel_metrics" in r and "decode_tps_b16" in r]
     return (f"GPU: {result['gpu']}, torch {result['torch']}; copy bandwidth {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
             f"Random weights, real shapes; greedy, {result['prompt_tokens']}-token prompts, {result['new_tokens']} new tokens "
             f"(ignore_eos), CUDA graphs, the batch's requests submitted at once (median of 3 runs). Decode tok/s = all "
@@ -263,9 +236,7 @@ def summary(result: dict) -> str:
             "first one ends); end to end = their decode tokens from the first first token to the last token, "
             "the arrivals' prefills (packed, at most 2048 prompt tokens per forward) included. "
             f"Roofline b1 = bandwidth / (weight bytes + KV bytes read per token). HF: transformers fp16 generate, same weights.\n\n"
-            + markdown_table(head, table) + "\n\nCost of the per-kernel metrics at the server's defaults (timing 1 linear "
-            f"call in {d['kernel_timing_every'].default}, an eager step every {d['profile_interval'].default:g} s, which a "
-            "128-token run rarely meets): " + "; ".join(over) + "\n")
+            + markdown_table(head, table) + "\n\nThe per-kernel metrics' cost: `metrics_overhead.md`.\n")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402
 
 
-def write_random_model(name: str, directory: Path) -> Path:
+def write_random_model(name: str, directory: Path, tokenizer: Path | None = None) -> Path:
     """An HF directory with ``name``'s config, random fp16 weights in 2 GB shards, and the
-    default model's tokenizer (its ids fit any of these vocabularies)."""
+    tokenizer files in ``tokenizer`` (default: the default model's; its ids fit any of these
+    vocabularies)."""
     import torch
     from safetensors.torch import save_file
 
@@ -57,7 +58,7 @@ def write_random_model(name: str, directory: Path) -> Path:
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     config.torch_dtype = torch.float16
     config.save_pretrained(directory)
-    tokenizer = fetch_default_model(default_cache_dir())
+    tokenizer = tokenizer or fetch_default_model(default_cache_dir())
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tokenizer / f).exists():
             shutil.copy(tokenizer / f, directory / f)

@@ -15,30 +15,72 @@ prompt's tokens (``models.batches.PaddedPrompt``).
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
+from ..kernels.observe import Captured, KernelTiming
 from ..models.batches import Decode, PaddedPrompt
 from ..models.kv_cache import KVCache
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
 
 
-def capture_graphs(forward, sizes: list[int]) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+@dataclass(eq=False)
+class Graph:
+    """One captured graph and its output; with kernel metrics on, also its timed twin (the
+    same work with an event pair around each linear-layer call, ``kernels/observe.py``) and
+    the calls each one replays."""
+
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor
+    calls: Captured | None = None
+    twin: torch.cuda.CUDAGraph | None = None
+    twin_out: torch.Tensor | None = None
+    twin_calls: Captured | None = None
+    timing: KernelTiming | None = None  # (the one that recorded the calls)
+
+    def replay(self) -> torch.Tensor:
+        """Replay the graph (one replay in ``timing.sample_every``: its timed twin); its output."""
+        if self.twin is not None and self.timing.take_timed(self.twin_calls):
+            self.twin.replay()
+            self.timing.timed_replayed(self.twin_calls)
+            return self.twin_out
+        self.graph.replay()
+        if self.calls is not None:
+            self.calls.replayed()
+        return self.out
+
+
+def capture_graphs(forward, sizes: list[int], timing: KernelTiming | None, decode: bool = False) -> dict[int, Graph]:
     """A graph of ``forward(size)`` for each size, with its output: captured largest first,
-    in one memory pool that the smaller ones reuse (one graph replays at a time)."""
+    in one memory pool that the smaller ones reuse (one graph replays at a time). With
+    ``timing``, each graph's calls are recorded and a timed twin is captured beside it (a
+    ``decode`` step's twin also times the whole step: the step's roofline gauge); the
+    warm-up runs are not counted."""
     graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: autotuning, allocator, lazy inits
+        quiet = timing.quiet() if timing is not None else contextlib.nullcontext()
+        with torch.cuda.stream(stream), quiet:  # warm-up: autotuning, allocator, lazy inits
             for _ in range(2):
                 forward(size)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = forward(size)
-        pool = graph.pool()
-        graphs[size] = (graph, out)
+        captures = []
+        for timed in (False, True) if timing is not None else (False,):
+            graph = torch.cuda.CUDAGraph()
+            recording = timing.recording(timed) if timing is not None else contextlib.nullcontext()
+            with recording as calls, torch.cuda.graph(graph, pool=pool):
+                if timed and decode:
+                    calls.begin_step()
+                out = forward(size)
+                if timed and decode:
+                    calls.end_step(size)
+            pool = graph.pool()
+            captures.append((graph, out, calls))
+        graphs[size] = Graph(*captures[0], *(captures[1] if len(captures) > 1 else ()), timing=timing)
     torch.cuda.synchronize()
     return graphs
 
@@ -63,7 +105,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, 1, dtype=torch.long, device=dev)
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=dev)
         self.lengths = torch.ones(n, dtype=torch.long, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, Graph] = {}
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.runner(self.ids[:b], Decode(self.positions[:b], self.slots[:b], self.lengths[:b]))
@@ -71,7 +113,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller graphs reuse its memory pool)."""
         self._pad(0)
-        self.graphs = capture_graphs(self._forward, self.buckets)
+        self.graphs = capture_graphs(self._forward, self.buckets, self.runner.model.kernel_timing, decode=True)
 
     def _pad(self, start: int) -> None:
         self.ids[start:] = 0
@@ -104,9 +146,7 @@ class DecodeGraphs:
 
     def _replay(self, b: int, B: int) -> torch.Tensor:
         """Replay bucket ``b``'s graph; its first ``B`` rows of logits."""
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[:B]
+        return self.graphs[b].replay()[:B]
 
     def _bucket(self, B: int) -> int:
         return next(s for s in self.buckets if s >= B)
@@ -139,7 +179,7 @@ class PrefillGraphs:
         self.positions = torch.arange(n, device=dev)[None]
         self.slots = torch.zeros(n, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, Graph] = {}
         self.replays = 0
 
     @property
@@ -153,7 +193,7 @@ class PrefillGraphs:
     def capture(self) -> None:
         """Capture every token count, largest first (the smaller graphs reuse its memory pool).
         The captures write slot 0's first positions, which no sequence holds yet."""
-        self.graphs = capture_graphs(self._forward, self.buckets)
+        self.graphs = capture_graphs(self._forward, self.buckets, self.model.kernel_timing)
 
     def run(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
         """Logits ``[1, V]`` of the last token of ``prompt_ids`` (1 to ``max_tokens`` of them),
@@ -166,7 +206,6 @@ class PrefillGraphs:
         self.ids[0, n:t] = 0
         self.slots[:t] = slot
         self.last.fill_(n - 1)
-        graph, out = self.graphs[t]
-        graph.replay()
+        out = self.graphs[t].replay()
         self.replays += 1
         return out

@@ -13,7 +13,7 @@ One background thread owns the model and the KV cache and loops:
    steps in between;
 2. run one decode step for every running sequence together (one forward, M = batch; on
    CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
-   with one eager step every ``profile_interval`` seconds so kernel timings keep flowing);
+   whose timed twin keeps the kernel metrics' latencies flowing: ``kernels/observe.py``);
 3. sample every row in one pass on the device (only the new ids come back to the host),
    hand each request its new text through its sink, and free the slots of finished or
    cancelled requests.
@@ -189,8 +189,6 @@ class Engine:
         observer: EngineObserver | None = None,
         cuda_graphs: bool = True,
         prefill_graphs: bool = True,
-        profile_interval: float = 0.0,
-        profile_min_steps: int = 256,
         gpu_memory_fraction: float | None = None,
     ):
         self.model = model
@@ -229,17 +227,6 @@ class Engine:
             if prefill_graphs:
                 self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens))
                 self.prefill_graphs.capture()
-        # One decode step every profile_interval seconds runs eagerly, so that per-kernel
-        # timings (which a graph replay cannot observe) keep flowing to the metrics; 0 =
-        # never. By time, not by step count: an eager step costs about the same for any
-        # model (its launches queued one by one from Python), a graph step does not
-        # (docs/design/metrics.md). And only after profile_min_steps graph steps: a server idle between requests
-        # would otherwise put one ~20 ms step into every request that follows a pause.
-        self.profile_interval = profile_interval
-        self.profile_min_steps = profile_min_steps
-        self._profile_at = time.monotonic() + profile_interval
-        self._graph_steps = 0  # since the last eager step for the metrics
-        self.profile_steps = 0  # eager steps taken for the metrics
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -442,26 +429,16 @@ class Engine:
         self._deliver()  # the previous step's events, while the GPU works
         self._accept_all(seqs, step.token_ids())
 
-    def _profile_due(self) -> bool:
-        """Whether the next decode step should run eagerly, for the kernel metrics."""
-        return (self.profile_interval > 0 and self._graph_steps >= self.profile_min_steps
-                and time.monotonic() >= self._profile_at)
-
     def _launch_step(self, seqs: list[_Sequence]) -> _Launched:
         """Queue one decode step for ``seqs`` from the host's state."""
         dev = self.model.device
         ids = torch.tensor([[s.generated[-1]] for s in seqs], device=dev)
         positions = torch.tensor([[s.next_position] for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        graph = self.graphs is not None and not self._profile_due()
+        graph = self.graphs is not None
         if graph:
-            self._graph_steps += 1
             logits = self.graphs.run(ids, positions, slots)
         else:
-            if self.graphs is not None:  # the kernel metrics' eager step
-                self.profile_steps += 1
-                self._graph_steps = 0
-                self._profile_at = time.monotonic() + self.profile_interval
             logits = self.decode(ids, Decode.at(positions, slots))
         sampling = self._sampling_tensors(seqs)
         return self._queue_tokens(seqs, logits, sampling, graph)
@@ -469,7 +446,6 @@ class Engine:
     def _launch_next_step(self, step: _Launched) -> _Launched:
         """Queue the step after ``step`` for the same sequences, fed on the device with its ids."""
         logits = self.graphs.run_next(step.tokens)
-        self._graph_steps += 1
         sampling = step.sampling
         if sampling is not None:  # the draw's step counter: one token further
             sampling = (*sampling[:-1], sampling[-1] + 1)
@@ -481,8 +457,6 @@ class Engine:
         if not step.graph:  # (a graph replay: CUDA, graphs captured)
             return False
         if self.prefilling or (self.waiting and self.free_slots):  # a newcomer is prefilled first
-            return False
-        if self._profile_due():  # an eager step next
             return False
         # no sequence ends by length with this step's token (its next step would be past it)
         return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len

@@ -17,7 +17,6 @@ from .layout import GpuWeight
 from .options import DecodeStepOptions
 
 
-
 class DecodeStep:
     """One decode step of ``layers`` for a batch of one sequence.
 
@@ -60,6 +59,10 @@ class DecodeStep:
         # (one per layer and stage, and the exit count: decode_step_counters in csrc/decode_step.cu)
         self.counters = torch.zeros(torch.ops.woq.decode_step_counters(len(layers)), device=device,
                                     dtype=torch.int32)
+        # (a timed step's %globaltimer stamps: each block's end of each (layer, stage), then the
+        # start, in column 0; zeros elsewhere, so a row's max is its latest stamp: kernels/observe.py)
+        self.stamps = torch.zeros(torch.ops.woq.decode_step_counters(len(layers)), sm_count(device), device=device,
+                                  dtype=torch.int64)
         self.caches = (k_caches, v_caches, cos, sin)
         self.table = torch.ops.woq.decode_step_plan(
             [w.qweight for w in self.weights], [w.scales for w in self.weights],
@@ -89,11 +92,12 @@ class DecodeStep:
                    for layer in layers for w, ref in zip(layer, layers[0]))
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor) -> torch.Tensor:
+                 lengths: torch.Tensor, stamps: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after every layer for the embedding ``h`` ``[hidden]`` (in
         place), the token at ``positions[0]`` of slot ``slots[0]`` cached, attention over
-        ``lengths[0]`` positions. Launch-only: a CUDA graph captures it."""
+        ``lengths[0]`` positions; with ``stamps`` (``self.stamps``) the stages' end times
+        written there. Launch-only: a CUDA graph captures it."""
         torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
                                   self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,
-                                  self.kv_heads, self.cache_hints, self.ring_slots)
+                                  self.kv_heads, self.cache_hints, self.ring_slots, stamps)
         return h

@@ -1,18 +1,32 @@
 """Observing kernel calls: every linear-layer call counted by (path, layer kind, bits, M),
-a sampled fraction timed. An observer (the service's Prometheus metrics) receives a
-``KernelCall`` and, for the sampled calls, the latency. A model's layers get their plans
-wrapped in ``ObservedPlan`` (``CausalLM.observe_kernels``); the plan itself never knows.
+a sampled fraction timed, eager or replayed from a CUDA graph. An observer (the service's
+Prometheus metrics) receives ``KernelCall``s: counted, and for the sampled ones timed. A
+model's layers get their plans wrapped in ``ObservedPlan`` (``CausalLM.observe_kernels``);
+the plan itself never knows.
 
-CUDA timings use events resolved later, once they have completed, so the decode loop never
-synchronizes for a measurement; nothing is timed or counted while a CUDA graph is being
-captured (a replay does not pass through Python).
+* **Eager calls**: one call in ``sample_every`` is timed, with CUDA events resolved later,
+  once they have completed, so that the decode loop never synchronizes for a measurement.
+* **CUDA graphs**: a replay does not pass through Python, so a graph's calls are recorded
+  while it is captured (``recording``, a ``Captured``), and every replay adds them
+  (``Captured.replayed``; added to the observer in bulk by ``flush``, at a scrape). A graph
+  is also captured a second time with CUDA event nodes around the first call of each kind
+  (path, layer kind, bits, shape: the first decoder layer's linears and the LM head; the
+  other layers repeat them) and around the whole step: its *timed twin*. One replay in
+  ``sample_every`` runs the twin instead, which keeps the latencies flowing while the fast
+  graph itself stays free of event nodes (an event node between two kernels ends their
+  programmatic overlap; their cost: docs/design/metrics.md).
+* **The persistent decode step** is one kernel for every decoder layer. Its stages are
+  counted as the layers' calls (path ``decode_step``), and a timed step has the kernel
+  stamp ``%globaltimer`` at the end of each stage (``StageStamps``): the gap between two
+  consecutive stamps is that stage's latency.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -32,41 +46,127 @@ def m_bucket(m: int) -> str:
 @dataclass(frozen=True)
 class KernelCall:
     path: str
-    layer: str  # layer kind: qkv, o, gate_up, down, lm_head; decoder (the persistent step)
+    layer: str  # layer kind: qkv, o, gate_up, down, lm_head; attention (a persistent step's stage)
     bits: int  # 16 for unquantized
     m: int
     n: int
     k: int
+    group_size: int = 0  # 0: per channel (or unquantized)
+    zeros: bool = False  # asymmetric: zero points beside the scales
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """The weight's bytes with its scales (and zero points where asymmetric: counted as
+        scales, as the GPU layout stores them)."""
+        if self.bits == 16:
+            return self.n * self.k * dtype_bytes
+        groups = -(-self.k // self.group_size) if self.group_size else 1
+        return self.n * self.k * self.bits // 8 + self.n * groups * dtype_bytes * (2 if self.zeros else 1)
+
+    def bytes_moved(self, dtype_bytes: int = 2) -> int:
+        """The bytes a call must move at least: the weight (scales, zeros), x and y (an
+        attention stage: not counted, 0)."""
+        if self.layer == "attention":
+            return 0
+        return self.weight_bytes(dtype_bytes) + self.m * (self.k + self.n) * dtype_bytes
 
 
 class KernelObserver(Protocol):
-    def record(self, call: KernelCall, seconds: float | None) -> None:
-        """``seconds`` is None for calls that were counted but not timed."""
+    def count(self, call: KernelCall, calls: int) -> None:
+        """``calls`` calls made (one eager call, a graph's calls times its replays, a
+        persistent step's stages)."""
+
+    def time(self, call: KernelCall, seconds: float) -> None:
+        """The latency of one sampled call (counted already)."""
+
+    def record_step(self, batch: int, seconds: float, weight_bytes: int) -> None:
+        """A sampled decode step of ``batch`` rows (a timed graph replay) and the weight
+        bytes its calls read."""
+
+
+@dataclass(eq=False)
+class Captured:
+    """The linear-layer calls of one captured CUDA graph, and how often it was replayed.
+    A timed twin also holds the event pairs its capture recorded (around the first call of
+    each kind, and around a decode step) and the persistent step's stamps."""
+
+    counts: Counter = field(default_factory=Counter)
+    events: list[tuple[KernelCall, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    stamps: list["StageStamps"] = field(default_factory=list)
+    replays: int = 0
+    flushed: int = 0
+    in_flight: torch.cuda.Event | None = None  # a timed replay not yet read back
+    step: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None  # a timed twin's (batch, start, end)
+
+    def replayed(self) -> None:
+        self.replays += 1
+
+    def begin_step(self) -> None:
+        """Inside a timed twin's capture, before its forward: an event node at its start."""
+        start = torch.cuda.Event(enable_timing=True, external=True)
+        start.record()
+        self.step = (0, start, start)
+
+    def end_step(self, batch: int) -> None:
+        end = torch.cuda.Event(enable_timing=True, external=True)
+        end.record()
+        self.step = (batch, self.step[1], end)
+
+    def weight_bytes(self) -> int:
+        return sum(call.weight_bytes() * n for call, n in self.counts.items() if call.layer != "attention")
+
+
+class StageStamps:
+    """``%globaltimer`` stamps of the persistent decode step: ``buffer`` (int64 ``[layers x
+    stages + 1, SMs]`` on the GPU, written by the kernel of a timed step: each block's end of
+    each (layer, stage), then the start) copied to pinned host memory after the step and read
+    once that copy is done."""
+
+    STAGES = ("qkv", "attention", "o", "gate_up", "down")  # (decode_step.cuh's kQkv .. kDown)
+
+    def __init__(self, buffer: torch.Tensor, calls: list[KernelCall]):
+        self.buffer, self.calls = buffer, calls  # calls: one per stage, in STAGES order
+        self.host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+
+    def copy_out(self) -> None:
+        self.host.copy_(self.buffer, non_blocking=True)
+
+    def latencies(self) -> list[tuple[KernelCall, float]]:
+        """Each stage's latency in seconds, layer after layer: the gap since the previous stage's
+        end (a stage ends with its last block's stamp, the latest of its row)."""
+        stamps = self.host.amax(dim=1).tolist()
+        ends, previous, out = stamps[:-1], stamps[-1], []
+        for i, end in enumerate(ends):
+            out.append((self.calls[i % len(self.calls)], max(end - previous, 0) / 1e9))
+            previous = end
+        return out
 
 
 class KernelTiming:
-    """Counts every call, times every ``sample_every``-th, and resolves CUDA events lazily.
-    One per model (its layers share the sampling)."""
+    """Counts every call and times a sampled ``1 / sample_every`` of them (eager calls one in
+    ``sample_every``, graphs their timed twin one replay in ``sample_every``). One per model
+    (its layers share the sampling)."""
 
     def __init__(self, observer: KernelObserver, sample_every: int = 1):
         self.observer = observer
         self.sample_every = max(1, sample_every)
         self.count = 0
         self.pending: deque[tuple[KernelCall, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self.pending_stamps: deque[tuple[StageStamps, torch.cuda.Event]] = deque()
+        self.captured: list[Captured] = []
+        self._recording: Captured | None = None
+        self._timed_capture = False
+        self._replays = 0
+        self._quiet = 0
 
-    def drain(self, wait: bool = False) -> None:
-        """Report the finished CUDA timings (with ``wait``: all of them)."""
-        while self.pending and (wait or self.pending[0][2].query()):
-            call, start, end = self.pending.popleft()
-            end.synchronize()
-            self.observer.record(call, start.elapsed_time(end) / 1e3)
-
+    # -- eager calls -------------------------------------------------------------------------
     def run(self, call: KernelCall, compute: Callable[[], torch.Tensor], on_cuda: bool) -> torch.Tensor:
         if on_cuda and torch.cuda.is_current_stream_capturing():
+            return self._captured_call(call, compute)
+        if self._quiet:
             return compute()
         self.count += 1
+        self.observer.count(call, 1)
         if self.count % self.sample_every:
-            self.observer.record(call, None)
             return compute()
         if on_cuda:
             self.drain()
@@ -78,16 +178,135 @@ class KernelTiming:
             return y
         t0 = time.perf_counter()
         y = compute()
-        self.observer.record(call, time.perf_counter() - t0)
+        self.observer.time(call, time.perf_counter() - t0)
         return y
+
+    def stages(self, calls: list[KernelCall], layers: int, launch: Callable[[torch.Tensor | None], None],
+               stamps: torch.Tensor) -> None:
+        """A persistent decode step: ``launch(stamps or None)`` runs it; its ``layers`` x
+        ``calls`` stages (one call per ``StageStamps.STAGES``) are counted, and timed from the
+        kernel's stamps in ``stamps`` where this step is sampled."""
+        if torch.cuda.is_current_stream_capturing():
+            if self._recording is None:
+                return launch(None)
+            for call in calls:
+                self._recording.counts[call] += layers
+            if not self._timed_capture:
+                return launch(None)
+            launch(stamps)
+            s = StageStamps(stamps, calls)
+            s.copy_out()
+            self._recording.stamps.append(s)
+            return None
+        if self._quiet:
+            return launch(None)
+        self.count += 1
+        for call in calls:
+            self.observer.count(call, layers)
+        if self.count % self.sample_every:
+            return launch(None)
+        # (stream order keeps this step's stamps from overwriting a previous one's before its copy)
+        launch(stamps)
+        s = StageStamps(stamps, calls)
+        s.copy_out()
+        done = torch.cuda.Event()
+        done.record()
+        self.pending_stamps.append((s, done))
+        return None
+
+    def drain(self, wait: bool = False) -> None:
+        """Report the finished CUDA timings (with ``wait``: all of them)."""
+        while self.pending and (wait or self.pending[0][2].query()):
+            call, start, end = self.pending.popleft()
+            end.synchronize()
+            self.observer.time(call, start.elapsed_time(end) / 1e3)
+        while self.pending_stamps and (wait or self.pending_stamps[0][1].query()):
+            s, done = self.pending_stamps.popleft()
+            done.synchronize()
+            for call, seconds in s.latencies():
+                self.observer.time(call, seconds)
+        for c in self.captured:
+            if c.in_flight is not None and (wait or c.in_flight.query()):
+                c.in_flight.synchronize()
+                c.in_flight = None
+                for call, start, end in c.events:
+                    self.observer.time(call, start.elapsed_time(end) / 1e3)
+                for s in c.stamps:
+                    for call, seconds in s.latencies():
+                        self.observer.time(call, seconds)
+                if c.step is not None:
+                    batch, start, end = c.step
+                    self.observer.record_step(batch, start.elapsed_time(end) / 1e3, c.weight_bytes())
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Calls made inside are neither counted nor timed (warm-up runs, not served work)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self, timed: bool = False) -> Iterator[Captured]:
+        """Record the calls of the graph captured inside (``timed``: its timed twin, each call
+        between two event nodes)."""
+        captured = Captured()
+        self._recording, self._timed_capture = captured, timed
+        try:
+            yield captured
+        finally:
+            self._recording, self._timed_capture = None, False
+        self.captured.append(captured)
+
+    def _captured_call(self, call: KernelCall, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self._recording is None:
+            return compute()
+        first = call not in self._recording.counts
+        self._recording.counts[call] += 1
+        if not (self._timed_capture and first):
+            return compute()
+        start = torch.cuda.Event(enable_timing=True, external=True)
+        end = torch.cuda.Event(enable_timing=True, external=True)
+        start.record()
+        y = compute()
+        end.record()
+        self._recording.events.append((call, start, end))
+        return y
+
+    def take_timed(self, twin: Captured) -> bool:
+        """Whether this replay should be the timed twin's (one in ``sample_every``, and only
+        once the twin's previous timings have been read)."""
+        self._replays += 1
+        if self._replays % self.sample_every:
+            return False
+        self.drain()  # (the timings of the twin replayed sample_every replays ago, done by now)
+        return twin.in_flight is None
+
+    def timed_replayed(self, twin: Captured) -> None:
+        """After a replay of the timed twin: its events are read once the step is done."""
+        twin.replayed()
+        twin.in_flight = torch.cuda.Event()
+        twin.in_flight.record()
+
+    def flush(self) -> None:
+        """Add the replays since the last flush to the observer's counts."""
+        for c in self.captured:
+            n = c.replays - c.flushed
+            if n:
+                c.flushed += n
+                for call, calls in c.counts.items():
+                    self.observer.count(call, calls * n)
 
 
 class ObservedPlan:
     """A layer's plan whose calls ``timing`` counts and samples."""
 
-    def __init__(self, plan, timing: KernelTiming, layer_kind: str, n: int, k: int):
+    def __init__(self, plan, timing: KernelTiming, layer_kind: str, n: int, k: int, group_size: int = 0,
+                 zeros: bool = False):
         self.plan, self.timing = plan, timing
-        self.layer_kind, self.n, self.k = layer_kind, n, k
+        self.layer_kind, self.n, self.k, self.group_size, self.zeros = layer_kind, n, k, group_size, zeros
         self.bits = plan.bits
         self.swiglu_rows = plan.swiglu_rows
 
@@ -96,5 +315,5 @@ class ObservedPlan:
 
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
         m = x.shape[0]
-        call = KernelCall(self.plan.path(m), self.layer_kind, self.bits, m, self.n, self.k)
+        call = KernelCall(self.plan.path(m), self.layer_kind, self.bits, m, self.n, self.k, self.group_size, self.zeros)
         return self.timing.run(call, lambda: self.plan(x, epilogue), x.is_cuda)

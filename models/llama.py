@@ -222,14 +222,18 @@ class CausalLM(nn.Module):
         persistent kernel ``step`` (``persistent_step``); launch-only, a CUDA graph captures it."""
         x = self.embed(input_ids)
 
-        def run() -> torch.Tensor:
-            return step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths)
+        def launch(stamps: torch.Tensor | None) -> None:
+            step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths, stamps)
 
         if self.kernel_timing is None:
-            run()
-        else:
-            hidden = self.cfg.hidden_size
-            self.kernel_timing.run(KernelCall(DECODE_STEP, "decoder", 4, 1, hidden, hidden), run, True)
+            launch(None)
+        else:  # the layers' stages counted as their linears' calls, timed from the kernel's stamps
+            first = self.layers[0]
+            stages = [KernelCall(DECODE_STEP, m.layer_kind, m.bits, 1, m.out_features, m.in_features, m._group_size(),
+                                 m.zeros is not None)
+                      for m in (first.attn.qkv, first.attn.o, first.mlp.gate_up, first.mlp.down)]
+            stages.insert(1, KernelCall(DECODE_STEP, "attention", 16, 1, 0, 0))
+            self.kernel_timing.stages(stages, len(self.layers), launch, step.stamps)
         p = Pass(None, _fused_module(), self.options.programmatic_launch)
         h = self.norm.add_forward(x, None, p)[0]  # (x is the residual stream now)
         return self.lm_head.logits(h[:, -1])

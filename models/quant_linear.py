@@ -30,8 +30,14 @@ class _PlannedLinear(nn.Module):
 
     def observe(self, timing: KernelTiming | None) -> None:
         """Count and sample this layer's calls with ``timing`` (None: stop)."""
-        self.plan = self._plan if timing is None else ObservedPlan(self._plan, timing, self.layer_kind,
-                                                                    self.out_features, self.in_features)
+        self.plan = self._plan if timing is None else ObservedPlan(
+            self._plan, timing, self.layer_kind, self.out_features, self.in_features, self._group_size(),
+            getattr(self, "zeros", None) is not None)
+
+    def _group_size(self) -> int:
+        """The call's scale group for the metrics' byte counts (0: per channel or unquantized)."""
+        g = getattr(self, "group_size", 0) or 0
+        return 0 if g >= self.in_features else g
 
     def forward(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
         """``x @ W.T + b``; with ``Epilogue.SWIGLU`` (a SwiGLU MLP's fused gate/up layer)

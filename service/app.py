@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Match
 
 from .. import __version__
 from ..engine.engine import Engine, EngineStoppedError, QueueFullError, RequestTooLongError, StreamEvent
@@ -97,8 +98,16 @@ class RequestContext:
     Plain ASGI rather than ``@app.middleware("http")``: that one relays a streamed body
     through an extra task and memory stream, a cost paid for every token of every stream."""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, routes: list):
+        self.app, self.state, self.routes = app, state, routes
+
+    def _endpoint(self, scope) -> str:
+        """The route's path template: the one the router matched, else the one the path would
+        match (a 401 or 413 is answered before routing); "other" for no route."""
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] == Match.FULL), None)
+        return getattr(route, "path", "other")
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         if self.state.api_key is None:
@@ -131,8 +140,7 @@ class RequestContext:
                 await self.app(scope, receive, send_with_id)
         finally:
             request_id.reset(token)
-            endpoint = getattr(scope.get("route"), "path", "other")
-            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+            self.state.metrics.requests.labels(self._endpoint(scope), str(status)).inc()
             access_log.info("request", extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
                                               "status": status, "ms": round(1e3 * (time.perf_counter() - t0), 1)})
 
@@ -287,8 +295,9 @@ def create_app(state: ServerState) -> FastAPI:
     install_handlers(app)
     metrics = state.metrics
 
-    app.add_middleware(RequestContext, state=state)
+    # (added last, RequestContext runs first: it also counts the 413s that BodyLimit sends)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    app.add_middleware(RequestContext, state=state, routes=app.router.routes)
 
     @app.get("/health")
     async def health():

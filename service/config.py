@@ -83,12 +83,11 @@ class ServeSettings(ModelSettings):
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
     max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps "
                                     "(longer prompts go in chunks)")
-    kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics")
+    kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics "
+                                     "(under CUDA graphs: one replay in N runs the graph's timed twin)")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")
     prefill_graphs: bool = Field(True, description="with --cuda-graphs: replay prefills of whole prompts up to "
                                  "512 tokens in all through CUDA graphs too")
-    profile_interval: float = Field(10.0, ge=0, description="with --cuda-graphs: one decode step every this many "
-                                    "seconds (and 256 graph steps) runs eagerly, timing its kernels (0: never)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may take, queueing included (504)")

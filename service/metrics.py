@@ -6,17 +6,23 @@ lists every metric with its unit and labels.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from collections import deque
 
-from ..kernels.observe import KernelCall, m_bucket
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.registry import Collector
+
+from ..kernels.observe import KernelCall, KernelTiming, m_bucket
 
 # Buckets sized for LLM serving: first tokens take 10 ms (small model, short prompt) to
 # tens of seconds (queued behind long prefills); inter-token gaps 1 ms (GPU decode) to
-# ~1 s (CPU, large batch); kernels 1 µs (GPU GEMV) to ~100 ms (CPU prefill matmul).
+# ~1 s (CPU, large batch); kernels 2 µs (a small GPU GEMV or a decode step's stage) to
+# ~100 ms (a CPU prefill matmul).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
-KERNEL_BUCKETS = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25)
+KERNEL_BUCKETS = (2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2, 0.1)
+# The achieved-bandwidth gauges: bytes and seconds of each series' last samples.
+ROOFLINE_WINDOW = 64
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -25,6 +31,12 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        # No `_created` series: a Unix time per counter and histogram series, which no
+        # panel reads and which doubles the counters' lines (a setting of the library).
+        disable_created_metrics()
+        self._timings: list[KernelTiming] = []
+        # (first: collectors are scraped in the order they registered)
+        r.register(_FlushBeforeScrape(self._timings))
         ProcessCollector(registry=r)  # process_* (RSS, CPU seconds): the CPU memory panel
         self.requests = Counter("woq_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
@@ -45,7 +57,26 @@ class Metrics:
                                         "Latency of sampled quantized-linear calls by dispatch path",
                                         labels, buckets=KERNEL_BUCKETS, registry=r)
         self.kernel_calls = Counter("woq_kernel_calls", "Linear-layer calls by dispatch path", labels, registry=r)
+        self.kernel_roofline = Gauge("woq_kernel_roofline_ratio",
+                                     "Bytes a kernel path must move per second of its sampled calls, as a fraction of the "
+                                     "GPU's measured copy bandwidth", ["path", "layer"], registry=r)
+        self.step_roofline = Gauge("woq_decode_step_roofline_ratio",
+                                   "Weight bytes a sampled decode step reads per second of it, as a fraction of the "
+                                   "GPU's measured copy bandwidth", ["batch"], registry=r)
+        self.info = Gauge("woq_build_info", "The served model, its quantization, the device and the kernels' version "
+                          "(value 1)", ["model", "quant", "device", "kernel_version"], registry=r)
         self._children: dict[tuple, tuple] = {}
+        self._window: dict[tuple[str, str], deque] = {}
+        self.bandwidth: float | None = None  # bytes/s of a device-to-device copy (the roofline gauges)
+
+    def bind_timing(self, timing: KernelTiming, bandwidth: float | None) -> None:
+        """Add ``timing``'s graph replays to the counts at each scrape; ``bandwidth``: the
+        copy bandwidth the roofline gauges divide by (None: no such gauges)."""
+        self._timings.append(timing)
+        self.bandwidth = bandwidth
+
+    def describe(self, model: str, quant: str, device: str, kernel_version: str) -> None:
+        self.info.labels(model, quant, device, kernel_version).set(1)
 
     def bind_engine(self, engine) -> None:
         """Gauges read straight from the engine (and the GPU) at scrape time."""
@@ -78,22 +109,52 @@ class Metrics:
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.generation_tokens.inc()
 
     def on_token_latency(self, seconds: float) -> None:
         self.itl.observe(seconds)
+        self.generation_tokens.inc()
 
     def on_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
         self.e2e.labels(finish_reason).observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
 
     # -- KernelObserver ------------------------------------------------------------------
-    def record(self, call: KernelCall, seconds: float | None) -> None:
+    def _series(self, call: KernelCall) -> tuple:
         key = (call.path, call.layer, call.bits, call.m)
         children = self._children.get(key)
         if children is None:  # label lookups cost more than the observation: cache them
             labels = (call.path, call.layer, str(call.bits), m_bucket(call.m))
             children = self._children[key] = (self.kernel_calls.labels(*labels), self.kernel_latency.labels(*labels))
-        children[0].inc()
-        if seconds is not None:
-            children[1].observe(seconds)
+        return children
+
+    def count(self, call: KernelCall, calls: int) -> None:
+        self._series(call)[0].inc(calls)
+
+    def time(self, call: KernelCall, seconds: float) -> None:
+        self._series(call)[1].observe(seconds)
+        moved = call.bytes_moved()
+        if self.bandwidth and moved and seconds > 0:
+            window = self._window.get((call.path, call.layer))
+            if window is None:
+                window = self._window[(call.path, call.layer)] = deque(maxlen=ROOFLINE_WINDOW)
+            window.append((moved, seconds))
+            self.kernel_roofline.labels(call.path, call.layer).set(
+                sum(b for b, _ in window) / sum(t for _, t in window) / self.bandwidth)
+
+    def record_step(self, batch: int, seconds: float, weight_bytes: int) -> None:
+        if self.bandwidth and seconds > 0:
+            self.step_roofline.labels(str(batch)).set(weight_bytes / seconds / self.bandwidth)
+
+
+class _FlushBeforeScrape(Collector):
+    """Registered before the kernel counters' first scrape: adds the graph replays counted
+    since the last scrape (``KernelTiming.flush``), and exports nothing itself."""
+
+    def __init__(self, timings: list[KernelTiming]):
+        self.timings = timings
+
+    def collect(self):
+        for timing in self.timings:
+            timing.flush()
+        return []

@@ -5,9 +5,13 @@ import logging
 import os
 import socket
 
+import torch
+
 from ..engine.engine import Engine
-from ..models.loader import LoadedModel, load_model
+from ..kernels.build import source_hash
 from ..kernels.observe import KernelTiming
+from ..kernels.timing import copy_bandwidth
+from ..models.loader import LoadedModel, load_model
 from .app import ServerState, create_app
 from .config import ModelSettings, ServeSettings
 from .logs import setup_logging
@@ -44,13 +48,19 @@ def load(settings: ModelSettings, progress: bool = True) -> LoadedModel:
 def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> ServerState:
     loaded = loaded or load(settings)
     metrics = Metrics()
-    engine = Engine(loaded.model, loaded.tokenizer, eos_token_ids(loaded), max_batch_size=settings.max_batch_size,
+    model = loaded.model
+    # (observed before the engine captures its graphs: a graph's calls are recorded as it is captured)
+    timing = KernelTiming(metrics, settings.kernel_timing_every)
+    model.observe_kernels(timing)
+    on_cuda = model.device.type == "cuda"
+    metrics.bind_timing(timing, copy_bandwidth(model.device, settings.runtime_options().cache_dir) if on_cuda else None)
+    metrics.describe(settings.served_model_name or loaded.name, loaded.quantization, torch.cuda.get_device_name(model.device) if on_cuda else "cpu",
+                     source_hash())
+    engine = Engine(model, loaded.tokenizer, eos_token_ids(loaded), max_batch_size=settings.max_batch_size,
                     max_queue=settings.max_queue, max_seq_len=settings.max_seq_len,
                     max_prefill_tokens=settings.max_prefill_tokens, observer=metrics, cuda_graphs=settings.cuda_graphs,
-                    prefill_graphs=settings.prefill_graphs, profile_interval=settings.profile_interval,
-                    gpu_memory_fraction=settings.gpu_memory_fraction).start()
+                    prefill_graphs=settings.prefill_graphs, gpu_memory_fraction=settings.gpu_memory_fraction).start()
     metrics.bind_engine(engine)
-    loaded.model.observe_kernels(KernelTiming(metrics, settings.kernel_timing_every))
     return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
                        api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        request_timeout=settings.request_timeout)

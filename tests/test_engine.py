@@ -93,10 +93,13 @@ def test_admission_limits(smollm2_int4):
 
 def test_dispatch_records_path_layer_and_m(smollm2_int4):
     lm = smollm2_int4
-    calls = []
+    calls, counted = [], []
 
     class Recorder:
-        def record(self, call, seconds):
+        def count(self, call, n):
+            counted.extend([call] * n)
+
+        def time(self, call, seconds):
             calls.append((call, seconds))
 
     from woq.kernels.observe import KernelTiming
@@ -114,6 +117,7 @@ def test_dispatch_records_path_layer_and_m(smollm2_int4):
     assert all(c.path == "cpu_reference" and c.bits == 4 and c.m == 5 for c in quantized)
     assert all(c.path == "dense" and c.bits == 16 for c, _ in calls if c.layer == "lm_head")
     assert all(s is not None and s > 0 for _, s in calls)
+    assert counted == [c for c, _ in calls]  # (every call timed, each counted once)
 
 
 class _WordTokenizer:

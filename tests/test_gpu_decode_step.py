@@ -160,34 +160,50 @@ def small_model_run(seed: int, prompt_len: int, fed_len: int):
     return model, cache, prompt, fed
 
 
-def test_the_kernel_metrics_see_the_step_as_one_decode_step_call():
-    """With the kernel metrics' observer installed, a persistent decode step is one timed call
-    of path ``decode_step`` (layer kind ``decoder``, M = 1, N = K = hidden): its layers'
-    linears are not called one by one (the prefill's are)."""
+def test_the_kernel_metrics_see_the_steps_stages():
+    """With the kernel metrics' observer installed, a persistent decode step counts its
+    layers' stages as calls of path ``decode_step`` (qkv, attention, o, gate_up, down, one of
+    each per layer, M = 1, the linears' shapes), and a timed step reports each stage's
+    latency from the kernel's %globaltimer stamps: positive, and summing to at most the
+    step's wall time. The layers' linears are not called one by one (the prefill's are)."""
+    import time
+
     from woq.kernels import plans
-    from woq.kernels.observe import KernelTiming
+    from woq.kernels.observe import KernelTiming, StageStamps
 
     class Calls:  # a KernelObserver
         def __init__(self):
-            self.seen = []
+            self.seen, self.counted = [], []  # timed calls, counted calls
 
-        def record(self, call, seconds):
+        def count(self, call, calls):
+            self.counted.append((call, calls))
+
+        def time(self, call, seconds):
             self.seen.append((call, seconds))
 
     prompt_len = 9
     model, cache, prompt, fed = small_model_run(seed=6, prompt_len=prompt_len, fed_len=2)
-    cfg = model.cfg
+    cfg, layer = model.cfg, model.layers[0]
     calls = Calls()
-    timing = KernelTiming(calls)  # (every call timed)
+    timing = KernelTiming(calls)  # (every call timed: every step stamped)
     model.observe_kernels(timing)
     try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         decode(model, cache, prompt, fed)  # a prefill, then two decode steps
         timing.drain(wait=True)
+        wall = time.perf_counter() - t0
     finally:
         model.observe_kernels(None)
-    steps = [(c, s) for c, s in calls.seen if c.path == plans.DECODE_STEP]
-    assert [(c.layer, c.m, c.n, c.k) for c, _ in steps] == [("decoder", 1, cfg.hidden_size, cfg.hidden_size)] * 2
-    assert all(s is not None and s > 0 for _, s in steps)
+    shapes = {m.layer_kind: (m.out_features, m.in_features)
+              for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)}
+    shapes["attention"] = (0, 0)
+    counted = [(c.layer, c.m, (c.n, c.k), n) for c, n in calls.counted if c.path == plans.DECODE_STEP]
+    assert counted == [(kind, 1, shapes[kind], cfg.num_layers) for kind in StageStamps.STAGES] * 2
+    stages = [(c, s) for c, s in calls.seen if c.path == plans.DECODE_STEP]
+    assert [c.layer for c, _ in stages] == list(StageStamps.STAGES) * cfg.num_layers * 2
+    assert all(s is not None and s >= 0 for _, s in stages) and sum(s for _, s in stages) < wall
+    assert sum(s > 0 for _, s in stages) >= len(stages) // 2  # (a stamp's resolution is ~32 ns: most stages > 0)
     decoder_kinds = ("qkv", "o", "gate_up", "down")
-    assert {c.layer for c, _ in calls.seen if c.m == prompt_len} >= set(decoder_kinds)  # (the prefill observed)
-    assert not [c for c, _ in calls.seen if c.m == 1 and c.layer in decoder_kinds]
+    assert {c.layer for c, _ in calls.counted if c.m == prompt_len} >= set(decoder_kinds)  # (the prefill observed)
+    assert not [c for c, _ in calls.counted if c.m == 1 and c.layer in decoder_kinds and c.path != plans.DECODE_STEP]

@@ -247,41 +247,80 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     assert eager_eng.look_ahead_steps == 0
 
 
-@pytest.mark.parametrize("interval,min_steps,eager_steps", [(0.0, 0, 0), (3600.0, 0, 0), (1e-9, 0, 5), (1e-9, 3, 1)])
-def test_eager_profile_steps_feed_the_kernel_metrics(interval, min_steps, eager_steps):
-    """Graph replays never reach the layers' observed plans, so the engine runs a decode step
-    eagerly every ``profile_interval`` seconds, once ``profile_min_steps`` graph steps ran
-    since the last one, for the kernel metrics: none with 0 or an hour (nothing is observed: the
-    prefill is a graph replay too), every step with 1 ns and no minimum, the 4th of 5 with
-    a minimum of 3 graph steps; each such step times its GEMV calls."""
+class _Tally:
+    """A kernel observer: calls by (path, layer kind, bits, M bucket), the timed ones, and
+    the timed decode steps."""
+
+    def __init__(self):
+        from collections import Counter
+
+        self.calls, self.timed, self.steps = Counter(), [], []
+
+    @staticmethod
+    def key(call):
+        from woq.kernels.observe import m_bucket
+
+        return call.path, call.layer, call.bits, m_bucket(call.m)
+
+    def count(self, call, calls):
+        self.calls[self.key(call)] += calls
+
+    def time(self, call, seconds):
+        self.timed.append((call, seconds))
+
+    def record_step(self, batch, seconds, weight_bytes):
+        self.steps.append((batch, seconds, weight_bytes))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["kernel-per-op", "persistent-step"])
+def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
+    """Under CUDA graphs each replay adds the calls its graph recorded at capture, so the
+    kernel metrics count what an eager engine counts for the same requests (prefill graphs
+    off on both: a graph prefill pads its prompt); one replay in ``sample_every`` runs the
+    graph's timed twin, whose event nodes time every call, and (decode) the whole step."""
+    from dataclasses import replace
+
     from conftest import random_llama
     from woq.kernels import plans
+    from woq.kernels.device import sm_major
     from woq.kernels.observe import KernelTiming
+    from woq.kernels.options import DecodeStepOptions
 
+    if persistent and sm_major(torch.device("cuda")) != 9:
+        pytest.skip("the persistent step needs an sm_90 GPU")
     model = random_llama(torch.float16, "cuda", 256)
-    eng = Engine(model, None, set(), max_batch_size=2, max_seq_len=256, profile_interval=interval,
-                 profile_min_steps=min_steps)  # (captures the graphs)
-    assert not model.wants_persistent_decode()  # (a narrow model: its decode steps run a kernel per op)
-    seen = []
+    model.options = replace(model.options, decode_step=DecodeStepOptions(enabled=persistent))
 
-    class Recorder:
-        def record(self, call, seconds):
-            seen.append((call, seconds))
-
-    timing = KernelTiming(Recorder())  # (every call timed)
-    model.observe_kernels(timing)
-    try:
-        out = eng.start().generate(list(range(1, 20)), SamplingParams(max_tokens=6, ignore_eos=True))
-        timing.drain(wait=True)
-    finally:
-        model.observe_kernels(None)
+    def run(graphs: bool, prompts: list[list[int]], max_tokens: int) -> _Tally:
+        tally = _Tally()
+        timing = KernelTiming(tally, sample_every=4)
+        model.observe_kernels(timing)  # (before the engine: its graphs record their calls as they are captured)
+        eng = Engine(model, None, set(), max_batch_size=4, max_seq_len=256, cuda_graphs=graphs, prefill_graphs=False)
+        done = threading.Semaphore(0)
+        for p in prompts:
+            eng.submit(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       lambda ev: ev.finish_reason and done.release())
+        eng.start()
+        for _ in prompts:
+            assert done.acquire(timeout=60)
         eng.shutdown()
-    assert len(out.token_ids) == 6  # (5 decode steps: the first token comes from the prefill)
-    assert eng.profile_steps == eager_steps
-    gemv = [s for c, s in seen if c.m == 1 and c.path == plans.GEMV]
-    assert len(gemv) == eager_steps * 4 * 3  # qkv, o, gate_up, down of 3 layers per eager step
-    assert all(s is not None and 0 < s < 1 for s in gemv)
-    assert len(seen) == len(gemv) + eager_steps  # and the LM head, nothing else
+        torch.cuda.synchronize()
+        timing.drain(wait=True)
+        timing.flush()
+        model.observe_kernels(None)
+        return tally
+
+    for batch in (1, 2, 4):
+        prompts = [list(range(1 + i, 20 + i)) for i in range(batch)]
+        graph, eager = run(True, prompts, 17), run(False, prompts, 17)
+        assert graph.calls == eager.calls, batch
+        decode_path = plans.DECODE_STEP if persistent and batch == 1 else plans.GEMV
+        assert graph.calls[(decode_path, "qkv", 4, str(batch) if batch <= 2 else f"<={batch}")] == \
+            16 * model.cfg.num_layers  # (16 decode steps: the first token comes from the prefill)
+        timed = [(c, s) for c, s in graph.timed if c.path == decode_path]
+        assert timed and all(s is not None and 0 <= s < 0.1 for _, s in timed)
+        assert 2 <= len(graph.steps) <= 6  # (16 replays, one in 4 timed: its twin's whole step too)
+        assert all(b == batch and 0 < s < 0.1 and w > 0 for b, s, w in graph.steps)
 
 
 @pytest.mark.slow

@@ -89,6 +89,33 @@ def test_models_health_metrics(server):
     assert 'woq_kernel_calls_total{bits="16",layer="lm_head"' in text
 
 
+def test_generated_tokens_are_counted_as_they_come_and_what_is_served_is_described(server):
+    """``woq_generation_tokens_total`` grows while a stream is still running (not only when a
+    request ends); ``woq_build_info`` names the model and its quantization; no ``_created``
+    series are exported."""
+    from test_hardening import _sample
+
+    before = _sample(httpx.get(server.url + "/metrics").text, "woq_generation_tokens_total")
+    req = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 128, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=req, timeout=120) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 8:
+                break
+        mid = _sample(httpx.get(server.url + "/metrics").text, "woq_generation_tokens_total")
+    assert before + 8 <= mid < before + 128
+    text = httpx.get(server.url + "/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from woq.kernels.build import source_hash
+
+    [info] = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "woq_build_info"]
+    assert info.value == 1 and info.labels["quant"].startswith("int4 g128 asym")  # (", rtn": read from the cache)
+    assert (info.labels["model"], info.labels["device"], info.labels["kernel_version"]) == (MODEL, "cpu", source_hash())
+    assert "_created" not in text
+
+
 BAD = [
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("max_tokens 0", "/v1/chat/completions", _chat("hi", max_tokens=0), 400, "max_tokens"),

@@ -30,6 +30,7 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   p.lengths = a.lengths;
   p.positions = a.positions;
   p.counters = a.counters;
+  p.stamps = a.stamps;
   p.hidden = a.hidden;
   p.inter = a.inter;
   p.roles = a.roles;
@@ -60,6 +61,7 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
     p.groups_pad[i] = a.groups_pad[i];
   }
   if (a.roles < 1 || a.roles > grid) return cudaErrorCooperativeLaunchTooLarge;
+  if (a.stamps != nullptr && a.stamps_per_row != grid) return cudaErrorInvalidValue;
   // Every block may wait for every other: one resident block per SM, checked once per
   // shared-memory size (the query, which also opts the kernel into that much, is host time).
   static std::atomic<long long> checked{-1};  // smem << 8 | resident blocks per SM

@@ -168,6 +168,9 @@ struct DecodeStepParams {
   const long long* lengths;
   const long long* positions;
   int* counters;            // [n_layers * kStages + 1], zero, re-armed by the kernel
+  unsigned long long* stamps;  // null, or [n_layers * kStages + 1][grid]: when each block ended each
+                               // (layer, stage), then when the step started (%globaltimer, ns): the
+                               // kernel metrics take a row's latest as the stage's end
   int hidden, inter;
   int roles;                // attention roles: kv_heads * attention.splits
   int slots_in_ring;        // ring slots (shared memory)
@@ -319,14 +322,21 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     }
   }
 
+  if (p.stamps != nullptr && block == 0 && tid == 0) p.stamps[p.n_layers * kStages * grid] = global_timer();
+
   // Stage counters: add this block's completion (after all of its threads' stores), wait for all blocks'.
   auto counter = [&](int layer, int stage) { return p.counters + layer * kStages + stage; };
   // (no fence: every output of the stage left the block as a bulk store, whose completion
   // each issuing warp awaits here -- run_units, bulk_store)
+  // With stamps, each block stamps its end of the stage in its own column: a plain store, off
+  // the critical path (finding the last block with an atomic's return costs a round trip).
   auto done = [&](int* c) {
     if (lane == 0) bulk_wait_all();
     __syncthreads();
-    if (tid == 0) add_relaxed(c, 1);
+    if (tid == 0) {
+      add_relaxed(c, 1);
+      if (p.stamps != nullptr) p.stamps[(c - p.counters) * grid + block] = global_timer();
+    }
   };
   auto wait_all = [&](const int* c) {  // (null: nothing to wait for)
     if (tid == 0 && c != nullptr)
@@ -585,9 +595,13 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       __syncthreads();
     }
     // h += attn @ Wo^T  (the attention counter counts heads written, not blocks)
-    if (tid == 0)
+    if (tid == 0) {
       while (load_acquire(counter(layer, kAttention)) < p.kv_heads) {
       }
+      // (block 0 is an attention role and waits here as soon as its share is done: it sees
+      // the last head land within a poll)
+      if (p.stamps != nullptr && block == 0) p.stamps[(layer * kStages + kAttention) * grid] = global_timer();
+    }
     copy_input(p.attn, p.hidden, nullptr);
     run_units(1, h, 16, add_to_stream);
     done(counter(layer, kO));

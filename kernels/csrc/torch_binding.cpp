@@ -242,11 +242,13 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
 // One batch-1 decode step through every layer of `plan` (decode_step_plan): h [hidden]
 // (the token's embedding) becomes the residual stream after the last layer, in place; the
 // layers' caches get the token's k and v at `positions[0]` of slot `slots[0]`, attention
-// reads `lengths[0]` positions. counters: int32 zeros (left zero).
+// reads `lengths[0]` positions. counters: int32 zeros (left zero). stamps (optional,
+// [layers x stages + 1, SMs]): each block's %globaltimer at the end of each (layer, stage),
+// then the start (DecodeStepArgs::stamps).
 void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
                  const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
                  at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t kv_heads,
-                 int64_t cache_hints, int64_t max_slots) {
+                 int64_t cache_hints, int64_t max_slots, const std::optional<at::Tensor>& stamps) {
   check(h.is_cuda() && h.is_contiguous() && h.dim() == 1 && h.scalar_type() == qkv.scalar_type() &&
             reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
         "h must be a contiguous, 16-byte aligned 1-D CUDA tensor of the activation dtype");
@@ -276,6 +278,13 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.lengths = reinterpret_cast<const long long*>(lengths.data_ptr<int64_t>());
   a.positions = reinterpret_cast<const long long*>(positions.data_ptr<int64_t>());
   a.counters = counters.data_ptr<int>();
+  if (stamps.has_value()) {
+    check(stamps->is_cuda() && stamps->scalar_type() == at::kLong && stamps->is_contiguous() && stamps->dim() == 2 &&
+              stamps->size(0) == woq::decode_step_counters(n_layers),
+          "stamps: a contiguous int64 CUDA tensor [decode_step_counters(n_layers), SMs]");
+    a.stamps = reinterpret_cast<unsigned long long*>(stamps->data_ptr<int64_t>());
+    a.stamps_per_row = static_cast<int>(stamps->size(1));
+  }
   a.hidden = static_cast<int>(h.numel());
   a.inter = static_cast<int>(act.numel());
   a.bits = static_cast<int>(bits);
@@ -293,6 +302,7 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   const cudaError_t err = woq::launch_decode_step(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorNotSupported, "the persistent decode step runs on sm_90 with int4 g128 weights only");
   check(err != cudaErrorInvalidConfiguration, "the persistent decode step's ring does not fit the shared memory");
+  check(err != cudaErrorInvalidValue, "the persistent decode step's stamps need one column per SM");
   check(err != cudaErrorCooperativeLaunchTooLarge,
         "the persistent decode step needs one resident block per SM and no more attention roles than SMs");
   check(err == cudaSuccess, std::string("decode step launch failed: ") + cudaGetErrorString(err));
@@ -479,7 +489,7 @@ TORCH_LIBRARY(woq, m) {
   m.def(
       "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
-      "float eps, int roles, int kv_heads, int cache_hints, int max_slots) -> ()");
+      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, Tensor(f!)? stamps=None) -> ()");
   m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("decode_step_counters(int n_layers) -> int", &decode_step_counters);

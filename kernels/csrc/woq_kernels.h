@@ -149,6 +149,9 @@ struct DecodeStepArgs {
   const long long* lengths;
   const long long* positions;
   int* counters;            // >= decode_step_counters(n_layers) int32 zeros, left zero
+  unsigned long long* stamps = nullptr;  // null, or [n_layers * kStepStages + 1][stamps_per_row]: %globaltimer
+                                         // (ns) when each block ended each (layer, stage), then the start
+  int stamps_per_row = 0;                // = the grid (one block per SM)
   int hidden, inter;
   int bits, group_size;
   bool zeros;
