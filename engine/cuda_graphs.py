@@ -30,8 +30,8 @@ from .decode import DecodeRunner
 @dataclass(eq=False)
 class Graph:
     """One captured graph and its output; with kernel metrics on, also its timed twin (the
-    same work with an event pair around each linear-layer call, ``kernels/observe.py``) and
-    the calls each one replays."""
+    same work with event pairs around the first linear-layer call of each kind and around a
+    decode step, ``kernels/observe.py``) and the calls each one replays."""
 
     graph: torch.cuda.CUDAGraph
     out: torch.Tensor
