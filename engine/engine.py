@@ -295,7 +295,10 @@ class Engine:
         with self._cv:
             if self._stop:
                 raise EngineStoppedError("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            # Waiting requests up to the free slots are about to be admitted, not queued: a
+            # burst on an idle server gets the free slots and the queue (the engine thread
+            # admits between steps, after the burst has arrived).
+            if len(self.waiting) >= self.max_queue + len(self.free_slots):
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
             self.waiting.append(seq)
             self.by_id[rid] = seq

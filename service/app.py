@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,14 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     request_timeout: float = 600.0
     draining: bool = False  # set on SIGTERM: new requests get 503, running ones finish
+    # Tokenization and chat templating run here, off the event loop: a megabyte prompt takes
+    # the tokenizer a second or more, which on the loop would stall every stream and /health.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="woq-tokenize"))
+
+    async def tokenize(self, fn: Callable, req) -> list[int]:
+        """``fn(self, req)`` (a prompt's token ids) in the tokenizer pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, self, req)
 
 
 class BodyLimit:
@@ -148,6 +157,16 @@ class RequestContext:
 # -- request → engine ------------------------------------------------------------------
 
 
+def _check_unicode(req) -> None:
+    """400 for text that is not Unicode: JSON's escapes can carry a lone surrogate
+    (``\\ud800``), which no tokenizer can encode."""
+    try:
+        json.dumps(req.model_dump(), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request holds invalid Unicode: a lone surrogate (such as \\ud800) that is not "
+                            "part of a pair; send valid UTF-8 text", code="invalid_unicode") from None
+
+
 def _check_model(state: ServerState, requested: str | None) -> None:
     if requested is not None and requested != state.model_name:
         raise APIError(404, f"the model '{requested}' does not exist; this server serves '{state.model_name}'",
@@ -173,8 +192,24 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    # The template's markup is tokenized with its control tokens, each message's content as
+    # text only: "<|im_start|>system" typed by a user stays those characters, never the
+    # control token. So the template is rendered around placeholders (private-use
+    # characters no tokenizer maps to a control token), and the pieces tokenized apart.
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    rendered = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                       add_generation_prompt=True, tokenize=False)
+    ids, rest = [], rendered
+    for m, mark in zip(messages, marks):
+        before, found, rest = rest.partition(mark)
+        if not found:  # a template that transforms or drops a content: render it as it is
+            log.warning("the chat template does not place each message's content verbatim: special-token strings "
+                        "in content are tokenized as control tokens")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids += tok.encode(before, add_special_tokens=False)
+        ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + tok.encode(rest, add_special_tokens=False)
 
 
 def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
@@ -207,40 +242,53 @@ class _TimedOut(Exception):
     pass
 
 
-async def _next_event(queue: asyncio.Queue, request: Request | None, deadline: float) -> StreamEvent | None:
-    """The next engine event; None once the client has gone away; _TimedOut past the deadline."""
-    if not queue.empty():  # while streaming, an event is often already there: no timer needed
+async def _next_event(queue: asyncio.Queue, gone: asyncio.Task | None, deadline: float) -> StreamEvent | None:
+    """The next engine event; None once ``gone`` (the client's disconnect) has come first;
+    _TimedOut past the deadline."""
+    if not queue.empty():  # while streaming, an event is often already there
         return queue.get_nowait()
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _TimedOut
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=min(0.5, left))
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                return None
+    get = asyncio.ensure_future(queue.get())
+    waits = {get} if gone is None else {get, gone}
+    done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    if gone is not None and gone in done:
+        return None
+    raise _TimedOut
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects: the body has been read, so the next ASGI message
+    is the disconnect (a non-streaming request's only way to learn that its client left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: Request) -> StreamEvent:
     parts: list[str] = []
     deadline = time.monotonic() + state.request_timeout
-    while True:
-        try:
-            ev = await _next_event(queue, request, deadline)
-        except _TimedOut:
-            state.engine.cancel(rid)
-            raise APIError(504, f"the request did not finish within {state.request_timeout:g} s", "timeout_error",
-                           code="timeout") from None
-        if ev is None:
-            state.engine.cancel(rid)
-            raise APIError(499, "client closed the request")
-        parts.append(ev.text)
-        if ev.finish_reason:
-            if ev.error:
-                raise APIError(500, ev.error, "server_error")
-            ev.text = "".join(parts)
-            return ev
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        while True:
+            try:
+                ev = await _next_event(queue, gone, deadline)
+            except _TimedOut:
+                state.engine.cancel(rid)
+                raise APIError(504, f"the request did not finish within {state.request_timeout:g} s", "timeout_error",
+                               code="timeout") from None
+            if ev is None:  # freed at the engine's next step
+                state.engine.cancel(rid)
+                raise APIError(499, "client closed the request")
+            parts.append(ev.text)
+            if ev.finish_reason:
+                if ev.error:
+                    raise APIError(500, ev.error, "server_error")
+                ev.text = "".join(parts)
+                return ev
+    finally:
+        gone.cancel()
 
 
 Render = Callable[[str, str | None], dict]
@@ -315,8 +363,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        _check_unicode(req)
         _check_model(state, req.model)
-        prompt = _chat_prompt(state, req)
+        prompt = await state.tokenize(_chat_prompt, req)
         params = _sampling(state, req, len(prompt))
         rid, queue = _submit(state, prompt, params)
         cid, created = new_id("chatcmpl"), now()
@@ -344,8 +393,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        _check_unicode(req)
         _check_model(state, req.model)
-        prompt = _completion_prompt(state, req)
+        prompt = await state.tokenize(_completion_prompt, req)
         params = _sampling(state, req, len(prompt))
         rid, queue = _submit(state, prompt, params)
         base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": state.model_name}

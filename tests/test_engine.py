@@ -81,12 +81,15 @@ def test_stop_strings_and_finish_reasons(engine, smollm2_int4):
 
 
 def test_admission_limits(smollm2_int4):
+    """A burst that arrives before the engine admits anything gets the free slots and the
+    queue; one request more is refused."""
     lm = smollm2_int4
-    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=1, max_queue=1, max_seq_len=64)
-    sink = lambda ev: None  # noqa: E731  (engine not started: requests stay queued)
+    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=3, max_queue=2, max_seq_len=64)
+    sink = lambda ev: None  # noqa: E731  (engine not started: requests stay waiting)
     with pytest.raises(RequestTooLongError):
         eng.submit(list(range(60)), SamplingParams(max_tokens=10), sink)
-    eng.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
+    for _ in range(3 + 2):
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
     with pytest.raises(QueueFullError):
         eng.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
 
