@@ -39,14 +39,34 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     request_timeout: float = 600.0
     draining: bool = False  # set on SIGTERM: new requests get 503, running ones finish
+    created: int = field(default_factory=now)  # the model card's `created`: when this server started
     # Tokenization and chat templating run here, off the event loop: a megabyte prompt takes
     # the tokenizer a second or more, which on the loop would stall every stream and /health.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="woq-tokenize"))
 
+    def __post_init__(self):
+        self.text_encoder = text_encoder(self.tokenizer)
+
     async def tokenize(self, fn: Callable, req) -> list[int]:
         """``fn(self, req)`` (a prompt's token ids) in the tokenizer pool."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, self, req)
+
+
+def text_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """Token ids of a text whose special-token strings stay text (a chat message's content).
+    A fast tokenizer gets its own copy of the backend with that switch on for good:
+    transformers sets the switch on the shared backend for each call that asks for it, so
+    the tokenizer pool's threads would race on it (one thread's template markup split as
+    text)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # (a slow tokenizer: the switch is an argument, nothing shared)
+        return lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    from tokenizers import Tokenizer
+
+    own = Tokenizer.from_str(backend.to_str())
+    own.encode_special_tokens = True
+    return lambda text: own.encode(text, add_special_tokens=False).ids
 
 
 class BodyLimit:
@@ -208,7 +228,7 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         ids += tok.encode(before, add_special_tokens=False)
-        ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids += state.text_encoder(m["content"])
     return ids + tok.encode(rest, add_special_tokens=False)
 
 
@@ -359,7 +379,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name)])
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.created)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        _check_model(state, model_id)
+        return ModelCard(id=state.model_name, created=state.created)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):

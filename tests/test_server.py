@@ -1,5 +1,6 @@
 """A real ``woq serve`` (uvicorn on loopback, real SmolLM2 int4 g128) and a real HTTP client."""
 import json
+import time
 
 import httpx
 import pytest
@@ -114,6 +115,23 @@ def test_generated_tokens_are_counted_as_they_come_and_what_is_served_is_describ
     assert info.value == 1 and info.labels["quant"].startswith("int4 g128 asym")  # (", rtn": read from the cache)
     assert (info.labels["model"], info.labels["device"], info.labels["kernel_version"]) == (MODEL, "cpu", source_hash())
     assert "_created" not in text
+
+
+def test_models_through_the_openai_client(server):
+    """The official client lists the served model and retrieves it by id, with the same
+    stable `created`; an unknown id is its NotFoundError (404, OpenAI's error JSON)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.created) == (MODEL, "model", listed[0].created)
+    time.sleep(1.1)
+    assert client.models.retrieve(MODEL).created == card.created
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-17")
+    assert e.value.status_code == 404 and "gpt-17" in str(e.value)
 
 
 BAD = [
