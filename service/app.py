@@ -49,8 +49,14 @@ class ServerState:
         self.text_encoder = text_encoder(self.tokenizer)
 
     async def tokenize(self, fn: Callable, req) -> list[int]:
-        """``fn(self, req)`` (a prompt's token ids) in the tokenizer pool."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, self, req)
+        """``fn(self, req)`` (a prompt's token ids) in the tokenizer pool, once the request's
+        text is known to be Unicode (``_check_unicode``: a pass over the whole body, so
+        there too)."""
+        def run() -> list[int]:
+            _check_unicode(req)
+            return fn(self, req)
+
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, run)
 
 
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
@@ -388,7 +394,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        _check_unicode(req)
         _check_model(state, req.model)
         prompt = await state.tokenize(_chat_prompt, req)
         params = _sampling(state, req, len(prompt))
@@ -418,7 +423,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        _check_unicode(req)
         _check_model(state, req.model)
         prompt = await state.tokenize(_completion_prompt, req)
         params = _sampling(state, req, len(prompt))

@@ -73,6 +73,17 @@ def smollm2_int4(smollm2_dir):
     return load_model(str(smollm2_dir), QuantConfig("int4"), device="cpu", max_seq_len=1024, progress=False)
 
 
+def metric_value(text: str, name: str, **labels) -> float:
+    """The value of the series ``name{labels}`` in a Prometheus text exposition (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return 0.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import LiveServer
+from conftest import LiveServer, metric_value
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -38,17 +38,6 @@ def one_slot(smollm2_dir):
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def _sample(text: str, name: str, **labels) -> float:
-    """The value of the series ``name{labels}`` in a Prometheus text exposition (0 if absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return 0.0
-
-
 def _completion(prompt="Once upon a time", max_tokens=8, **kw):
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
 
@@ -62,8 +51,8 @@ def test_api_key_is_required_on_v1_routes(guarded):
     assert httpx.get(guarded.url + "/health").status_code == 200  # probes need no key
     # counted under their route, although refused before routing
     metrics = httpx.get(guarded.url + "/metrics").text
-    assert _sample(metrics, "woq_requests_total", endpoint="/v1/models", status="401") >= 1
-    assert _sample(metrics, "woq_requests_total", endpoint="/v1/completions", status="401") >= 1
+    assert metric_value(metrics, "woq_requests_total", endpoint="/v1/models", status="401") >= 1
+    assert metric_value(metrics, "woq_requests_total", endpoint="/v1/completions", status="401") >= 1
 
 
 def test_oversize_body_gets_413_declared_or_streamed(guarded):
@@ -80,7 +69,7 @@ def test_oversize_body_gets_413_declared_or_streamed(guarded):
                    headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 413 and "error" in r.json()
     metrics = httpx.get(guarded.url + "/metrics").text
-    assert _sample(metrics, "woq_requests_total", endpoint="/v1/completions", status="413") == 2
+    assert metric_value(metrics, "woq_requests_total", endpoint="/v1/completions", status="413") == 2
 
 
 def test_request_timeout_gives_504_and_frees_the_slot(guarded):

@@ -5,7 +5,7 @@ import time
 import httpx
 import pytest
 
-from conftest import LiveServer
+from conftest import LiveServer, metric_value
 
 pytestmark = pytest.mark.slow
 
@@ -94,9 +94,7 @@ def test_generated_tokens_are_counted_as_they_come_and_what_is_served_is_describ
     """``woq_generation_tokens_total`` grows while a stream is still running (not only when a
     request ends); ``woq_build_info`` names the model and its quantization; no ``_created``
     series are exported."""
-    from test_hardening import _sample
-
-    before = _sample(httpx.get(server.url + "/metrics").text, "woq_generation_tokens_total")
+    before = metric_value(httpx.get(server.url + "/metrics").text, "woq_generation_tokens_total")
     req = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 128, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=req, timeout=120) as r:
         seen = 0
@@ -104,7 +102,7 @@ def test_generated_tokens_are_counted_as_they_come_and_what_is_served_is_describ
             seen += line.startswith("data: {")
             if seen == 8:
                 break
-        mid = _sample(httpx.get(server.url + "/metrics").text, "woq_generation_tokens_total")
+        mid = metric_value(httpx.get(server.url + "/metrics").text, "woq_generation_tokens_total")
     assert before + 8 <= mid < before + 128
     text = httpx.get(server.url + "/metrics").text
     from prometheus_client.parser import text_string_to_metric_families
