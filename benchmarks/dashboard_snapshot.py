@@ -103,6 +103,60 @@ async def load(url: str, model: str, seconds: float, clients: int = 4, max_token
     return done
 
 
+def fixed_load(url: str, model: str, requests: int, max_tokens: int) -> None:
+    """The same requests every time, one after another: greedy, ``max_tokens`` each (EOS
+    ignored), so that two servers run the same steps at the same batch sizes."""
+    with httpx.Client(timeout=120) as c:
+        for n in range(requests):
+            body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"Tell me a fact about the number {n}."}]}
+            c.post(url + "/v1/chat/completions", json=body).raise_for_status()
+
+
+CALLS = "sum by (path, layer, m_bucket) (woq_kernel_calls_total)"
+
+
+def scraped_calls(prom: Prometheus, url: str) -> dict[str, float]:
+    """``CALLS`` as Prometheus holds it once it has scraped what the server counts now."""
+    import re
+
+    want = sum(float(v) for v in re.findall(r"^woq_kernel_calls_total\{[^}]*\} (\S+)$", httpx.get(url + "/metrics").text, re.M))
+    for _ in range(100):
+        got = {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in prom.query(CALLS)}
+        if sum(got.values()) == want:
+            return got
+        time.sleep(0.2)
+    raise RuntimeError("Prometheus did not catch up with the server's counters")
+
+
+def eager_check(serve_args: str, requests: int, max_tokens: int) -> dict:
+    """The fixed load against a graph server (prefill graphs off: a graph prefill pads its
+    prompt, so its M differs) and an eager one, each scraped by its own Prometheus: the
+    calls counted by path, layer kind and M bucket, and whether they are equal."""
+    from serving import spawn
+
+    out = {}
+    for name, flags in (("graphs", " --no-prefill-graphs"), ("eager", " --no-cuda-graphs")):
+        server, url = spawn(serve_args + flags)
+        prom = Prometheus(url.removeprefix("http://"), free_port())
+        try:
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            fixed_load(url, model, requests, max_tokens)
+            out[name] = scraped_calls(prom, url)
+        finally:
+            prom.stop()
+            server.terminate()
+            server.wait(30)
+    out["equal"] = out["graphs"] == out["eager"]
+    return out
+
+
+def free_port() -> int:
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def render(prom: Prometheus, start: float, end: float, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -158,12 +212,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--timing-every", type=int, default=1, help="the server's --kernel-timing-every")
+    ap.add_argument("--eager-check", type=int, default=0, metavar="REQUESTS",
+                    help="also count the calls of REQUESTS fixed requests on a graph and an eager server")
     a = ap.parse_args()
     server, url = spawn(a.serve_args + f" --kernel-timing-every {a.timing_every}")
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    prom = Prometheus(url.removeprefix("http://"), port)
+    prom = Prometheus(url.removeprefix("http://"), free_port())
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         start = time.time()
@@ -176,8 +229,7 @@ def main() -> None:
             "sum by (path, layer, m_bucket) (woq_kernel_calls_total)",
             "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_count)",
             "woq_kernel_roofline_ratio", "woq_decode_step_roofline_ratio", "woq_build_info")}
-        a.out.with_suffix(".json").write_text(json.dumps(dict(requests=n, seconds=a.seconds, clients=a.clients,
-                                                                 serve_args=a.serve_args, queries=snapshot), indent=1))
+        result = dict(requests=n, seconds=a.seconds, clients=a.clients, serve_args=a.serve_args, queries=snapshot)
         empty = [e for e in expressions() if not prom.query(e)]
         print(f"{n} requests; {len(expressions()) - len(empty)}/{len(expressions())} dashboard queries returned data")
         for e in empty:
@@ -188,6 +240,14 @@ def main() -> None:
         prom.stop()
         server.terminate()
         server.wait(30)
+    if a.eager_check:
+        check = eager_check(a.serve_args + f" --kernel-timing-every {a.timing_every}", a.eager_check, a.max_tokens)
+        result["eager_check"] = {k: v if k == "equal" else [[json.loads(s), c] for s, c in sorted(v.items())]
+                                 for k, v in check.items()}
+        print("calls by path, layer kind and M bucket: graphs", "==" if check["equal"] else "!=", "eager")
+        for key in sorted(set(check["graphs"]) | set(check["eager"])):
+            print(f"  {key}: graphs {check['graphs'].get(key, 0):.0f} eager {check['eager'].get(key, 0):.0f}")
+    a.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

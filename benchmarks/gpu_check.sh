@@ -63,7 +63,7 @@ for stage in "$@"; do
       run startup $PY benchmarks/startup.py --random-config llama3-8b --workdir /tmp/llama3-8b --device cuda --runs ${STARTUP_RUNS:-1} --out "$OUT" --name startup_h100_llama3-8b_int4 ;;
     overhead) run overhead $PY benchmarks/metrics_overhead.py --rounds ${OVERHEAD_ROUNDS:-8} --out "$OUT" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)
-      run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-batch-size 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --out $OUT/dashboard_h100.png" ;;
+      run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-batch-size 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png" ;;
     e2e) run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     racecheck)  # shared-memory hazards and barrier misuse in the mixed GEMM (ring barriers: mbarriers, cp.async)

@@ -129,7 +129,7 @@ def ours(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype, copies: int,
          options: RuntimeOptions) -> list[KernelPlan]:
     """``copies`` kernel plans of ``w`` quantized as ``spec`` (for rotation), each with the
     launches measured for its shape (the tuning table; measured now if new)."""
-    qw = quantize(w.float(), QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=dtype))
+    qw = quantize(w.float(), QuantSpec(spec.bits, spec.group_size, spec.symmetric))
     return [plans.kernel_plan(qw, None, dtype, False, options) for _ in range(copies)]
 
 

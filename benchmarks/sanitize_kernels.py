@@ -40,7 +40,7 @@ for (N, K), bits, group, sym, dtype in itertools.product(
     [(1000, 576)] + ([] if gemm_only else [(24, 4104)]), [4, 8], [None, 128], [True, False],
     [torch.float16, torch.bfloat16]
 ):
-    qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym, scale_dtype=dtype))
+    qw = quantize(torch.randn(N, K, device="cuda"), QuantSpec(bits, group, sym))
     gw = ops.prepare(pack_for_gpu(qw, dtype))
     if gemm_only:
         run_gemm_launches(gw, N, K, dtype)
@@ -53,7 +53,7 @@ for (N, K), bits, group, sym, dtype in itertools.product(
         ops.gemv(torch.randn(M, K, device="cuda", dtype=dtype), gw, torch.randn(N, device="cuda", dtype=dtype),
                  max_blocks=blocks, k_warps=k_warps, pipeline=ops.GEMV_STREAM)
     # the SwiGLU epilogue (a gate/up weight: rows interleaved in eights, 2 x 504 of them)
-    spec = QuantSpec(bits, group, sym, scale_dtype=dtype)
+    spec = QuantSpec(bits, group, sym)
     gate_up = ops.prepare(pack_for_gpu(quantize(torch.randn(1008, K, device="cuda"), spec), dtype, gate_up=True))
     for M, blocks, k_warps, pipeline in [(1, 0, 0, ops.GEMV_RING), (16, 5, 4, ops.GEMV_RING), (7, 3, 2, ops.GEMV_RING),
                                          (1, 0, 0, ops.GEMV_STREAM), (5, 1000, 4, ops.GEMV_STREAM),

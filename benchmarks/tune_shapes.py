@@ -37,7 +37,7 @@ def main() -> None:
             for spec in FORMATS:
                 for dtype in (torch.float16, torch.bfloat16):
                     qw = quantize(torch.randn(N, K, device="cuda") * 0.02,
-                                  QuantSpec(spec.bits, spec.group_size, spec.symmetric, scale_dtype=dtype))
+                                  QuantSpec(spec.bits, spec.group_size, spec.symmetric))
                     gw = ops.prepare(pack_for_gpu(qw, dtype))
                     entry = table[tuning.shape_key(gw)] = tuning.measure(gw)
                     print(model, N, K, spec.describe(), dtype, entry, flush=True)

@@ -30,8 +30,9 @@ from .decode import DecodeRunner
 @dataclass(eq=False)
 class Graph:
     """One captured graph and its output; with kernel metrics on, also its timed twin (the
-    same work with event pairs around the first linear-layer call of each kind and around a
-    decode step, ``kernels/observe.py``) and the calls each one replays."""
+    same work with the first linear-layer call of each kind timed -- a GEMV by its blocks'
+    stamps, others by event pairs -- and event nodes around a decode step,
+    ``kernels/observe.py``) and the calls each one replays."""
 
     graph: torch.cuda.CUDAGraph
     out: torch.Tensor
@@ -78,6 +79,8 @@ def capture_graphs(forward, sizes: list[int], timing: KernelTiming | None, decod
                 out = forward(size)
                 if timed and decode:
                     calls.end_step(size)
+                if timed:
+                    calls.end_capture()
             pool = graph.pool()
             captures.append((graph, out, calls))
         graphs[size] = Graph(*captures[0], *(captures[1] if len(captures) > 1 else ()), timing=timing)

@@ -104,7 +104,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("woq::gemv")
     def _gemv_fake(x, qweight, scales, zeros, bias, bits, group_size, n, k, max_blocks, k_warps, pipeline, swiglu,
-                   workspace, counters):
+                   workspace, counters, stamps=None):
         return x.new_empty(x.shape[0], n // 2 if swiglu else n)
 
     @torch.library.register_fake("woq::gemm")

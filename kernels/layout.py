@@ -29,12 +29,15 @@ above) are interleaved for the fast converters of ``csrc/convert.cuh``::
 Codes are the logical format's unsigned codes (symmetric ones already biased by +128 or
 +8), so no further biasing happens here. Scales and zero points become::
 
-    scales, zeros: [n_tiles][groups_pad][16] in the activation dtype, rows of a tile in
-    the order 0, 8, 1, 9, ..., 7, 15: lane g reads one 32-bit pair (row g, row g+8),
-    exactly the two rows its fragments cover.
+    scales, zeros: [n_tiles][groups_pad][16], rows of a tile in the order 0, 8, 1, 9, ...,
+    7, 15: lane g reads one 32-bit pair (row g, row g+8), exactly the two rows its
+    fragments cover.
 
-Zero points are stored as exact small integers in the activation dtype (the kernels fold
-them into the converter's magic subtraction); symmetric weights store none.
+Scales are fp16 whatever the activation dtype: the logical format's fp16 scale itself,
+which a bf16 copy would round (the kernels multiply in fp32, or split it exactly for
+bf16 weights: csrc/gemm.cuh, RowScale). A logical scale of another dtype must be exact in
+fp16. Zero points are stored as exact small integers in the activation dtype (the kernels
+fold them into the converter's magic subtraction); symmetric weights store none.
 
 Padding: N to a multiple of 16, K to a multiple of KT and of the group size. Padded
 codes equal their zero point, so padded weights are exactly 0; padded scales are 0.
@@ -75,8 +78,8 @@ class GpuWeight:
     """A weight in the GPU layout, with what the kernels need to know about it."""
 
     qweight: torch.Tensor  # uint8 [n_tiles, K_pad // KT, 32, 16]
-    scales: torch.Tensor  # [n_tiles, groups_pad, 16] act dtype
-    zeros: torch.Tensor | None  # same, or None
+    scales: torch.Tensor  # [n_tiles, groups_pad, 16] fp16
+    zeros: torch.Tensor | None  # same shape in the act dtype, or None
     bits: int
     N: int
     K: int
@@ -102,6 +105,16 @@ class GpuWeight:
     def nbytes(self) -> int:
         t = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
         return sum(x.numel() * x.element_size() for x in t)
+
+
+def refusal_of(qw: QuantizedWeight) -> str | None:
+    """Why the GPU layout cannot hold ``qw`` (its layer then serves dequantize + cuBLAS in
+    torch), or None."""
+    if qw.in_features % 8:
+        return f"in_features % 8 == 0 is needed (16-byte activation rows), got {qw.in_features}"
+    if not torch.equal(qw.scales.to(torch.float16).to(qw.scales.dtype), qw.scales):
+        return f"its {qw.scales.dtype} scales are not all exact in fp16, the layout's scale dtype"
+    return None
 
 
 def padded_sizes(N: int, K: int, bits: int, group_size: int) -> tuple[int, int, int, int]:
@@ -175,6 +188,9 @@ def pack_for_gpu(qw: QuantizedWeight, act_dtype: torch.dtype, gate_up: bool = Fa
     if gate_up:
         qw = interleave_gate_up(qw)
     codes, N_pad, K_pad, G, groups_pad = padded_codes(qw)
+    refusal = refusal_of(qw)
+    if refusal is not None:
+        raise ValueError(f"the GPU layout cannot hold this weight: {refusal}")
     scales = qw.scales if G == qw.group_size else qw.scales[:, :1]
     zeros = None
     if qw.zeros is not None:
@@ -182,7 +198,7 @@ def pack_for_gpu(qw: QuantizedWeight, act_dtype: torch.dtype, gate_up: bool = Fa
                              midpoint(qw.bits), act_dtype)
     return GpuWeight(
         qweight=pack_codes_gpu(codes, qw.bits),
-        scales=_tile_groups(scales, N_pad, groups_pad, 0.0, act_dtype),
+        scales=_tile_groups(scales, N_pad, groups_pad, 0.0, torch.float16),
         zeros=zeros,
         bits=qw.bits,
         N=qw.out_features,

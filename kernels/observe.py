@@ -9,12 +9,14 @@ the plan itself never knows.
 * **CUDA graphs**: a replay does not pass through Python, so a graph's calls are recorded
   while it is captured (``recording``, a ``Captured``), and every replay adds them
   (``Captured.replayed``; added to the observer in bulk by ``flush``, at a scrape). A graph
-  is also captured a second time with CUDA event nodes around the first call of each kind
-  (path, layer kind, bits, shape: the first decoder layer's linears and the LM head; the
-  other layers repeat them) and around the whole step: its *timed twin*. One replay in
-  ``sample_every`` runs the twin instead, which keeps the latencies flowing while the fast
-  graph itself stays free of event nodes (an event node between two kernels ends their
-  programmatic overlap; their cost: docs/design/metrics.md).
+  is also captured a second time with the first call of each kind timed (path, layer kind,
+  bits, shape: the first decoder layer's linears and the LM head; the other layers repeat
+  them), and with event nodes around the whole step: its *timed twin*. A GEMV call is timed
+  by its blocks' ``%globaltimer`` stamps (``GemvStamps``), other calls by event nodes around
+  them. One replay in ``sample_every`` of each graph runs its twin instead, which keeps the
+  latencies flowing while the fast graph itself stays free of event nodes (an event node between two
+  kernels ends their programmatic overlap, and adds its launch to the call it times: the
+  GEMVs, most of a decode step, are stamped for that reason; docs/design/metrics.md).
 * **The persistent decode step** is one kernel for every decoder layer. Its stages are
   counted as the layers' calls (path ``decode_step``), and a timed step has the kernel
   stamp ``%globaltimer`` at the end of each stage (``StageStamps``): the gap between two
@@ -30,7 +32,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from .plans import Epilogue
+from .plans import GEMV, Epilogue
 
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -94,8 +96,10 @@ class Captured:
     stamps: list["StageStamps"] = field(default_factory=list)
     replays: int = 0
     flushed: int = 0
+    offered: int = 0  # a timed twin: replays of its graph pair (take_timed), timed or not
     in_flight: torch.cuda.Event | None = None  # a timed replay not yet read back
     step: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None  # a timed twin's (batch, start, end)
+    gemv: "GemvStamps | None" = None  # a timed twin's GEMV calls' stamps
 
     def replayed(self) -> None:
         self.replays += 1
@@ -111,8 +115,47 @@ class Captured:
         end.record()
         self.step = (batch, self.step[1], end)
 
+    def end_capture(self) -> None:
+        """Inside a timed twin's capture, after its forward: the GEMV stamps' copy out."""
+        if self.gemv is not None and self.gemv.calls:
+            self.gemv.copy_out()
+
     def weight_bytes(self) -> int:
         return sum(call.weight_bytes() * n for call, n in self.counts.items() if call.layer != "attention")
+
+
+class GemvStamps:
+    """The block stamps of a timed twin's GEMV calls: row i of ``buffer`` (int64, zeroed once
+    before the capture) is call i's ``[blocks, 2]`` (start, end) pairs, rewritten by the same
+    blocks at every replay (a graph's grids are fixed); blocks that never write leave zeros.
+    Copied to pinned host memory at the end of each timed replay."""
+
+    ROWS, BLOCKS = 8, 4096  # calls a twin stamps at most (then events); blocks a call stamps at most
+
+    def __init__(self, device: torch.device):
+        self.buffer = torch.zeros(self.ROWS, 2 * self.BLOCKS, dtype=torch.int64, device=device)
+        self.host = torch.zeros(self.buffer.shape, dtype=torch.int64, pin_memory=True)
+        self.calls: list[KernelCall] = []
+
+    def take(self, call: KernelCall) -> torch.Tensor | None:
+        """The stamps row of ``call``, or None when every row is taken."""
+        if len(self.calls) == self.ROWS:
+            return None
+        self.calls.append(call)
+        return self.buffer[len(self.calls) - 1]
+
+    def copy_out(self) -> None:
+        self.host.copy_(self.buffer, non_blocking=True)
+
+    def latencies(self) -> list[tuple[KernelCall, float]]:
+        """Each call's latency in seconds: its last block's end minus its first block's start."""
+        out = []
+        for i, call in enumerate(self.calls):
+            pairs = self.host[i].view(-1, 2)
+            pairs = pairs[pairs[:, 0] > 0]
+            if len(pairs):
+                out.append((call, max(int(pairs[:, 1].max()) - int(pairs[:, 0].min()), 0) / 1e9))
+        return out
 
 
 class StageStamps:
@@ -155,29 +198,29 @@ class KernelTiming:
         self.captured: list[Captured] = []
         self._recording: Captured | None = None
         self._timed_capture = False
-        self._replays = 0
         self._quiet = 0
 
     # -- eager calls -------------------------------------------------------------------------
-    def run(self, call: KernelCall, compute: Callable[[], torch.Tensor], on_cuda: bool) -> torch.Tensor:
+    def run(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor], on_cuda: bool) -> torch.Tensor:
+        """``compute(stamps)`` makes the call; ``stamps`` (a GEMV's block stamps) or None."""
         if on_cuda and torch.cuda.is_current_stream_capturing():
             return self._captured_call(call, compute)
         if self._quiet:
-            return compute()
+            return compute(None)
         self.count += 1
         self.observer.count(call, 1)
         if self.count % self.sample_every:
-            return compute()
+            return compute(None)
         if on_cuda:
             self.drain()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            y = compute()
+            y = compute(None)
             end.record()
             self.pending.append((call, start, end))
             return y
         t0 = time.perf_counter()
-        y = compute()
+        y = compute(None)
         self.observer.time(call, time.perf_counter() - t0)
         return y
 
@@ -231,7 +274,7 @@ class KernelTiming:
                 c.in_flight = None
                 for call, start, end in c.events:
                     self.observer.time(call, start.elapsed_time(end) / 1e3)
-                for s in c.stamps:
+                for s in c.stamps + ([c.gemv] if c.gemv is not None else []):
                     for call, seconds in s.latencies():
                         self.observer.time(call, seconds)
                 if c.step is not None:
@@ -250,9 +293,11 @@ class KernelTiming:
     # -- CUDA graphs ------------------------------------------------------------------------
     @contextlib.contextmanager
     def recording(self, timed: bool = False) -> Iterator[Captured]:
-        """Record the calls of the graph captured inside (``timed``: its timed twin, each call
-        between two event nodes)."""
+        """Record the calls of the graph captured inside (``timed``: its timed twin, the first
+        call of each kind timed)."""
         captured = Captured()
+        if timed:  # (allocated before the capture: zeroing inside it would add a kernel node)
+            captured.gemv = GemvStamps(torch.device("cuda", torch.cuda.current_device()))
         self._recording, self._timed_capture = captured, timed
         try:
             yield captured
@@ -260,26 +305,32 @@ class KernelTiming:
             self._recording, self._timed_capture = None, False
         self.captured.append(captured)
 
-    def _captured_call(self, call: KernelCall, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _captured_call(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         if self._recording is None:
-            return compute()
+            return compute(None)
         first = call not in self._recording.counts
         self._recording.counts[call] += 1
         if not (self._timed_capture and first):
-            return compute()
+            return compute(None)
+        if call.path == GEMV:
+            stamps = self._recording.gemv.take(call)
+            if stamps is not None:
+                return compute(stamps)
         start = torch.cuda.Event(enable_timing=True, external=True)
         end = torch.cuda.Event(enable_timing=True, external=True)
         start.record()
-        y = compute()
+        y = compute(None)
         end.record()
         self._recording.events.append((call, start, end))
         return y
 
     def take_timed(self, twin: Captured) -> bool:
-        """Whether this replay should be the timed twin's (one in ``sample_every``, and only
-        once the twin's previous timings have been read)."""
-        self._replays += 1
-        if self._replays % self.sample_every:
+        """Whether this replay should be the timed twin's: one in ``sample_every`` replays of
+        this graph (counted per graph: under a steady load the graphs of the batch sizes
+        alternate in a fixed pattern, and one count over all of them can step over a graph
+        every time), and only once the twin's previous timings have been read."""
+        twin.offered += 1
+        if twin.offered % self.sample_every:
             return False
         self.drain()  # (the timings of the twin replayed sample_every replays ago, done by now)
         return twin.in_flight is None
@@ -316,4 +367,7 @@ class ObservedPlan:
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
         m = x.shape[0]
         call = KernelCall(self.plan.path(m), self.layer_kind, self.bits, m, self.n, self.k, self.group_size, self.zeros)
-        return self.timing.run(call, lambda: self.plan(x, epilogue), x.is_cuda)
+        def compute(stamps: torch.Tensor | None) -> torch.Tensor:
+            return self.plan(x, epilogue) if stamps is None else self.plan(x, epilogue, stamps=stamps)
+
+        return self.timing.run(call, compute, x.is_cuda)

@@ -102,16 +102,19 @@ def _check_x(x: torch.Tensor, gw: GpuWeight, limit: int) -> None:
 
 
 def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_blocks: int = 0,
-         k_warps: int = 0, pipeline: int = GEMV_RING, swiglu: bool = False) -> torch.Tensor:
+         k_warps: int = 0, pipeline: int = GEMV_RING, swiglu: bool = False,
+         stamps: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMV kernel (up to ``gemv_rows_limit(gw)`` rows) with this launch: ``pipeline``
     (GEMV_RING, GEMV_STREAM), ``max_blocks`` and ``k_warps`` (0: the kernel's own choice).
-    ``swiglu`` (a ``swiglu_rows`` weight): ``silu(gate) * up``, ``[M, N / 2]``, instead of ``y``."""
+    ``swiglu`` (a ``swiglu_rows`` weight): ``silu(gate) * up``, ``[M, N / 2]``, instead of ``y``.
+    ``stamps`` (int64, CUDA): each block's ``%globaltimer`` start and end, ``[blocks, 2]``
+    flattened (``kernels/observe.py``; blocks past its length write none)."""
     if swiglu and not gw.swiglu_rows:
         raise ValueError("the SwiGLU epilogue needs a gate/up weight packed with pack_for_gpu(..., gate_up=True)")
     _check_x(x, gw, gemv_rows_limit(gw))
     s = scratch(x.device)
     return torch.ops.woq.gemv(kernel_rows(x), gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N,
-                              gw.K, max_blocks, k_warps, pipeline, swiglu, s.workspace, s.counters)
+                              gw.K, max_blocks, k_warps, pipeline, swiglu, s.workspace, s.counters, stamps)
 
 
 def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, config: int = -1,

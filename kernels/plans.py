@@ -174,7 +174,9 @@ class KernelPlan:
             return GEMV
         return MIXED_GEMM if m <= self.max_kernel_m else DEQUANT_CUBLAS
 
-    def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE,
+                 stamps: torch.Tensor | None = None) -> torch.Tensor:
+        """``stamps``: a timed GEMV call's block stamps (``ops.gemv``; other paths take none)."""
         from . import ops
 
         m, gw = x.shape[0], self.gw
@@ -183,7 +185,7 @@ class KernelPlan:
             k_warps, blocks, pipeline = self._gemv_launch[m]
             # (SwiGLU in the GEMV's epilogue is one of the fused ops: their reference is torch's)
             fused = epilogue is Epilogue.SWIGLU and gw.swiglu_rows and self.options.fused_ops
-            y = ops.gemv(x, gw, self.bias, blocks, k_warps, pipeline, swiglu=fused)
+            y = ops.gemv(x, gw, self.bias, blocks, k_warps, pipeline, swiglu=fused, stamps=stamps)
             if fused:
                 return y
         elif path == MIXED_GEMM:

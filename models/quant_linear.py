@@ -13,6 +13,7 @@ from torch import nn
 
 from ..kernels import reference
 from ..kernels.format import GATE_UP_BLOCK, QuantizedWeight, QuantSpec, quantize
+from ..kernels.layout import refusal_of
 from ..kernels.observe import KernelTiming, ObservedPlan
 from ..kernels.options import RuntimeOptions
 from ..kernels.plans import DensePlan, Epilogue, KernelPlan, ReferencePlan, kernel_plan
@@ -123,8 +124,9 @@ class WeightOnlyLinear(_PlannedLinear):
     def bind(self, act_dtype: torch.dtype, options: RuntimeOptions, gpu: bool) -> None:
         """Choose the layer's kernels: with ``gpu`` (a CUDA weight, the library loaded) the
         weight is repacked once into the kernels' layout and its launches come from the tuning
-        table (measured once per shape and GPU if new); otherwise the torch reference."""
-        if gpu and self.in_features % 8 == 0:
+        table (measured once per shape and GPU if new); otherwise, or where the GPU layout cannot
+        hold the weight (``kernels.layout.refusal_of``), the torch reference."""
+        if gpu and refusal_of(self.qweight) is None:
             gate_up = self.layer_kind == "gate_up" and self.out_features % (2 * GATE_UP_BLOCK) == 0
             self._set_plan(kernel_plan(self.qweight, self.bias, act_dtype, gate_up, options))
         else:

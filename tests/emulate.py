@@ -93,6 +93,23 @@ def bf162_const(v: float) -> np.ndarray:
     return b | (b << U32(16))
 
 
+# --- group scales on converted weights (csrc/gemm.cuh, RowScale) --------------------------
+
+
+def row_scale_bf16_int4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """RowScale<bf16, 4>'s registers from fp16 scales: (bf16x2(hi, hi), bf16x2(lo, lo)) with
+    hi = bf16(s) and lo = bf16(s - hi), computed in fp32 as the kernel does."""
+    f = np.asarray(s, np.float16).astype(np.float32)
+    hi = _round_bf16(f)
+    lo = _round_bf16(f - (hi << U32(16)).view(np.float32))
+    return hi * U32(0x10001), lo * U32(0x10001)
+
+
+def apply_row_scale_bf16_int4(a: np.ndarray, hi2: np.ndarray, lo2: np.ndarray) -> np.ndarray:
+    """fma(a, hi, fma(a, lo, -0)) on bf16x2 registers."""
+    return fma_bf16x2(a, hi2, fma_bf16x2(a, lo2, np.full_like(a, 0x80008000)))
+
+
 # --- converters (csrc/convert.cuh) -------------------------------------------------------
 
 

@@ -99,7 +99,7 @@ def test_gemv_swiglu_epilogue(inter, K, bits, group, sym, dtype):
     assert build.load(RuntimeOptions()), "the CUDA kernels failed to build"
     lim = ops.limits()
     g = torch.Generator(device="cuda").manual_seed(inter + K + bits)
-    qw = quantize(torch.randn(2 * inter, K, device="cuda", generator=g) * 0.05, QuantSpec(bits, group, sym, scale_dtype=dtype))
+    qw = quantize(torch.randn(2 * inter, K, device="cuda", generator=g) * 0.05, QuantSpec(bits, group, sym))
     w64 = reference.dequantize(qw, torch.float64)
     gw = ops.prepare(pack_for_gpu(qw, dtype, gate_up=True))
     assert gw.swiglu_rows

@@ -90,13 +90,6 @@ __device__ __forceinline__ void add_relaxed(int* p, int v) {
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// The GPU's global nanosecond clock, comparable between SMs (the kernel metrics' stamps).
-__device__ __forceinline__ unsigned long long global_timer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {  // through the activation type, as the reference rounds
   return to_float(from_float<T>(v));

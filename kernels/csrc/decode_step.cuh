@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
 #pragma unroll
     for (int g = 0; g < kWarpGroups; ++g) {  // each group's sums, scaled (fixed order)
       if (g * kSegsPerGroup >= segs) continue;
-      const float2 sc = pair_to_float2<T>(sv[g]);
+      const float2 sc = pair_to_float2<Scale>(sv[g]);
       float s0 = 0.f, s2 = 0.f;
 #pragma unroll
       for (int i = 0; i < kSegsPerGroup; ++i) {

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kDequantWarps * 32) dequant_kernel(const Dequa
   const long long task = static_cast<long long>(blockIdx.x) * kDequantWarps + warp;  // (n-tile, k-chunk)
   if (task >= static_cast<long long>(p.n_tiles) * kchunks) return;
   const int nt = static_cast<int>(task / kchunks), kc = static_cast<int>(task % kchunks);
-  const T* scales = static_cast<const T*>(p.scales);
+  const Scale* scales = static_cast<const Scale*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
   T* tile = tile_smem[warp];
   const float bz = zero_point_bias(BITS);
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kDequantWarps * 32) dequant_kernel(const Dequa
       const int k16 = kt * Shape::kK + j * 16;  // first k of this k16 block
       const int g = min(k16 / p.group_size, p.groups_pad - 1);
       const size_t off = (static_cast<size_t>(nt) * p.groups_pad + g) * 16;
-      const float2 s = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + off)[gid]);
+      const float2 s = pair_to_float2<Scale>(reinterpret_cast<const uint32_t*>(scales + off)[gid]);
       const float2 z = ZEROS ? pair_to_float2<T>(reinterpret_cast<const uint32_t*>(zeros + off)[gid]) : make_float2(bz, bz);
       uint32_t a[4];
       convert_segment_k16<T, BITS, ZEROS>(wv, j, ZeroConsts<T, BITS>(z.x, z.y), a);

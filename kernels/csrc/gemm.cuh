@@ -19,9 +19,10 @@
 // Tile configurations: kGemmTileConfigs (woq_kernels.h); the tuner picks one per shape and M.
 //
 // Group scales multiply the converted weights, not the accumulators: (code - z) is an
-// exact small integer and the scale a T, so the product is exact in fp32 and one rounding
-// to T gives exactly the weight dequant + cuBLAS would use. Per-channel scales stay on the
-// fp32 accumulators (applied once, at the end).
+// exact small integer and the scale an fp16 value, so the product is exact (at most 8 + 11
+// significant bits) and one rounding to T gives exactly the weight dequant + cuBLAS would
+// use (RowScale below says how, per T). Per-channel scales stay on the fp32 accumulators
+// (applied once, at the end).
 //
 // Work decomposition, "stream-K" as in the GEMV: the (output tile, stage) units of the
 // whole product are cut into gridDim.x balanced contiguous runs, one per block. Tiles are
@@ -110,20 +111,61 @@ struct GemmStage {
   static_assert(!Shape::kWgmma || kW % 1024 == 0, "the swizzled x tile must start 1024-byte aligned");
 };
 
-// Both halves of a packed pair set to its low (or high) half: one row's scale for the
-// two k of a fragment register.
-__device__ __forceinline__ uint32_t dup_lo(uint32_t u) { return prmt(u, u, 0x1010); }
-__device__ __forceinline__ uint32_t dup_hi(uint32_t u) { return prmt(u, u, 0x3232); }
+// One row's group scale, applied to a register of two converted (code - z) values so that
+// each product (code - z) * s rounds once, to T. Built from the fp16 scale per group.
+template <typename T, int BITS>
+struct RowScale;
 
-template <typename T>
-__device__ __forceinline__ uint32_t mul_pair(uint32_t a, uint32_t s);
+// fp16: one packed multiply (the exact product rounded once).
+template <int BITS>
+struct RowScale<__half, BITS> {
+  uint32_t s2;  // half2(s, s)
+  RowScale() = default;
+  __device__ __forceinline__ explicit RowScale(__half s) : s2(as_u32(__half2half2(s))) {}
+  __device__ __forceinline__ uint32_t apply(uint32_t a) const { return as_u32(__hmul2(as_h2(a), as_h2(s2))); }
+};
+
+// bf16, int4: s is split exactly into hi = bf16(s) and lo = s - hi. lo is a multiple of
+// s's fp16 ulp of magnitude at most 4 ulps (half a bf16 ulp), so it has at most 3
+// significant bits, and (code - z) * lo, with |code - z| <= 15, at most 7: exact in bf16.
+// fma(a, hi, a * lo) then rounds the exact a * s once. (tests/test_layout.py checks every
+// fp16 scale and code.)
 template <>
-__device__ __forceinline__ uint32_t mul_pair<__half>(uint32_t a, uint32_t s) {
-  return as_u32(__hmul2(as_h2(a), as_h2(s)));
-}
+struct RowScale<__nv_bfloat16, 4> {
+  uint32_t hi2, lo2;  // bf16x2(hi, hi), bf16x2(lo, lo)
+  RowScale() = default;
+  __device__ __forceinline__ explicit RowScale(__half s) {
+    const float f = __half2float(s);
+    const __nv_bfloat16 hi = __float2bfloat16_rn(f);
+    const __nv_bfloat16 lo = __float2bfloat16_rn(f - __bfloat162float(hi));  // (exact)
+    const __nv_bfloat162 h2 = __bfloat162bfloat162(hi), l2 = __bfloat162bfloat162(lo);
+    hi2 = *reinterpret_cast<const uint32_t*>(&h2);
+    lo2 = *reinterpret_cast<const uint32_t*>(&l2);
+  }
+  __device__ __forceinline__ uint32_t apply(uint32_t a) const {
+    return fma_bf16x2(a, hi2, fma_bf16x2(a, lo2, 0x80008000u));  // a * hi + (a * lo + -0)
+  }
+};
+
+// bf16, int8: |code - z| <= 255 leaves no room for the split, so through fp32 (exact
+// product) and one conversion of the pair to bf16x2.
 template <>
-__device__ __forceinline__ uint32_t mul_pair<__nv_bfloat16>(uint32_t a, uint32_t s) {
-  return fma_bf16x2(a, s, 0x80008000u);  // a * s + (-0): one rounding (mul.bf16x2 is sm_90 only)
+struct RowScale<__nv_bfloat16, 8> {
+  float s;
+  RowScale() = default;
+  __device__ __forceinline__ explicit RowScale(__half h) : s(__half2float(h)) {}
+  __device__ __forceinline__ uint32_t apply(uint32_t a) const {
+    const float2 v = pair_to_float2<__nv_bfloat16>(a);
+    return float2_to_pair<__nv_bfloat16>(v.x * s, v.y * s);
+  }
+};
+
+// The row scales of a stored pair (rows gid, gid + 8).
+template <typename T, int BITS>
+__device__ __forceinline__ void row_scales(uint32_t pair, RowScale<T, BITS>& lo, RowScale<T, BITS>& hi) {
+  const __half2 s = as_h2(pair);
+  lo = RowScale<T, BITS>(__low2half(s));
+  hi = RowScale<T, BITS>(__high2half(s));
 }
 
 // GROUP: group size in k (64 or 128; a divisor of the stage), or 0 for per-channel.
@@ -156,7 +198,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   extern __shared__ uint4 smem_raw[];
   __shared__ int is_last_contributor;
   const T* x = static_cast<const T*>(p.x);
-  const T* scales = static_cast<const T*>(p.scales);
+  const Scale* scales = static_cast<const Scale*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
@@ -211,7 +253,8 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   const bool s_is_zero = tid >= kSChunks;
   const int s_chunk = s_is_zero ? tid - kSChunks : tid;
   const int s_tile = s_chunk / kPerTile, s_group = s_chunk % kPerTile / 2;
-  const T* s_src = (ZEROS && s_is_zero ? zeros : scales) + (static_cast<size_t>(s_tile) * p.groups_pad + s_group) * 16 + s_chunk % 2 * 8;
+  const uint16_t* s_src = static_cast<const uint16_t*>(ZEROS && s_is_zero ? p.zeros : p.scales) +  // (2-byte values)
+                          (static_cast<size_t>(s_tile) * p.groups_pad + s_group) * 16 + s_chunk % 2 * 8;
   const uint32_t s_dst = Stage::kW + Stage::kX + (s_is_zero ? Stage::kS : 0) + s_chunk * 16;
   auto fetch_weights = [&](const UnitPos& u, int slot) {
     const int tile0 = u.col * kTiles, st = u.st;
@@ -231,7 +274,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     if constexpr (kGroups > 0) {
       if (s_copier) {
         const bool valid = tile0 + s_tile < p.n_tiles && st * kGroups + s_group < p.groups_pad;
-        const T* src = s_src + (static_cast<size_t>(tile0) * p.groups_pad + st * kGroups) * 16;
+        const uint16_t* src = s_src + (static_cast<size_t>(tile0) * p.groups_pad + st * kGroups) * 16;
         copy16_async(base + s_dst, src, valid);
       }
     }
@@ -301,7 +344,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     const T* xsm = reinterpret_cast<const T*>(base + Stage::kW) + (Shape::row0(warp) + (lane & 7)) * XS + 8 * (lane >> 3);
     [[maybe_unused]] const uint32_t* ssm =
         reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + Shape::n_tile(warp, 0) * kGroups * 8 + gid;
-    [[maybe_unused]] uint32_t s_lo[NTW], s_hi[NTW];
+    [[maybe_unused]] RowScale<T, BITS> s_lo[NTW], s_hi[NTW];
 #pragma unroll
     for (int s = 0; s < kSegs; ++s) {
       uint4 wv[NTW];
@@ -320,9 +363,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
             const int g = i * 16 / GROUP;
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
-              const uint32_t sc = ssm[(nt * kGroups + g) * 8];
-              s_lo[nt] = dup_lo(sc);
-              s_hi[nt] = dup_hi(sc);
+              row_scales(ssm[(nt * kGroups + g) * 8], s_lo[nt], s_hi[nt]);
               if constexpr (ZEROS) {
                 zc[nt] = zero_consts<T, BITS>(ssm[Stage::kS / 4 + (nt * kGroups + g) * 8]);
               }
@@ -334,10 +375,10 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
           uint32_t a[4];
           convert_segment_k16<T, BITS, ZEROS>(wv[nt], j, zc[nt], a);
           if constexpr (GROUP != 0) {  // rows gid (a[0], a[2]) and gid + 8 (a[1], a[3])
-            a[0] = mul_pair<T>(a[0], s_lo[nt]);
-            a[1] = mul_pair<T>(a[1], s_hi[nt]);
-            a[2] = mul_pair<T>(a[2], s_lo[nt]);
-            a[3] = mul_pair<T>(a[3], s_hi[nt]);
+            a[0] = s_lo[nt].apply(a[0]);
+            a[1] = s_hi[nt].apply(a[1]);
+            a[2] = s_lo[nt].apply(a[2]);
+            a[3] = s_hi[nt].apply(a[3]);
           }
 #pragma unroll
           for (int h = 0; h < MBW; ++h) {
@@ -361,7 +402,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       [[maybe_unused]] const uint32_t* ssm =
           reinterpret_cast<const uint32_t*>(base + Stage::kW + Stage::kX) + Shape::n_tile(warp, 0) * kGroups * 8 + gid;
       const uint32_t x_addr = smem_addr + slot * Stage::kBytes + Stage::kW;
-      [[maybe_unused]] uint32_t s_lo[NTW], s_hi[NTW];
+      [[maybe_unused]] RowScale<T, BITS> s_lo[NTW], s_hi[NTW];
       // A segment's weights are loaded from shared memory while the segment before it is
       // converted (one segment ahead) where the wgmma are short (BM <= 64): the wgmma asm's
       // memory clobbers keep the compiler from hoisting the loads itself, and each load's
@@ -388,9 +429,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
               const int g = i * 16 / GROUP;
 #pragma unroll
               for (int nt = 0; nt < NTW; ++nt) {
-                const uint32_t sc = ssm[(nt * 4 * kGroups + g) * 8];
-                s_lo[nt] = dup_lo(sc);
-                s_hi[nt] = dup_hi(sc);
+                row_scales(ssm[(nt * 4 * kGroups + g) * 8], s_lo[nt], s_hi[nt]);
                 if constexpr (ZEROS) {
                   zc[nt] = zero_consts<T, BITS>(ssm[Stage::kS / 4 + (nt * 4 * kGroups + g) * 8]);
                 }
@@ -402,10 +441,10 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
           for (int nt = 0; nt < NTW; ++nt) {
             convert_segment_k16<T, BITS, ZEROS>(wv[nt], j, zc[nt], a[nt]);
             if constexpr (GROUP != 0) {
-              a[nt][0] = mul_pair<T>(a[nt][0], s_lo[nt]);
-              a[nt][1] = mul_pair<T>(a[nt][1], s_hi[nt]);
-              a[nt][2] = mul_pair<T>(a[nt][2], s_lo[nt]);
-              a[nt][3] = mul_pair<T>(a[nt][3], s_hi[nt]);
+              a[nt][0] = s_lo[nt].apply(a[nt][0]);
+              a[nt][1] = s_hi[nt].apply(a[nt][1]);
+              a[nt][2] = s_lo[nt].apply(a[nt][2]);
+              a[nt][3] = s_hi[nt].apply(a[nt][3]);
             }
           }
           // k16 block i: 64-k slice i / 4 of the swizzled tile, 32 bytes per k16 into its rows
@@ -486,7 +525,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       for (int nt = 0; nt < NTW; ++nt) {
         const int n_tile = tile0 + Shape::n_tile(warp, nt);
         if (n_tile < p.n_tiles) {
-          const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(n_tile) * 16)[gid]);
+          const float2 sc = pair_to_float2<Scale>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(n_tile) * 16)[gid]);
 #pragma unroll
           for (int h = 0; h < MBW; ++h) {
             acc[nt][h][0] *= sc.x;

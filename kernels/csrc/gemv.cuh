@@ -249,15 +249,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kG
   // Linear stage index L = column * nstages + stage, over this block's share.
   const int L_begin = part_of.begin(blockIdx.x) * p.unit_stages;
   const int L_end = part_of.begin(blockIdx.x + 1) * p.unit_stages;
+  const BlockStamps stamps(p);
   if (L_begin >= L_end) {  // (the launcher sizes the grid so that this never happens)
     wait_for_prior_grid();
+    stamps.start();
     return;
   }
 
   extern __shared__ uint4 smem[];
   __shared__ int is_last_contributor;
   const T* x = static_cast<const T*>(p.x);
-  const T* scales = static_cast<const T*>(p.scales);
+  const Scale* scales = static_cast<const Scale*>(p.scales);
   const T* zeros = static_cast<const T*>(p.zeros);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
@@ -296,7 +298,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kG
   const bool s_is_zero = ZEROS && s_idx >= kSegsS;
   const int s_j = s_is_zero ? s_idx - kSegsS : s_idx;
   const int s_tile = kGroups > 0 ? s_j / (kGroups * 2) : 0, s_r = kGroups > 0 ? s_j % (kGroups * 2) : 0;
-  const T* s_src = (s_is_zero ? zeros : scales) + (static_cast<size_t>(s_tile) * p.groups_pad + s_r / 2) * 16 + (s_r % 2) * 8;
+  const uint16_t* s_src = static_cast<const uint16_t*>(s_is_zero ? p.zeros : p.scales) +  // (2-byte values)
+                          (static_cast<size_t>(s_tile) * p.groups_pad + s_r / 2) * 16 + (s_r % 2) * 8;
   const size_t s_column_stride = static_cast<size_t>(kTiles) * p.groups_pad * 16;
   const uint32_t s_dst = Stage::kW + x_bytes + (s_is_zero ? Stage::kS : 0) +
                          ((s_tile * kGroups) * 16 + s_r * 8) * static_cast<uint32_t>(sizeof(T));
@@ -306,7 +309,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kG
   // st_ahead) walks the same sequence as the main loop's L without divisions.
   int c_ahead = L_begin / p.nstages, st_ahead = L_begin % p.nstages;
   const uint4* w_ahead = w_lane + c_ahead * w_column_stride + st_ahead * kStageWords;
-  const T* s_ahead = s_src + c_ahead * s_column_stride;  // the column's first group
+  const uint16_t* s_ahead = s_src + c_ahead * s_column_stride;  // the column's first group
   // this warp's n-tiles that exist in the walk's column (the last column may be short)
   int w_tiles_ok = p.n_tiles - (c_ahead * kTiles + tile0);
   bool s_column_ok = c_ahead * kTiles + s_tile < p.n_tiles;
@@ -417,7 +420,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kG
             const int g = GROUP <= SK ? (kw * Shape::kWarpK + i * 16) / GROUP : 0;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
-              const float2 sc = pair_to_float2<T>(ssm[(t * kGroups + g) * 8]);
+              const float2 sc = pair_to_float2<Scale>(ssm[(t * kGroups + g) * 8]);
               s_lo[t] = sc.x;
               s_hi[t] = sc.y;
               if constexpr (ZEROS) {
@@ -466,7 +469,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kG
       for (int t = 0; t < NT; ++t) {
         const int nt = c * kTiles + tile0 + t;
         if (nt < p.n_tiles) {
-          const float2 sc = pair_to_float2<T>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * 16)[gid]);
+          const float2 sc = pair_to_float2<Scale>(reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(nt) * 16)[gid]);
 #pragma unroll
           for (int h = 0; h < MB; ++h) {
             acc[t][h][0] = sc.x * part[t][h][0];
@@ -626,6 +629,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MB <= 2 ? kGemvMinBlocks : kG
     if (kXByLoads && q < p.stages - 1) cp_async_commit();  // (empty groups keep the count)
   }
   wait_for_prior_grid();
+  stamps.start();
   if constexpr (kXByLoads) {  // every load issued before the first store: one L2 round trip
     uint4 xv[kGemvMaxStages - 1][kPasses];
 #pragma unroll

@@ -34,6 +34,8 @@ cudaError_t gemv_launch(const GemvArgs& a, cudaStream_t stream) {
   GemvParams p;
   set_operands(p, a);
   p.swiglu = a.epilogue == GemvEpilogue::kSwiGLU;
+  p.stamps = a.stamps;
+  p.stamps_len = a.stamps_len;
   p.nstages = (w.K_pad + Shape::kStageK - 1) / Shape::kStageK;
   p.unit_stages = GROUP > Shape::kStageK ? GROUP / Shape::kStageK : 1;  // groups never straddle blocks
   const int columns = (p.n_tiles + Stage::kTiles - 1) / Stage::kTiles;

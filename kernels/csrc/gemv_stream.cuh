@@ -52,8 +52,9 @@ struct GemvStreamParams : KernelOperands {  // workspace: [gridDim.x, M, 16 * TP
   int warp_chunks;  // chunks per warp share
   int splits;       // blocks per column (runs of K)
   // Padding: ptxas allocates this kernel's registers differently below this parameter size
-  // (up to 10 more registers for some instantiations); kept so the allocation stays as measured.
-  char reserved_[64];
+  // (up to 10 more registers for some instantiations); kept so the allocation stays as measured
+  // (64 bytes before KernelOperands gained its 16 bytes of stamps).
+  char reserved_[48];
 };
 
 // Shared memory: M rows of the block's x range (+16 bytes per row: conflict-free
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   [[maybe_unused]] float2 channel_scale = make_float2(0.f, 0.f);
   if constexpr (GROUP == 0) {
     if (tile_ok) {
-      channel_scale = pair_to_float2<T>(__ldg(scales + s_tile));
+      channel_scale = pair_to_float2<Scale>(__ldg(scales + s_tile));
       if constexpr (ZEROS) {
         const float2 z = pair_to_float2<T>(__ldg(zeros + s_tile));
         zc = ZeroConsts<T, BITS>(z.x, z.y);
@@ -148,7 +149,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
   Chunk buf[2];
   if (c_begin < c_end) load(c_begin, buf[0]);
   if (c_begin + 1 < c_end) load(c_begin + 1, buf[1]);  // (two chunks in flight across the wait)
+  const BlockStamps stamps(p);
   wait_for_prior_grid();
+  stamps.start();
 
   // x: the block's K range of every row, columns past K zero (the padded weights there
   // are zero, but 0 * uninitialised shared memory could be NaN). Loads before stores,
@@ -192,7 +195,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_stream_kernel(const G
         if (j % 2 == 0) ldmatrix_x4(bx, xc + k16 * 16);  // two k16 blocks of x
         if constexpr (GROUP != 0) {
           if (k16 % kGroupK16 == 0) {
-            sc = pair_to_float2<T>(b.s[k16 / kGroupK16]);
+            sc = pair_to_float2<Scale>(b.s[k16 / kGroupK16]);
             if constexpr (ZEROS) zc = zero_consts<T, BITS>(b.z[k16 / kGroupK16]);
           }
         }

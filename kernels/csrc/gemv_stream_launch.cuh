@@ -23,6 +23,8 @@ cudaError_t gemv_stream_launch(const GemvArgs& a, cudaStream_t stream) {
   GemvStreamParams p;
   set_operands(p, a);
   p.swiglu = a.epilogue == GemvEpilogue::kSwiGLU;
+  p.stamps = a.stamps;
+  p.stamps_len = a.stamps_len;
   p.ktiles = a.weight.K_pad / TileShape<BITS>::kK;
   p.chunks = (p.ktiles + CH - 1) / CH;
   const int columns = (p.n_tiles + TPB - 1) / TPB;

@@ -38,12 +38,17 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
+// Scales are fp16 in the GPU layout whatever the activation dtype T: the logical format's
+// fp16 scale itself, which a bf16 copy would round (8 significant bits of its 11). Zero
+// points are small integers, exact in T.
+using Scale = __half;
+
 // The operands every woq kernel takes (its Params derive from this).
 struct KernelOperands {
   const void* x;        // [M, K] fp16/bf16, row-major
   const uint4* w;       // packed tiles, see kernels/layout.py
-  const void* scales;   // [n_tiles, groups_pad, 16] (pair-interleaved rows), T
-  const void* zeros;    // same layout as scales (exact integer zero points), or null
+  const void* scales;   // [n_tiles, groups_pad, 16] (pair-interleaved rows), Scale
+  const void* zeros;    // same layout as scales, in T (exact integer zero points), or null
   const void* bias;     // [N] or null
   void* y;              // [M, N]
   float* workspace;     // fp32 partial sums (layout: the kernel's)
@@ -51,6 +56,39 @@ struct KernelOperands {
   int M, N, K, K_pad;
   int n_tiles, groups_pad;
   bool swiglu;          // GEMV only: y = silu(gate) * up, [M, N / 2] (gemv.cuh, swiglu_column)
+  unsigned long long* stamps;  // GEMV only: null, or [stamps_len] = [gridDim.x][2] (BlockStamps)
+  int stamps_len;
+};
+
+// The GPU's global nanosecond clock, comparable between SMs (the kernel metrics' stamps).
+__device__ __forceinline__ unsigned long long global_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+// A timed launch's %globaltimer stamps (kernels/observe.py, GemvStamps): each block writes
+// when it may start computing -- after griddepcontrol.wait, once the previous kernel is done --
+// and, at scope exit (every return is block-uniform), when all its threads are done. The
+// call's time is the last end minus the first start: like a run of back-to-back calls, it
+// leaves out the weight prefetch that overlaps the previous kernel, and it needs no event
+// nodes, which would end that overlap. Plain stores to the block's own pair, no atomics. It
+// reads the kernel's parameters at each use rather than holding a pointer: no register is
+// kept for it across the kernel (one more spilled the register-stream GEMV).
+struct BlockStamps {
+  const KernelOperands& p;  // (the kernel's parameter space)
+  __device__ __forceinline__ explicit BlockStamps(const KernelOperands& params) : p(params) {}
+  __device__ __forceinline__ void stamp(int which) const {
+    if (p.stamps != nullptr && threadIdx.x == 0 && 2 * static_cast<int>(blockIdx.x) + 1 < p.stamps_len)
+      p.stamps[2 * blockIdx.x + which] = global_timer();
+  }
+  __device__ __forceinline__ void start() const { stamp(0); }
+  __device__ __forceinline__ ~BlockStamps() {
+    if (p.stamps != nullptr) {
+      __syncthreads();
+      stamp(1);
+    }
+  }
 };
 
 // Fill the shared operands from a GemvArgs or GemmArgs.
@@ -72,6 +110,8 @@ void set_operands(KernelOperands& p, const Args& a) {
   p.n_tiles = (w.N + 15) / 16;
   p.groups_pad = w.groups_pad;
   p.swiglu = false;
+  p.stamps = nullptr;
+  p.stamps_len = 0;
 }
 
 // The kernel's static shared memory (its __shared__ variables). The CUDA runtime refuses a

@@ -33,9 +33,11 @@ woq::DType dtype_of(const at::Tensor& t) {
   return woq::DType::kBFloat16;
 }
 
+// A weight in the GPU layout (kernels/layout.py) for activations of dtype `act`: fp16
+// scales (the logical format's, exact), zero points in `act`.
 woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& scales,
                                 const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
-                                int64_t n, int64_t k) {
+                                int64_t n, int64_t k, at::ScalarType act) {
   check(bits == 4 || bits == 8, "bits must be 4 or 8, got " + str(bits));
   check(qweight.is_cuda() && qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.is_contiguous(),
         "qweight must be a contiguous CUDA uint8 [n_tiles, k_tiles, 32, 16] tensor");
@@ -44,9 +46,10 @@ woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& sca
   check(scales.is_cuda() && scales.dim() == 3 && scales.size(0) == qweight.size(0) && scales.size(2) == 16 &&
             scales.is_contiguous(),
         "scales must be a contiguous CUDA [n_tiles, groups, 16] tensor");
+  check(scales.scalar_type() == at::kHalf, "scales must be float16 (the GPU layout keeps the logical fp16 scale)");
   if (zeros) {
-    check(zeros->sizes() == scales.sizes() && zeros->scalar_type() == scales.scalar_type() && zeros->is_contiguous(),
-          "zeros must match scales in shape and dtype");
+    check(zeros->sizes() == scales.sizes() && zeros->scalar_type() == act && zeros->is_contiguous(),
+          "zeros must match scales in shape and have the activation dtype");
   }
   woq::PackedWeight w;
   w.qweight = qweight.data_ptr();
@@ -62,23 +65,22 @@ woq::PackedWeight packed_weight(const at::Tensor& qweight, const at::Tensor& sca
   return w;
 }
 
-// x [M, K] (1 <= M <= max_rows), and the scales' and bias' agreement with it.
-void check_activations(const at::Tensor& x, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+// x [M, K] (1 <= M <= max_rows), and the bias' agreement with it.
+void check_activations(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                        int64_t n, int64_t k, int64_t max_rows, const std::string& rows_message) {
   check(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
   check(x.size(1) == k, "x has " + str(x.size(1)) + " features, the weight " + str(k));
   // (the kernels copy x in 16-byte cp.async units; a misaligned one would fault on the device)
   check(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must start on a 16-byte boundary (clone a view that does not)");
   check(x.size(0) >= 1 && x.size(0) <= max_rows, rows_message + ", got " + str(x.size(0)));
-  check(scales.scalar_type() == x.scalar_type(), "scales must have the activation dtype");
   if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                     int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
-                    bool swiglu, at::Tensor& workspace, at::Tensor& counters) {
-  check_activations(x, scales, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
+                    bool swiglu, at::Tensor& workspace, at::Tensor& counters, const std::optional<at::Tensor>& stamps) {
+  check_activations(x, bias, n, k, woq::kGemvMaxRows, "the GEMV takes 1 to 32 rows");
   check(!swiglu || n % 16 == 0, "the SwiGLU epilogue takes gate and up rows interleaved in eights: n a multiple of 16, got " + str(n));
   check(pipeline == 0 || pipeline == 1, "pipeline must be 0 (shared-memory ring) or 1 (register stream), got " + str(pipeline));
   const bool stream = pipeline == 1;
@@ -93,7 +95,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   }
   const c10::cuda::CUDAGuard guard(x.device());
   woq::GemvArgs a;
-  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k, x.scalar_type());
   if (x.size(0) > woq::kGemvAnyWeightMaxRows) {
     const int g = a.weight.group_size >= a.weight.K_pad ? 0 : a.weight.group_size;
     check(g == 0 || g == 64 || g == 128,
@@ -121,6 +123,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.workspace = workspace.data_ptr<float>();
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
+  if (stamps) {  // (blocks past its length write none)
+    check(stamps->is_cuda() && stamps->scalar_type() == at::kLong && stamps->is_contiguous() && stamps->numel() <= (1 << 30),
+          "stamps must be a contiguous CUDA int64 tensor");
+    a.stamps = reinterpret_cast<unsigned long long*>(stamps->data_ptr<int64_t>());
+    a.stamps_len = static_cast<int>(stamps->numel());
+  }
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
   check(!stream || err != cudaErrorInvalidConfiguration,
         "gemv launch failed: the register stream's x rows do not fit this GPU's shared memory at M=" + str(a.M));
@@ -209,8 +217,9 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
       const at::Tensor& sc = scales[4 * l + i];
       check(q.is_cuda() && q.scalar_type() == at::kByte && q.dim() == 4 && q.is_contiguous() && q.size(2) == 32 &&
                 q.size(3) == 16 && sc.dim() == 3 && sc.size(0) == q.size(0) && sc.size(2) == 16 &&
-                sc.is_contiguous() && sc.scalar_type() == qkv.scalar_type(),
-            "weights must be in the GPU layout (kernels/layout.py) with activation-dtype scales");
+                sc.is_contiguous() && sc.scalar_type() == at::kHalf &&
+                (zeros.empty() || zeros[4 * l + i].scalar_type() == qkv.scalar_type()),
+            "weights must be in the GPU layout (kernels/layout.py): fp16 scales, activation-dtype zero points");
       s.linear[i].qweight = q.data_ptr();
       s.linear[i].scales = sc.data_ptr();
       s.linear[i].zeros = zeros.empty() ? nullptr : zeros[4 * l + i].data_ptr();
@@ -312,14 +321,14 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, int64_t config, int64_t splits, at::Tensor& workspace,
                 at::Tensor& counters) {
-  check_activations(x, scales, bias, n, k, 1 << 24, "the mixed GEMM takes 1 to 2^24 rows");
+  check_activations(x, bias, n, k, 1 << 24, "the mixed GEMM takes 1 to 2^24 rows");
   check(config >= -1 && config <= 9, "config must be -1 (by M) or 0..9, got " + str(config));
   check(splits >= 0 && splits <= 64, "splits must be 0 (by shape) .. 64, got " + str(splits));
   check(workspace.is_cuda() && workspace.scalar_type() == at::kFloat, "workspace must be a CUDA float32 tensor");
   check(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters must be a CUDA int32 tensor");
   const c10::cuda::CUDAGuard guard(x.device());
   woq::GemmArgs a;
-  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k, x.scalar_type());
   a.x = x.data_ptr();
   a.bias = bias ? bias->data_ptr() : nullptr;
   at::Tensor y = at::empty({x.size(0), n}, x.options());
@@ -343,11 +352,11 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 
 void dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                 int64_t bits, int64_t group_size, int64_t n, int64_t k, at::Tensor& out) {
-  check(out.is_cuda() && out.is_contiguous() && out.numel() >= n * k && out.scalar_type() == scales.scalar_type(),
-        "out must be a contiguous CUDA tensor of at least n * k elements of the scales' dtype");
+  check(out.is_cuda() && out.is_contiguous() && out.numel() >= n * k,
+        "out must be a contiguous CUDA tensor of at least n * k elements");
   const c10::cuda::CUDAGuard guard(out.device());
   woq::DequantArgs a;
-  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k);
+  a.weight = packed_weight(qweight, scales, zeros, bits, group_size, n, k, out.scalar_type());
   a.out = out.data_ptr();
   a.dtype = dtype_of(out);
   const cudaError_t err = woq::launch_dequant(a, at::cuda::getCurrentCUDAStream());
@@ -475,7 +484,8 @@ int64_t decode_step_counters(int64_t n_layers) {
 TORCH_LIBRARY(woq, m) {
   m.def(
       "gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
-      "int k, int max_blocks, int k_warps, int pipeline, bool swiglu, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+      "int k, int max_blocks, int k_warps, int pipeline, bool swiglu, Tensor(a!) workspace, Tensor(b!) counters, "
+      "Tensor(c!)? stamps=None) -> Tensor");
   m.def(
       "gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
       "int k, int config, int splits, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");

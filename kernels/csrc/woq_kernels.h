@@ -183,6 +183,8 @@ struct GemvArgs {
   int* counters;           // >= gemv_grid_columns(N) ints, zero-initialised
   DType dtype;
   GemvEpilogue epilogue;   // kSwiGLU: y is [M, N / 2]
+  unsigned long long* stamps = nullptr;  // a timed launch: each block's start and end (launch.cuh, BlockStamps)
+  int stamps_len = 0;
 };
 
 // The mixed GEMM (any M; per-channel, g64 and g128 weights; sm_80+).
