@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -118,9 +119,8 @@ CALLS = "sum by (path, layer, m_bucket) (woq_kernel_calls_total)"
 
 def scraped_calls(prom: Prometheus, url: str) -> dict[str, float]:
     """``CALLS`` as Prometheus holds it once it has scraped what the server counts now."""
-    import re
-
-    want = sum(float(v) for v in re.findall(r"^woq_kernel_calls_total\{[^}]*\} (\S+)$", httpx.get(url + "/metrics").text, re.M))
+    text = httpx.get(url + "/metrics").text
+    want = sum(float(v) for v in re.findall(r"^woq_kernel_calls_total\{[^}]*\} (\S+)$", text, re.M))
     for _ in range(100):
         got = {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in prom.query(CALLS)}
         if sum(got.values()) == want:
@@ -133,7 +133,7 @@ def eager_check(serve_args: str, requests: int, max_tokens: int) -> dict:
     """The fixed load against a graph server (prefill graphs off: a graph prefill pads its
     prompt, so its M differs) and an eager one, each scraped by its own Prometheus: the
     calls counted by path, layer kind and M bucket, and whether they are equal."""
-    from serving import spawn
+    from serving import free_port, spawn
 
     out = {}
     for name, flags in (("graphs", " --no-prefill-graphs"), ("eager", " --no-cuda-graphs")):
@@ -149,12 +149,6 @@ def eager_check(serve_args: str, requests: int, max_tokens: int) -> dict:
             server.wait(30)
     out["equal"] = out["graphs"] == out["eager"]
     return out
-
-
-def free_port() -> int:
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def render(prom: Prometheus, start: float, end: float, path: Path) -> None:
@@ -203,7 +197,7 @@ def render(prom: Prometheus, start: float, end: float, path: Path) -> None:
 
 
 def main() -> None:
-    from serving import spawn
+    from serving import free_port, spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve-args", default="--quant int4 --max-seq-len 512")
@@ -226,8 +220,7 @@ def main() -> None:
         # what Prometheus holds at the end, beside the picture: calls and timed samples by
         # path and layer kind, the roofline gauges
         snapshot = {e: [(r["metric"], float(r["value"][1])) for r in prom.query(e)] for e in (
-            "sum by (path, layer, m_bucket) (woq_kernel_calls_total)",
-            "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_count)",
+            CALLS, "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_count)",
             "woq_kernel_roofline_ratio", "woq_decode_step_roofline_ratio", "woq_build_info")}
         result = dict(requests=n, seconds=a.seconds, clients=a.clients, serve_args=a.serve_args, queries=snapshot)
         empty = [e for e in expressions() if not prom.query(e)]

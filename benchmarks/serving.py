@@ -112,10 +112,15 @@ def level_stats(ok: list[dict], wall: float) -> dict:
     }
 
 
-def spawn(args: str) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
+    """A loopback port free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def spawn(args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     cmd = [sys.executable, "-m", "woq", "serve", "--port", str(port), *shlex.split(args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"

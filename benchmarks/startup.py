@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402
+from serving import free_port  # noqa: E402
 
 
 def write_random_model(name: str, directory: Path, tokenizer: Path | None = None) -> Path:
@@ -69,9 +69,7 @@ def write_random_model(name: str, directory: Path, tokenizer: Path | None = None
 
 def time_start(args: list[str], log_path: Path) -> float:
     """Seconds from spawning ``woq serve`` until /health answers 200 (the server is then stopped)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "woq", "serve", "--port", str(port), "--log-format", "text", *args],

@@ -201,7 +201,8 @@ class KernelTiming:
         self._quiet = 0
 
     # -- eager calls -------------------------------------------------------------------------
-    def run(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor], on_cuda: bool) -> torch.Tensor:
+    def run(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor],
+            on_cuda: bool) -> torch.Tensor:
         """``compute(stamps)`` makes the call; ``stamps`` (a GEMV's block stamps) or None."""
         if on_cuda and torch.cuda.is_current_stream_capturing():
             return self._captured_call(call, compute)
@@ -305,7 +306,8 @@ class KernelTiming:
             self._recording, self._timed_capture = None, False
         self.captured.append(captured)
 
-    def _captured_call(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    def _captured_call(self, call: KernelCall,
+                       compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         if self._recording is None:
             return compute(None)
         first = call not in self._recording.counts

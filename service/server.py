@@ -54,8 +54,8 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
     model.observe_kernels(timing)
     on_cuda = model.device.type == "cuda"
     metrics.bind_timing(timing, copy_bandwidth(model.device, settings.runtime_options().cache_dir) if on_cuda else None)
-    metrics.describe(settings.served_model_name or loaded.name, loaded.quantization, torch.cuda.get_device_name(model.device) if on_cuda else "cpu",
-                     source_hash())
+    device = torch.cuda.get_device_name(model.device) if on_cuda else "cpu"
+    metrics.describe(settings.served_model_name or loaded.name, loaded.quantization, device, source_hash())
     engine = Engine(model, loaded.tokenizer, eos_token_ids(loaded), max_batch_size=settings.max_batch_size,
                     max_queue=settings.max_queue, max_seq_len=settings.max_seq_len,
                     max_prefill_tokens=settings.max_prefill_tokens, observer=metrics, cuda_graphs=settings.cuda_graphs,

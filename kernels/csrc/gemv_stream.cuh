@@ -52,8 +52,8 @@ struct GemvStreamParams : KernelOperands {  // workspace: [gridDim.x, M, 16 * TP
   int warp_chunks;  // chunks per warp share
   int splits;       // blocks per column (runs of K)
   // Padding: ptxas allocates this kernel's registers differently below this parameter size
-  // (up to 10 more registers for some instantiations); kept so the allocation stays as measured
-  // (64 bytes before KernelOperands gained its 16 bytes of stamps).
+  // (up to 10 more registers for some instantiations); sized so that the whole parameter
+  // block keeps the size the allocation was measured at.
   char reserved_[48];
 };
 
