@@ -9,11 +9,11 @@ the plan itself never knows.
 * **CUDA graphs**: a replay does not pass through Python, so a graph's calls are recorded
   while it is captured (``recording``, a ``Captured``), and every replay adds them
   (``Captured.replayed``; added to the observer in bulk by ``flush``, at a scrape). A graph
-  is also captured a second time with the first call of each kind timed (path, layer kind,
-  bits, shape: the first decoder layer's linears and the LM head; the other layers repeat
-  them), and with event nodes around the whole step: its *timed twin*. A GEMV call is timed
-  by its blocks' ``%globaltimer`` stamps (``GemvStamps``), other calls by event nodes around
-  them. One replay in ``sample_every`` of each graph runs its twin instead, which keeps the
+  is also captured a second time with one call of each kind timed (path, layer kind, bits,
+  shape: the decoder layers repeat them), and with event nodes around the whole step: its
+  *timed twin*. A GEMV call is timed by its blocks' ``%globaltimer`` stamps (``GemvStamps``:
+  the second decoder layer's, see there), other calls by event nodes around the first call
+  of their kind. One replay in ``sample_every`` of each graph runs its twin instead, which keeps the
   latencies flowing while the fast graph itself stays free of event nodes (an event node between two
   kernels ends their programmatic overlap, and adds its launch to the call it times: the
   GEMVs, most of a decode step, are stamped for that reason; docs/design/metrics.md).
@@ -128,18 +128,27 @@ class GemvStamps:
     """The block stamps of a timed twin's GEMV calls: row i of ``buffer`` (int64, zeroed once
     before the capture) is call i's ``[blocks, 2]`` (start, end) pairs, rewritten by the same
     blocks at every replay (a graph's grids are fixed); blocks that never write leave zeros.
-    Copied to pinned host memory at the end of each timed replay."""
+    Copied to pinned host memory at the end of each timed replay.
 
-    ROWS, BLOCKS = 8, 4096  # calls a twin stamps at most (then events); blocks a call stamps at most
+    The first ``layers`` calls of each kind are stamped (``KernelTiming``'s
+    ``stamped_layers``) and the last of them reported: by default the second decoder
+    layer's. A call's stamps run from its wait for the previous kernel to its last block's
+    end, and under programmatic launches its first weight stages stream in before that
+    wait, during whatever ran before it; the first layer's qkv follows the embedding, not a
+    previous layer's down, and reads ~1.8x slower than every later layer's
+    (docs/design/metrics.md)."""
 
-    def __init__(self, device: torch.device):
-        self.buffer = torch.zeros(self.ROWS, 2 * self.BLOCKS, dtype=torch.int64, device=device)
+    KINDS, BLOCKS = 4, 4096  # GEMV layer kinds a twin stamps (then events); blocks a call stamps at most
+
+    def __init__(self, device: torch.device, layers: int):
+        self.layers = layers
+        self.buffer = torch.zeros(self.KINDS * layers, 2 * self.BLOCKS, dtype=torch.int64, device=device)
         self.host = torch.zeros(self.buffer.shape, dtype=torch.int64, pin_memory=True)
         self.calls: list[KernelCall] = []
 
     def take(self, call: KernelCall) -> torch.Tensor | None:
         """The stamps row of ``call``, or None when every row is taken."""
-        if len(self.calls) == self.ROWS:
+        if len(self.calls) == len(self.buffer):
             return None
         self.calls.append(call)
         return self.buffer[len(self.calls) - 1]
@@ -147,8 +156,9 @@ class GemvStamps:
     def copy_out(self) -> None:
         self.host.copy_(self.buffer, non_blocking=True)
 
-    def latencies(self) -> list[tuple[KernelCall, float]]:
-        """Each call's latency in seconds: its last block's end minus its first block's start."""
+    def every_call(self) -> list[tuple[KernelCall, float]]:
+        """Each stamped call's latency in seconds, in call order: its last block's end minus
+        its first block's start."""
         out = []
         for i, call in enumerate(self.calls):
             pairs = self.host[i].view(-1, 2)
@@ -156,6 +166,10 @@ class GemvStamps:
             if len(pairs):
                 out.append((call, max(int(pairs[:, 1].max()) - int(pairs[:, 0].min()), 0) / 1e9))
         return out
+
+    def latencies(self) -> list[tuple[KernelCall, float]]:
+        """Each kind's latency in seconds, from its last stamped call."""
+        return list(dict(self.every_call()).items())
 
 
 class StageStamps:
@@ -189,9 +203,12 @@ class KernelTiming:
     ``sample_every``, graphs their timed twin one replay in ``sample_every``). One per model
     (its layers share the sampling)."""
 
-    def __init__(self, observer: KernelObserver, sample_every: int = 1):
+    def __init__(self, observer: KernelObserver, sample_every: int = 1, stamped_layers: int = 2):
+        """``stamped_layers``: how many of each GEMV kind's calls a timed twin stamps, the
+        last of them reported (``GemvStamps``)."""
         self.observer = observer
         self.sample_every = max(1, sample_every)
+        self.stamped_layers = max(1, stamped_layers)
         self.count = 0
         self.pending: deque[tuple[KernelCall, torch.cuda.Event, torch.cuda.Event]] = deque()
         self.pending_stamps: deque[tuple[StageStamps, torch.cuda.Event]] = deque()
@@ -294,11 +311,11 @@ class KernelTiming:
     # -- CUDA graphs ------------------------------------------------------------------------
     @contextlib.contextmanager
     def recording(self, timed: bool = False) -> Iterator[Captured]:
-        """Record the calls of the graph captured inside (``timed``: its timed twin, the first
-        call of each kind timed)."""
+        """Record the calls of the graph captured inside (``timed``: its timed twin, one call
+        of each kind timed)."""
         captured = Captured()
         if timed:  # (allocated before the capture: zeroing inside it would add a kernel node)
-            captured.gemv = GemvStamps(torch.device("cuda", torch.cuda.current_device()))
+            captured.gemv = GemvStamps(torch.device("cuda", torch.cuda.current_device()), self.stamped_layers)
         self._recording, self._timed_capture = captured, timed
         try:
             yield captured
@@ -310,14 +327,16 @@ class KernelTiming:
                        compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         if self._recording is None:
             return compute(None)
-        first = call not in self._recording.counts
+        occurrence = self._recording.counts[call]
         self._recording.counts[call] += 1
-        if not (self._timed_capture and first):
+        if not self._timed_capture:
             return compute(None)
-        if call.path == GEMV:
+        if call.path == GEMV and occurrence < self.stamped_layers:
             stamps = self._recording.gemv.take(call)
             if stamps is not None:
                 return compute(stamps)
+        if occurrence:
+            return compute(None)
         start = torch.cuda.Event(enable_timing=True, external=True)
         end = torch.cuda.Event(enable_timing=True, external=True)
         start.record()

@@ -277,8 +277,8 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
     """Under CUDA graphs each replay adds the calls its graph recorded at capture, so the
     kernel metrics count what an eager engine counts for the same requests (prefill graphs
     off on both: a graph prefill pads its prompt); one replay in ``sample_every`` runs the
-    graph's timed twin, which times the first call of each kind (a GEMV by its blocks'
-    stamps, others by event nodes) and (decode) the whole step."""
+    graph's timed twin, which times one call of each kind (a GEMV by its blocks' stamps,
+    others by event nodes) and (decode) the whole step."""
     from dataclasses import replace
 
     from conftest import random_llama
