@@ -60,7 +60,8 @@ from ..models.kv_cache import KVCache
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
 from .detokenizer import TextStream
-from .sampling import SamplingParams, greedy, sample_some
+from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
+from .sampling import SamplingParams, greedy
 
 log = logging.getLogger("woq.engine")
 
@@ -80,7 +81,8 @@ class EngineStoppedError(RuntimeError):
 @dataclass
 class StreamEvent:
     """What a request receives after each step: new text (maybe empty) and, at the end,
-    the finish reason ("stop" | "length" | "abort" | "error") with token counts."""
+    the finish reason ("stop" | "length" | "abort" | "error") with token counts; where the
+    request asked (``SamplingParams.logprobs``), each new token's log-probabilities."""
 
     text: str
     token_ids: list[int]
@@ -88,6 +90,7 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class EngineObserver(Protocol):
@@ -133,8 +136,9 @@ class _Launched:
     tokens: torch.Tensor  # [B] int64, on the device
     host: torch.Tensor | None  # [B] pinned; None on CPU
     ready: torch.cuda.Event | None
-    sampling: tuple[torch.Tensor, ...] | None  # the rows' sampling parameters; None: all greedy
+    sampling: BatchSampling | None  # the rows' sampling; None: all greedy, nothing else asked
     graph: bool  # replayed from a captured graph (a look-ahead can follow it)
+    logprobs: Logprobs | None = None  # host copies (valid with the ids), where some row asked
 
     def token_ids(self) -> list[int]:
         """The sampled ids; waits for this step only, not for the steps queued after it."""
@@ -217,6 +221,7 @@ class Engine:
         self.cache = KVCache(cfg.num_layers, max_batch_size + on_cuda, cfg.num_kv_heads, self.max_seq_len,
                              cfg.head_dim, model.dtype, model.device)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.history: TokenHistory | None = None  # generated ids per slot, once a request has penalties
         self.decode = DecodeRunner(model, self.cache)
         self.graphs = self.prefill_graphs = None
         if on_cuda and cuda_graphs:
@@ -326,8 +331,9 @@ class Engine:
         self.submit(prompt_ids, params, sink)
         done.wait()
         last = parts[-1]
+        logprobs = [lp for p in parts for lp in (p.logprobs or [])] if params.logprobs is not None else None
         return StreamEvent("".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
-                           last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error)
+                           last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error, logprobs)
 
     # -- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -430,7 +436,7 @@ class Engine:
         if self._may_look_ahead(step):
             self._ahead = self._launch_next_step(step)
         self._deliver()  # the previous step's events, while the GPU works
-        self._accept_all(seqs, step.token_ids())
+        self._accept_all(seqs, step.token_ids(), step.logprobs)
 
     def _launch_step(self, seqs: list[_Sequence]) -> _Launched:
         """Queue one decode step for ``seqs`` from the host's state."""
@@ -443,15 +449,12 @@ class Engine:
             logits = self.graphs.run(ids, positions, slots)
         else:
             logits = self.decode(ids, Decode.at(positions, slots))
-        sampling = self._sampling_tensors(seqs)
-        return self._queue_tokens(seqs, logits, sampling, graph)
+        return self._queue_tokens(seqs, logits, self._batch_sampling(seqs), graph)
 
     def _launch_next_step(self, step: _Launched) -> _Launched:
         """Queue the step after ``step`` for the same sequences, fed on the device with its ids."""
         logits = self.graphs.run_next(step.tokens)
-        sampling = step.sampling
-        if sampling is not None:  # the draw's step counter: one token further
-            sampling = (*sampling[:-1], sampling[-1] + 1)
+        sampling = step.sampling.next() if step.sampling is not None else None  # (one token further)
         self.look_ahead_steps += 1
         return self._queue_tokens(step.seqs, logits, sampling, graph=True)
 
@@ -465,42 +468,55 @@ class Engine:
         return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len
                    for s in step.seqs)
 
-    def _sampling_tensors(self, seqs: list[_Sequence]) -> tuple[torch.Tensor, ...] | None:
+    def _batch_sampling(self, seqs: list[_Sequence]) -> BatchSampling | None:
+        """The rows' sampling on the device; None where every row is plain greedy (nothing
+        to ship: the draw is an argmax)."""
         p = [s.params for s in seqs]
-        if all(x.greedy for x in p):  # no per-row parameters to ship to the device
+        if all(x.greedy and not x.processed and x.logprobs is None for x in p):
             return None
-        dev = self.model.device
-        return (torch.tensor([x.temperature for x in p], device=dev),
-                torch.tensor([x.top_k for x in p], device=dev),
-                torch.tensor([x.top_p for x in p], device=dev),
-                torch.tensor([s.seed for s in seqs], device=dev),
-                torch.tensor([len(s.generated) for s in seqs], device=dev))
+        if self.history is None and any(x.penalized for x in p):
+            self.history = TokenHistory(self.cache.num_slots, self.max_seq_len, self.model.cfg.vocab_size,
+                                        self.model.device)
+        return BatchSampling.of(p, [s.seed for s in seqs], [len(s.generated) for s in seqs], [s.slot for s in seqs],
+                                self.eos, self.model.device)
 
-    def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None,
+    def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, sampling: BatchSampling | None,
                       graph: bool) -> _Launched:
-        """Sample ``logits`` on the device and queue the ids' copy to the host."""
-        tokens = greedy(logits) if sampling is None else sample_some(logits, *sampling)
+        """Sample ``logits`` on the device and queue the ids' (and log-probabilities') copy to
+        the host."""
+        logprobs = None
+        if sampling is None:
+            tokens = greedy(logits)
+        else:
+            tokens, logprobs = sampling.draw(logits, self.history if sampling.needs_history else None)
         host = ready = None
+        if logprobs is not None:
+            logprobs = logprobs.to_host()
         if self._pinned:
             host = self._pinned[self._pinned_next]
             self._pinned_next ^= 1
             host[: len(seqs)].copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return _Launched(seqs, tokens, host, ready, sampling, graph)
+        return _Launched(seqs, tokens, host, ready, sampling, graph, logprobs)
 
     def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample the prefilled sequences' first tokens and accept them."""
-        step = self._queue_tokens(seqs, logits, self._sampling_tensors(seqs), graph=False)
+        sampling = self._batch_sampling(seqs)
+        for seq in seqs:
+            if seq.params.repetition_penalty != 1.0:  # (the repetition penalty counts the prompt too)
+                self.history.start(seq.slot, seq.prompt_ids)
+        step = self._queue_tokens(seqs, logits, sampling, graph=False)
         self._deliver()  # the previous step's events, while this step's kernels run
-        self._accept_all(seqs, step.token_ids())
+        self._accept_all(seqs, step.token_ids(), step.logprobs)
 
-    def _accept_all(self, seqs: list[_Sequence], tokens: list[int]) -> None:
+    def _accept_all(self, seqs: list[_Sequence], tokens: list[int], logprobs: Logprobs | None = None) -> None:
         now = time.perf_counter()
-        for seq, tok in zip(seqs, tokens):
-            self._accept(seq, tok, now)
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            k = seq.params.logprobs
+            self._accept(seq, tok, now, None if k is None else [logprobs.row(i, k)])
 
-    def _accept(self, seq: _Sequence, token: int, now: float) -> None:
+    def _accept(self, seq: _Sequence, token: int, now: float, logprobs: list[TokenLogprob] | None = None) -> None:
         if self.observer:
             if seq.generated:
                 self.observer.on_token_latency(now - seq.last_token_time)
@@ -508,19 +524,19 @@ class Engine:
                 self.observer.on_first_token(now - seq.submitted)
         seq.last_token_time = now
         seq.generated.append(token)
-        if token in self.eos and not seq.params.ignore_eos:
-            self._finish(seq, "stop", token_ids=[token])
+        if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            self._finish(seq, "stop", token_ids=[token], logprobs=logprobs)
             return
         text = seq.stream.add(token) if seq.stream is not None else ""
         if seq.stream is not None and seq.stream.stopped:
-            self._finish(seq, "stop", text=text, token_ids=[token])
+            self._finish(seq, "stop", text=text, token_ids=[token], logprobs=logprobs)
         elif len(seq.generated) >= seq.params.max_tokens or seq.next_position >= self.max_seq_len:
-            self._finish(seq, "length", text=text, token_ids=[token])
+            self._finish(seq, "length", text=text, token_ids=[token], logprobs=logprobs)
         else:
-            self._outbox.append((seq.sink, StreamEvent(text, [token])))
+            self._outbox.append((seq.sink, StreamEvent(text, [token], logprobs=logprobs)))
 
     def _finish(self, seq: _Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.prefilling:
@@ -534,4 +550,5 @@ class Engine:
         n_out = len(seq.generated)
         if self.observer:
             self.observer.on_finish(reason, len(seq.prompt_ids), n_out, time.perf_counter() - seq.submitted)
-        self._outbox.append((seq.sink, StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error)))
+        self._outbox.append((seq.sink, StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error,
+                                                   logprobs)))

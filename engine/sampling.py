@@ -23,6 +23,15 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Log-probabilities (engine/logits.py): None none; k: the drawn token's and the top k.
+    logprobs: int | None = None
+    # Logit processors, applied to the raw logits before temperature (engine/logits.py).
+    presence_penalty: float = 0.0  # minus this once for a token generated before
+    frequency_penalty: float = 0.0  # minus this per time a token was generated before
+    repetition_penalty: float = 1.0  # CTRL's, over prompt and generated tokens; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids banned before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # end the request (not part of the text)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,10 +42,25 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logit processor changes this request's logits."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def _signed(x: int) -> int:
