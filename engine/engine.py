@@ -120,6 +120,10 @@ class _Sequence:
     last_token_time: float = 0.0
     cancelled: bool = False
     prefilled: int = 0  # prompt tokens in the cache so far (a long prompt comes in chunks)
+    # A request's further choices (n > 1): admitted with this sequence, each in a slot of its
+    # own, and given a copy of its prompt's KV once it is prefilled (one prefill for all).
+    siblings: list["_Sequence"] = field(default_factory=list)
+    finished: bool = False
 
     @property
     def next_position(self) -> int:
@@ -287,16 +291,28 @@ class Engine:
                 f"of {self.max_seq_len} tokens"
             )
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None) -> str:
-        """Queue a request; its events go to ``sink`` (called on the engine thread)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None,
+               choices: list[Sink] | None = None) -> str:
+        """Queue a request; its events go to ``sink`` (called on the engine thread).
+        ``choices``: the sinks of further choices of the same prompt (OpenAI's ``n``), which
+        share its prefill; choice i draws with seed ``seed + i`` (a seeded request stays
+        reproducible)."""
         self.check_fits(len(prompt_ids), params.max_tokens)
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer")
+        choices = choices or []
+        if 1 + len(choices) > self.max_batch_size:
+            raise ValueError(f"n = {1 + len(choices)} exceeds the server's batch of {self.max_batch_size} sequences")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         rid = request_id or f"req-{next(self._ids)}"
-        seq = _Sequence(rid, list(prompt_ids), params, sink, seed,
-                        TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None,
-                        time.perf_counter())
+        now = time.perf_counter()
+
+        def sequence(i: int, s: Sink) -> _Sequence:
+            return _Sequence(f"{rid}/{i}" if i else rid, list(prompt_ids), params, s, (seed + i) % (1 << 63),
+                             TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None, now)
+
+        seq = sequence(0, sink)
+        seq.siblings = [sequence(i + 1, s) for i, s in enumerate(choices)]
         with self._cv:
             if self._stop:
                 raise EngineStoppedError("the server is shutting down")
@@ -315,7 +331,8 @@ class Engine:
         with self._cv:
             seq = self.by_id.get(request_id)
             if seq is not None:
-                seq.cancelled = True
+                for s in [seq, *seq.siblings]:
+                    s.cancelled = True
                 self._cv.notify_all()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> StreamEvent:
@@ -379,9 +396,11 @@ class Engine:
             n = min(len(seq.prompt_ids) - seq.prefilled, budget)
             chunks.append((seq, seq.prefilled, n))
             budget -= n
-        while budget and self.waiting and self.free_slots:
+        while budget and self.waiting and len(self.free_slots) > len(self.waiting[0].siblings):
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
+            for sibling in seq.siblings:
+                sibling.slot = self.free_slots.pop()
             self.prefilling.append(seq)
             n = min(len(seq.prompt_ids), budget)
             chunks.append((seq, 0, n))
@@ -410,15 +429,20 @@ class Engine:
             batch = Prefill.pack([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev,
                                  [p for _, p, _ in chunks])
             logits = self.model(ids, batch, self.cache, last_only=True)
-        done = []
+        done, rows = [], []
         for i, (seq, p, n) in enumerate(chunks):
             seq.prefilled = p + n
             if seq.prefilled == len(seq.prompt_ids):
-                done.append(i)
                 self.prefilling.remove(seq)
-                self.running.append(seq)
+                for s in [seq, *seq.siblings]:
+                    if s is not seq:
+                        self.cache.copy_prefix(seq.slot, s.slot, len(seq.prompt_ids))
+                        s.prefilled = seq.prefilled
+                    done.append(s)
+                    rows.append(i)
+                    self.running.append(s)
         if done:
-            self._emit_tokens([chunks[i][0] for i in done], logits[done])
+            self._emit_tokens(done, logits[rows])
         return sum(n for _, _, n in chunks)
 
     def _decode_step(self, prefill_tokens: int) -> None:
@@ -537,6 +561,9 @@ class Engine:
 
     def _finish(self, seq: _Sequence, reason: str, text: str = "", token_ids: list[int] | None = None,
                 error: str | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.prefilling:
@@ -552,3 +579,6 @@ class Engine:
             self.observer.on_finish(reason, len(seq.prompt_ids), n_out, time.perf_counter() - seq.submitted)
         self._outbox.append((seq.sink, StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error,
                                                    logprobs)))
+        for sibling in seq.siblings:  # choices not started yet (the prompt still prefilling) end with it
+            if sibling not in self.running:
+                self._finish(sibling, reason, error=error)

@@ -42,6 +42,12 @@ class KVCache:
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy slot ``src``'s first ``length`` positions (every layer) into slot ``dst``: a
+        prompt prefilled once, shared by the sequences of one request's choices."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, kv_heads, length, D]`` of ``slots``."""
         return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
