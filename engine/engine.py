@@ -60,6 +60,7 @@ from ..models.kv_cache import KVCache
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
 from .detokenizer import TextStream
+from .grammar import GrammarMatchers, fill_masks
 from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
 from .sampling import SamplingParams, greedy
 
@@ -124,6 +125,7 @@ class _Sequence:
     # own, and given a copy of its prompt's KV once it is prefilled (one prefill for all).
     siblings: list["_Sequence"] = field(default_factory=list)
     finished: bool = False
+    matcher: object | None = None  # the grammar's llguidance matcher (SamplingParams.grammar)
 
     @property
     def next_position(self) -> int:
@@ -226,6 +228,7 @@ class Engine:
                              cfg.head_dim, model.dtype, model.device)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self.history: TokenHistory | None = None  # generated ids per slot, once a request has penalties
+        self.grammars = GrammarMatchers(tokenizer, cfg.vocab_size, self.eos) if tokenizer is not None else None
         self.decode = DecodeRunner(model, self.cache)
         self.graphs = self.prefill_graphs = None
         if on_cuda and cuda_graphs:
@@ -298,8 +301,8 @@ class Engine:
         share its prefill; choice i draws with seed ``seed + i`` (a seeded request stays
         reproducible)."""
         self.check_fits(len(prompt_ids), params.max_tokens)
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer")
+        if self.tokenizer is None and (params.stop or params.grammar is not None):
+            raise ValueError("stop strings and grammars need a tokenizer")
         choices = choices or []
         if 1 + len(choices) > self.max_batch_size:
             raise ValueError(f"n = {1 + len(choices)} exceeds the server's batch of {self.max_batch_size} sequences")
@@ -308,8 +311,10 @@ class Engine:
         now = time.perf_counter()
 
         def sequence(i: int, s: Sink) -> _Sequence:
+            # (a grammar's matcher is built here, on the caller's thread, not the engine's)
             return _Sequence(f"{rid}/{i}" if i else rid, list(prompt_ids), params, s, (seed + i) % (1 << 63),
-                             TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None, now)
+                             TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None, now,
+                             matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None)
 
         seq = sequence(0, sink)
         seq.siblings = [sequence(i + 1, s) for i, s in enumerate(choices)]
@@ -488,6 +493,8 @@ class Engine:
             return False
         if self.prefilling or (self.waiting and self.free_slots):  # a newcomer is prefilled first
             return False
+        if any(s.matcher is not None for s in step.seqs):  # (its next mask needs this step's token)
+            return False
         # no sequence ends by length with this step's token (its next step would be past it)
         return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len
                    for s in step.seqs)
@@ -501,8 +508,11 @@ class Engine:
         if self.history is None and any(x.penalized for x in p):
             self.history = TokenHistory(self.cache.num_slots, self.max_seq_len, self.model.cfg.vocab_size,
                                         self.model.device)
+        # (called once the step's forward is queued: the grammars' masks are filled while it runs)
+        masks = (fill_masks([s.matcher for s in seqs], self.grammars.words())
+                 if any(s.matcher is not None for s in seqs) else None)
         return BatchSampling.of(p, [s.seed for s in seqs], [len(s.generated) for s in seqs], [s.slot for s in seqs],
-                                self.eos, self.model.device)
+                                self.eos, self.model.device, masks)
 
     def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, sampling: BatchSampling | None,
                       graph: bool) -> _Launched:
@@ -548,11 +558,14 @@ class Engine:
                 self.observer.on_first_token(now - seq.submitted)
         seq.last_token_time = now
         seq.generated.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            self._finish(seq, "error", error=f"the grammar refused a token: {seq.matcher.get_error()}")
+            return
         if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             self._finish(seq, "stop", token_ids=[token], logprobs=logprobs)
             return
         text = seq.stream.add(token) if seq.stream is not None else ""
-        if seq.stream is not None and seq.stream.stopped:
+        if (seq.stream is not None and seq.stream.stopped) or (seq.matcher is not None and seq.matcher.is_stopped()):
             self._finish(seq, "stop", text=text, token_ids=[token], logprobs=logprobs)
         elif len(seq.generated) >= seq.params.max_tokens or seq.next_position >= self.max_seq_len:
             self._finish(seq, "length", text=text, token_ids=[token], logprobs=logprobs)

@@ -9,8 +9,8 @@ tokens from ``TokenHistory`` (each step writes its sampled ids there on the devi
 index of the token in its sequence): a look-ahead step that the engine drops leaves ids
 that the step relaunched in its place overwrites, so the counts never see a dropped token.
 
-Order, as vLLM applies them: logit bias, min_tokens, then the penalties, on the raw logits;
-then temperature, top-k / top-p and the draw. Log-probabilities are the model's own (the
+Order, as vLLM applies them: logit bias, min_tokens, the penalties, then a grammar's mask
+(``grammar.py``), on the raw logits; then temperature, top-k / top-p and the draw. Log-probabilities are the model's own (the
 raw logits' log-softmax, before any processing), as vLLM returns by default.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .grammar import apply_masks
 from .sampling import SamplingParams, greedy, sample_some
 
 MAX_TOP_LOGPROBS = 20
@@ -54,6 +55,7 @@ class Processors:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, min_tokens of the row)
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition [B]
+    mask: torch.Tensor | None = None  # [B, words] int32: the grammars' allowed tokens (grammar.fill_masks)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,9 @@ class BatchSampling:
 
     @staticmethod
     def of(params: list[SamplingParams], seeds: list[int], steps: list[int], slots: list[int],
-           eos: set[int], device: torch.device) -> "BatchSampling":
+           eos: set[int], device: torch.device, mask: torch.Tensor | None = None) -> "BatchSampling":
+        """``mask``: the rows' grammar masks on the host (``grammar.fill_masks``), where a row
+        has a grammar."""
         def t(values, dtype=None):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -88,7 +92,9 @@ class BatchSampling:
                 banned=tuple(t(list(c), torch.long) for c in zip(*banned)) if banned else None,
                 penalties=(t([p.presence_penalty for p in params], torch.float32),
                            t([p.frequency_penalty for p in params], torch.float32),
-                           t([p.repetition_penalty for p in params], torch.float32)) if penalized else None)
+                           t([p.repetition_penalty for p in params], torch.float32)) if penalized else None,
+                mask=None if mask is None else mask.pin_memory().to(device, non_blocking=True)
+                if device.type == "cuda" else mask)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return BatchSampling(
             t([p.temperature for p in params], torch.float32), t([p.top_k for p in params], torch.long),
@@ -126,6 +132,8 @@ class BatchSampling:
             hit = seen | history.prompt[self.slots]
             logits = torch.where(hit, torch.where(logits > 0, logits / rep, logits * rep), logits)
             logits -= frequency[:, None] * counts + presence[:, None] * seen
+        if p.mask is not None:
+            logits = apply_masks(logits, p.mask)
         return logits
 
     def draw(self, logits: torch.Tensor, history: TokenHistory | None) -> tuple[torch.Tensor, "Logprobs | None"]:

@@ -32,6 +32,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # end-of-sequence and stop_token_ids banned before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # end the request (not part of the text)
+    grammar: str | None = None  # constrained decoding: an llguidance grammar (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -60,7 +61,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether a logit processor changes this request's logits."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
 
 def _signed(x: int) -> int:

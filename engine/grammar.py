@@ -1,0 +1,87 @@
+"""Constrained decoding with llguidance: a request's grammar (from a JSON schema, a regex or
+a Lark grammar; ``SamplingParams.grammar``) gets a matcher per sequence, which gives the
+tokens allowed next as a bitmask and consumes each sampled token.
+
+A step's masks are filled on the host while its forward runs on the device (the engine
+builds them after queuing the forward), copied to the device and applied to the logits
+before the draw (``logits.BatchSampling``). The mask of step n+1 needs step n's token, so a
+batch with a constrained row is never decoded a step ahead (engine look-ahead).
+
+llguidance is the grammar engine (a maintained Rust library: Earley parsing over a lexer,
+masks in ~50 µs a token); nothing here parses grammars.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def json_schema_grammar(schema: dict | str) -> str:
+    """The grammar of JSON text matching ``schema`` (``{"type": "object"}`` for any object)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+
+
+def regex_grammar(regex: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
+def lark_grammar(lark: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class GrammarMatchers:
+    """Matchers for one model's tokenizer. The llguidance tokenizer (seconds to build from a
+    Hugging Face tokenizer) is made on the first constrained request."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.hf_tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def _ll_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos or None)
+            return self._tokenizer
+
+    def matcher(self, grammar: str):
+        """A fresh matcher of ``grammar``; ValueError (with llguidance's message) if invalid."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid grammar: {m.get_error()}")
+        return m
+
+    def words(self) -> int:
+        """32-bit words of a mask row."""
+        return (self.vocab_size + 31) // 32
+
+
+def fill_masks(matchers: list, words: int) -> torch.Tensor:
+    """``[B, words]`` int32 bitmasks (bit t of word w: token 32 w + t allowed); a row whose
+    matcher is None allows every token."""
+    mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            row = mask[i]
+            m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    return mask
+
+
+def apply_masks(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[B, V]`` with the tokens ``mask`` (``[B, words]``, on the logits' device)
+    disallows at -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask[:, :, None] >> bits) & 1).view(mask.shape[0], -1)[:, : logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
