@@ -60,7 +60,7 @@ from ..models.kv_cache import KVCache
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
 from .detokenizer import TextStream
-from .grammar import GrammarMatchers, fill_masks
+from .grammar import GrammarMatchers
 from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
 from .sampling import SamplingParams, greedy
 
@@ -509,8 +509,7 @@ class Engine:
             self.history = TokenHistory(self.cache.num_slots, self.max_seq_len, self.model.cfg.vocab_size,
                                         self.model.device)
         # (called once the step's forward is queued: the grammars' masks are filled while it runs)
-        masks = (fill_masks([s.matcher for s in seqs], self.grammars.words())
-                 if any(s.matcher is not None for s in seqs) else None)
+        masks = self.grammars.masks([s.matcher for s in seqs]) if any(s.matcher is not None for s in seqs) else None
         return BatchSampling.of(p, [s.seed for s in seqs], [len(s.generated) for s in seqs], [s.slot for s in seqs],
                                 self.eos, self.model.device, masks)
 
@@ -548,7 +547,7 @@ class Engine:
         now = time.perf_counter()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             k = seq.params.logprobs
-            self._accept(seq, tok, now, None if k is None else [logprobs.row(i, k)])
+            self._accept(seq, tok, now, None if k is None else [logprobs.row(i, k, tok)])
 
     def _accept(self, seq: _Sequence, token: int, now: float, logprobs: list[TokenLogprob] | None = None) -> None:
         if self.observer:
@@ -562,7 +561,7 @@ class Engine:
             self._finish(seq, "error", error=f"the grammar refused a token: {seq.matcher.get_error()}")
             return
         if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
-            self._finish(seq, "stop", token_ids=[token], logprobs=logprobs)
+            self._finish(seq, "stop", token_ids=[token])  # (not part of the text: no log-probability either)
             return
         text = seq.stream.add(token) if seq.stream is not None else ""
         if (seq.stream is not None and seq.stream.stopped) or (seq.matcher is not None and seq.matcher.is_stopped()):

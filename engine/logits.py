@@ -172,14 +172,17 @@ class Logprobs:
 
         return Logprobs(pinned(self.chosen), pinned(self.top_values), pinned(self.top_ids))
 
-    def row(self, i: int, k: int) -> "TokenLogprob":
-        return TokenLogprob(float(self.chosen[i]), list(zip(self.top_ids[i, :k].tolist(), self.top_values[i, :k].tolist())))
+    def row(self, i: int, k: int, token: int) -> "TokenLogprob":
+        """Row ``i``'s: its drawn ``token``'s and its top ``k``."""
+        return TokenLogprob(token, float(self.chosen[i]),
+                            list(zip(self.top_ids[i, :k].tolist(), self.top_values[i, :k].tolist())))
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability and the ``top_logprobs`` most likely tokens
-    (id, log-probability), most likely first."""
+    """One generated token (id), its log-probability and the ``top_logprobs`` most likely
+    tokens (id, log-probability), most likely first."""
 
+    token: int
     logprob: float
     top: list[tuple[int, float]]

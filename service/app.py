@@ -19,11 +19,14 @@ from starlette.routing import Match
 
 from .. import __version__
 from ..engine.engine import Engine, EngineStoppedError, QueueFullError, RequestTooLongError, StreamEvent
+from ..engine.grammar import json_schema_grammar, lark_grammar, regex_grammar
+from ..engine.logits import TokenLogprob
 from ..engine.sampling import SamplingParams
 from .errors import APIError, error_body, error_response, install_handlers
 from .logs import request_id
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage, new_id, now
+from .schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Usage, new_id,
+                      now)
 
 log = logging.getLogger("woq.service")
 access_log = logging.getLogger("woq.access")
@@ -202,15 +205,42 @@ def _check_model(state: ServerState, requested: str | None) -> None:
 def _sampling(state: ServerState, req, prompt_len: int) -> SamplingParams:
     room = state.engine.max_seq_len - prompt_len
     if room < 1:
+        prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context length of "
-                            f"{state.engine.max_seq_len} tokens", param="messages", code="context_length_exceeded")
+                            f"{state.engine.max_seq_len} tokens", param=prompt, code="context_length_exceeded")
     wanted = req.wanted_max_tokens()
     max_tokens = wanted if wanted is not None else room
     if max_tokens > room:
         raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                             f"of {state.engine.max_seq_len} tokens", param="max_tokens", code="context_length_exceeded")
+    vocab = state.engine.model.cfg.vocab_size
+    bias = tuple((int(k), v) for k, v in req.logit_bias.items())
+    if any(t >= vocab for t, _ in bias):
+        raise APIError(400, f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+    if any(not 0 <= t < vocab for t in req.stop_token_ids):
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                          seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+                          seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                          logprobs=req.wanted_logprobs(), presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                          logit_bias=bias, min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
+                          grammar=_grammar(getattr(req, "response_format", None)))
+
+
+def _grammar(fmt) -> str | None:
+    """The llguidance grammar a ``response_format`` asks for (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            return json_schema_grammar({"type": "object"})
+        if fmt.type == "json_schema":
+            return json_schema_grammar(fmt.json_schema.schema_)
+        return regex_grammar(fmt.regex) if fmt.type == "regex" else lark_grammar(fmt.grammar)
+    except (ValueError, TypeError) as e:  # (llguidance refuses a schema it cannot compile)
+        raise APIError(400, f"invalid {fmt.type}: {e}", param="response_format") from e
 
 
 def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -247,20 +277,32 @@ def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
     return state.tokenizer.encode(req.prompt)
 
 
-def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+async def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                  n: int = 1) -> tuple[str, asyncio.Queue]:
+    """Queue a request of ``n`` choices; its events come to the queue as (choice, event)."""
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
-    queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
     loop = asyncio.get_running_loop()
+
+    def sink(i: int):
+        return lambda ev: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
+
+    def submit() -> str:  # the engine's own id (unique even when clients reuse an X-Request-ID)
+        return state.engine.submit(prompt_ids, params, sink(0), choices=[sink(i) for i in range(1, n)])
+
     try:
-        # the engine's own id (unique even when clients reuse an X-Request-ID)
-        rid = state.engine.submit(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        # (a grammar is compiled as the request is submitted, and its first one builds the
+        # tokenizer's index: seconds, off the event loop)
+        rid = await loop.run_in_executor(state.tokenizer_pool, submit) if params.grammar is not None else submit()
     except QueueFullError as e:
         raise APIError(429, f"{e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}) from e
     except RequestTooLongError as e:
         raise APIError(400, str(e), code="context_length_exceeded") from e
     except EngineStoppedError as e:
         raise APIError(503, str(e), "server_error") from e
+    except ValueError as e:  # (a grammar the engine cannot use; n above the batch)
+        raise APIError(400, str(e), param="response_format" if params.grammar is not None else "n") from e
     return rid, queue
 
 
@@ -292,8 +334,12 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: Request) -> StreamEvent:
-    parts: list[str] = []
+async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: Request,
+                   n: int = 1) -> list[StreamEvent]:
+    """Each choice's whole completion: its text, token ids and log-probabilities joined into
+    its last event."""
+    parts: list[list[StreamEvent]] = [[] for _ in range(n)]
+    finished: list[StreamEvent | None] = [None] * n
     deadline = time.monotonic() + state.request_timeout
     gone = asyncio.ensure_future(_disconnect(request))
     try:
@@ -307,30 +353,57 @@ async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: 
             if ev is None:  # freed at the engine's next step
                 state.engine.cancel(rid)
                 raise APIError(499, "client closed the request")
-            parts.append(ev.text)
+            i, ev = ev
+            parts[i].append(ev)
             if ev.finish_reason:
                 if ev.error:
+                    state.engine.cancel(rid)
                     raise APIError(500, ev.error, "server_error")
-                ev.text = "".join(parts)
-                return ev
+                finished[i] = StreamEvent("".join(e.text for e in parts[i]), [t for e in parts[i] for t in e.token_ids],
+                                          ev.finish_reason, ev.prompt_tokens, ev.completion_tokens,
+                                          logprobs=[lp for e in parts[i] for lp in (e.logprobs or [])])
+                if all(f is not None for f in finished):
+                    return finished
     finally:
         gone.cancel()
 
 
-Render = Callable[[str, str | None], dict]
+Render = Callable[[int, StreamEvent], dict]  # a choice's chunk of a stream
+
+
+def _chat_logprobs(tok, lps: list[TokenLogprob]) -> dict:
+    """OpenAI's chat ``logprobs``: each token's text, bytes, log-probability and top list."""
+    def entry(token: int, logprob: float) -> dict:
+        text = tok.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def _completion_logprobs(tok, lps: list[TokenLogprob], offset: int) -> dict:
+    """OpenAI's legacy completions ``logprobs``; ``offset``: the text's length before them."""
+    tokens = [tok.decode([lp.token]) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Render, first: dict | None,
-                  usage_chunk: Callable[[Usage], dict] | None) -> AsyncIterator[str]:
+async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Render, first: list[dict],
+                  usage_chunk: Callable[[Usage], dict] | None, n: int = 1) -> AsyncIterator[str]:
     finished = False
+    open_choices, completion_tokens = set(range(n)), 0
     deadline = time.monotonic() + state.request_timeout
     try:
-        if first is not None:
-            yield _sse(first)
+        for f in first:
+            yield _sse(f)
         while not finished:
             try:
                 ev = await _next_event(queue, None, deadline)
@@ -338,14 +411,18 @@ async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Ren
                 yield _sse({"error": {"message": f"the request did not finish within {state.request_timeout:g} s",
                                       "type": "timeout_error", "param": None, "code": "timeout"}})
                 break
-            finished = ev.finish_reason is not None
+            i, ev = ev
             if ev.error:
                 yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}})
                 break
-            if ev.text or finished:
-                yield _sse(chunk(ev.text, ev.finish_reason))
+            if ev.finish_reason is not None:
+                open_choices.discard(i)
+                completion_tokens += ev.completion_tokens
+            finished = not open_choices
+            if ev.text or ev.logprobs or ev.finish_reason is not None:
+                yield _sse(chunk(i, ev))
             if finished and usage_chunk is not None:
-                yield _sse(usage_chunk(Usage.of(ev.prompt_tokens, ev.completion_tokens)))
+                yield _sse(usage_chunk(Usage.of(ev.prompt_tokens, completion_tokens)))
         yield _sse("[DONE]")
     finally:
         if not finished:  # client went away mid-stream: free the slot
@@ -353,6 +430,22 @@ async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Ren
 
 
 # -- app -------------------------------------------------------------------------------
+
+
+def _errors(statuses: dict[int, str]) -> dict:
+    """The OpenAPI responses of a /v1 route's errors, all in OpenAI's error JSON. Declaring
+    "default" also keeps FastAPI from declaring its 422, which this server never sends (a bad
+    request is a 400: errors.py)."""
+    described = {**statuses, 401: "invalid or missing API key (when the server has one)",
+                 "default": "any other error (such as a 500), in the same JSON"}
+    return {status: {"model": ErrorResponse, "description": d} for status, d in described.items()}
+
+
+_GENERATE_ERRORS = _errors({
+    400: "an invalid request: a malformed or unsupported parameter (named by `param`), a body that is not a JSON "
+         "object, or a prompt that does not fit the context",
+    404: "the model is not the one served", 413: "the body is larger than the server's limit",
+    429: "the queue is full (see Retry-After)", 503: "the server is shutting down", 504: "the request timed out"})
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -383,68 +476,90 @@ def create_app(state: ServerState) -> FastAPI:
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors({}))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name, created=state.created)])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors({404: "the model is not the one served"}))
     async def model(model_id: str) -> ModelCard:
         _check_model(state, model_id)
         return ModelCard(id=state.model_name, created=state.created)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATE_ERRORS)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         _check_model(state, req.model)
         prompt = await state.tokenize(_chat_prompt, req)
         params = _sampling(state, req, len(prompt))
-        rid, queue = _submit(state, prompt, params)
+        n = req.n
+        rid, queue = await _submit(state, prompt, params, n)
         cid, created = new_id("chatcmpl"), now()
         base = {"id": cid, "created": created, "model": state.model_name}
+        tok = state.tokenizer
         if req.stream:
-            def chunk(text: str, reason: str | None) -> dict:
-                delta = {"content": text} if text else {}
-                return {**base, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+            def chunk(i: int, ev: StreamEvent) -> dict:
+                choice = {"index": i, "delta": {"content": ev.text} if ev.text else {},
+                          "finish_reason": ev.finish_reason}
+                if params.logprobs is not None:
+                    choice["logprobs"] = _chat_logprobs(tok, ev.logprobs or [])
+                return {**base, "object": "chat.completion.chunk", "choices": [choice]}
 
-            first = {**base, "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            first = [{**base, "object": "chat.completion.chunk",
+                      "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+                     for i in range(n)]
             usage = None
             if req.stream_options and req.stream_options.include_usage:
                 def usage(u: Usage) -> dict:
                     return {**base, "object": "chat.completion.chunk", "choices": [], "usage": u.model_dump()}
-            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage), media_type="text/event-stream")
-        ev = await _collect(state, rid, queue, request)
+            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage, n),
+                                     media_type="text/event-stream")
+        evs = await _collect(state, rid, queue, request, n)
         return JSONResponse({
             **base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": ev.text},
-                         "finish_reason": ev.finish_reason}],
-            "usage": Usage.of(ev.prompt_tokens, ev.completion_tokens).model_dump(),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": ev.text},
+                         "logprobs": _chat_logprobs(tok, ev.logprobs) if params.logprobs is not None else None,
+                         "finish_reason": ev.finish_reason} for i, ev in enumerate(evs)],
+            "usage": Usage.of(evs[0].prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
         })
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATE_ERRORS)
     async def completions(req: CompletionRequest, request: Request):
         _check_model(state, req.model)
         prompt = await state.tokenize(_completion_prompt, req)
         params = _sampling(state, req, len(prompt))
-        rid, queue = _submit(state, prompt, params)
+        n = req.n
+        rid, queue = await _submit(state, prompt, params, n)
         base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": state.model_name}
-        echo = req.echo and isinstance(req.prompt, str)
+        tok = state.tokenizer
+        echo = ""
+        if req.echo:  # the prompt as text, a prompt of token ids too
+            echo = req.prompt if isinstance(req.prompt, str) else tok.decode(req.prompt)
         if req.stream:
-            def chunk(text: str, reason: str | None) -> dict:
-                return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+            offsets = [len(echo)] * n
 
-            first = chunk(req.prompt, None) if echo else None
+            def chunk(i: int, ev: StreamEvent) -> dict:
+                lp = None
+                if params.logprobs is not None:
+                    lp = _completion_logprobs(tok, ev.logprobs or [], offsets[i])
+                offsets[i] += len(ev.text)
+                return {**base, "choices": [{"index": i, "text": ev.text, "logprobs": lp,
+                                             "finish_reason": ev.finish_reason}]}
+
+            first = [{**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
+                     for i in range(n)] if echo else []
             usage = None
             if req.stream_options and req.stream_options.include_usage:
                 def usage(u: Usage) -> dict:
                     return {**base, "choices": [], "usage": u.model_dump()}
-            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage), media_type="text/event-stream")
-        ev = await _collect(state, rid, queue, request)
-        text = (req.prompt + ev.text) if echo else ev.text
+            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage, n),
+                                     media_type="text/event-stream")
+        evs = await _collect(state, rid, queue, request, n)
         return JSONResponse({
             **base,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}],
-            "usage": Usage.of(ev.prompt_tokens, ev.completion_tokens).model_dump(),
+            "choices": [{"index": i, "text": echo + ev.text,
+                         "logprobs": _completion_logprobs(tok, ev.logprobs, len(echo))
+                         if params.logprobs is not None else None,
+                         "finish_reason": ev.finish_reason} for i, ev in enumerate(evs)],
+            "usage": Usage.of(evs[0].prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
         })
 
     return app

@@ -1,93 +1,263 @@
 """OpenAI-compatible request and response bodies (the subset we serve).
 
 Validation lives here so that every bad field becomes a 400 with the OpenAI error JSON
-naming the field (``service/errors.py``), never a stack trace.
+naming the field (``service/errors.py``), never a stack trace. Every OpenAI parameter either
+works or is refused by name: a client must never get a 200 for a request whose parameter
+had no effect (a few informational ones aside: ``_IGNORED``). So the bodies
+
+* forbid fields that are no OpenAI parameter nor one of our extensions (``top_k``, ``ignore_eos``);
+* take an OpenAI parameter we do not implement only at the value that asks for nothing (its
+  default: real clients send ``presence_penalty: 0`` or ``logprobs: false``), refusing any
+  other value (``unsupported``);
+* read ``null`` as "the default", as OpenAI's API does;
+* are strict: ``"5"`` or ``true`` is no integer (an integer is a number, though).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: 0 and 0.0 alike, but ``false`` is not 0."""
+    numbers = (int, float)
+    if type(value) in numbers and type(neutral) in numbers:
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
+
+def _refused(param: str | None, neutral: tuple = ()) -> PydanticCustomError:
+    """The error of a parameter we do not implement. ``param`` names it where a model's
+    validator raises it (whose location is the model's), None in the field's own validator."""
+    send = " or ".join(json.dumps(n) for n in neutral)
+    message = "is not supported by this server; leave it out" + (", or send {send}" if neutral else "")
+    return PydanticCustomError("unsupported_parameter", message, {"param": param, "send": send})
+
+
+class _Body(BaseModel):
+    """A request body or a part of one."""
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+
+    # OpenAI parameters this server does not implement, with the values that ask for nothing
+    # (beyond null, always accepted): such a value is accepted, any other refused.
+    unsupported: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_or_refused(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # (the model's own check refuses it: "must be an object")
+        data = {k: v for k, v in data.items() if v is not None}  # null asks for nothing, whatever the field
+        for name, neutral in cls.unsupported.items():
+            if name in data:
+                value = data.pop(name)
+                if not any(_same(value, n) for n in neutral):
+                    raise _refused(name, neutral)
+        return data
+
+
+# Accepted and ignored: an identifier for OpenAI's abuse monitoring, tags and storage of the
+# completion on OpenAI's side, billing tier, prompt cache routing. None changes what the model
+# generates, and clients (and SDK wrappers) send them routinely.
+_IGNORED = "accepted and ignored"
+
+
+class StreamOptions(_Body):
+    unsupported = {"include_obfuscation": (False,)}
+
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = Field(None, description=_IGNORED)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") in ("image_url", "input_audio", "file", "refusal"):
+            raise PydanticCustomError("unsupported_value", "cannot be '{value}': this server reads text parts only",
+                                      {"param": "type", "value": data["type"]})
+        return data
+
+
+def _content_parts(v: Any) -> Any:
+    """A message's content as its text parts: a string is one."""
+    if isinstance(v, str):
+        return [{"type": "text", "text": v}]
+    if not isinstance(v, list):
+        raise PydanticCustomError("content_type", 'must be a string or an array of text parts ({"type": "text", '
+                                                  '"text": "..."})')
+    return v
+
+
+class ChatMessage(_Body):
+    unsupported = {"name": ("",), "tool_calls": ([],), "function_call": (), "refusal": (), "audio": ()}
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Annotated[list[TextPart], BeforeValidator(_content_parts, json_schema_input_type=str | list[TextPart])]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") in ("tool", "function"):
+            raise PydanticCustomError("unsupported_value", "cannot be '{value}': this server does not call tools",
+                                      {"param": "role", "value": data["role"]})
+        return data
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+def _stops(v: Any) -> Any:
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list):
+        raise PydanticCustomError("stop_type", "must be a string or an array of up to 4 strings")
+    return v
+
+
+def _logit_bias(v: dict[str, float]) -> dict[str, float]:
+    for key, bias in v.items():
+        if not key.isdigit():
+            raise PydanticCustomError("logit_bias_key", "keys must be token ids (as strings), not '{key}'",
+                                      {"key": key})
+        if not -100 <= bias <= 100:
+            raise PydanticCustomError("logit_bias_value", "values must be in [-100, 100]")
+    return v
+
+
+class _Request(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="extension: 0 disables top-k")
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]],
+                    BeforeValidator(_stops, json_schema_input_type=str | list[str])] = Field([], max_length=4)
+    n: int = Field(1, ge=1, le=16, description="choices of the same prompt (one prefill for all)")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Annotated[dict[str, float], AfterValidator(_logit_bias)] = Field(
+        {}, description="token id (a string) -> a bias in [-100, 100] added to its logit")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension (vLLM's): CTRL's penalty, 1 = off")
+    min_tokens: int = Field(0, ge=0, description="extension (vLLM's): no end of sequence before this many tokens")
+    stop_token_ids: list[int] = Field([], max_length=64, description="extension (vLLM's): token ids that end "
+                                                                       "the request")
     stream: bool = False
-    stream_options: "StreamOptions | None" = None
-    ignore_eos: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: generate max_tokens tokens, past the end of sequence")
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty strings")
-        return stops
+    user: str | None = Field(None, description=_IGNORED)
+    metadata: dict[str, str] | None = Field(None, description=_IGNORED)
+    store: bool | None = Field(None, description=_IGNORED)
+    service_tier: str | None = Field(None, description=_IGNORED)
+    safety_identifier: str | None = Field(None, description=_IGNORED)
+    prompt_cache_key: str | None = Field(None, description=_IGNORED)
+    prompt_cache_retention: str | None = Field(None, description=_IGNORED)
+    prompt_cache_options: dict[str, Any] | None = Field(None, description=_IGNORED)
 
     @field_validator("seed")
     @classmethod
     def _seed(cls, v):
         if v is not None and not (-(1 << 63) <= v < (1 << 63)):
-            raise ValueError("seed must fit in 64 bits")
+            raise PydanticCustomError("seed_range", "must fit in 64 bits (a signed integer)")
         return v
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class JsonSchemaFormat(_Body):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(..., alias="schema")
+    strict: bool | None = None
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ResponseFormat(_Body):
+    """``text``; ``json_object`` (any JSON object); ``json_schema`` (JSON text matching the
+    schema, always enforced: strict or not); extensions: ``regex`` and ``grammar`` (Lark)."""
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    @model_validator(mode="after")
+    def _argument(self):
+        needed = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}.get(self.type)
+        if needed and getattr(self, needed) is None:
+            raise PydanticCustomError("missing", "type '{type}' needs '{field}'", {"type": self.type, "field": needed})
+        return self
 
 
 class ChatCompletionRequest(_Request):
+    unsupported = {**_Request.unsupported,
+                   # tool calling ("none" and "auto" call no tool when there are none)
+                   "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
+                   "functions": ([],), "function_call": ("none", "auto"),
+                   "modalities": (["text"],), "audio": (),
+                   "prediction": (), "reasoning_effort": ("none",), "verbosity": (), "web_search_options": (),
+                   "moderation": ()}
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    def wanted_logprobs(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
+def _prompt(v: Any) -> str | list[int]:
+    """One prompt: a string or token ids, alone or as an array's only element."""
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        if len(v) != 1:
+            raise PydanticCustomError("unsupported_value", "must hold one prompt: this server does not batch "
+                                                           "prompts in one request")
+        v = v[0]
+    if not (isinstance(v, str) or isinstance(v, list) and all(type(t) is int for t in v)):
+        raise PydanticCustomError("prompt_type", "must be a string or an array of token ids (integers)")
+    if not v:
+        raise PydanticCustomError("prompt_empty", "must not be empty")
+    return v
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    unsupported = {**_Request.unsupported, "best_of": (1,), "suffix": ("",)}
+
+    prompt: Annotated[str | list[int], PlainValidator(
+        _prompt, json_schema_input_type=str | list[str] | list[int] | list[list[int]])]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20, description="the sampled token's and this many most likely "
+                                                                 "tokens' log-probabilities")
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
-        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
-            raise ValueError("prompt must not be empty")
-        return v
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, OpenAI's."""
+    error: ErrorDetail
 
 
 class Usage(BaseModel):

@@ -99,3 +99,23 @@ def test_constrained_rows_do_not_touch_their_neighbours(engine, smollm2_int4):
 def test_an_invalid_grammar_is_refused_at_submit(engine):
     with pytest.raises(ValueError, match="invalid grammar"):
         engine.submit([1, 2, 3], SamplingParams(max_tokens=4, grammar=lark_grammar("start: (")), lambda ev: None)
+
+
+def test_several_constrained_rows_in_one_batch(engine, smollm2_int4):
+    """Masks of several rows filled together (llguidance's thread pool), each its own grammar."""
+    tok = smollm2_int4.tokenizer
+    patterns = [r"[0-9]{4}", r"(red|green|blue)", r"[a-z]{2,6}@[a-z]{3}\.com"]
+    out = [None] * 3
+    barrier = threading.Barrier(3)
+
+    def run(i):
+        barrier.wait()
+        out[i] = engine.generate(_chat(tok, "Answer briefly."),
+                                 SamplingParams(max_tokens=20, temperature=0.7, seed=i,
+                                                grammar=regex_grammar(patterns[i])))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for pattern, res in zip(patterns, out):
+        assert re.fullmatch(pattern, res.text), (pattern, res.text)

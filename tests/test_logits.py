@@ -89,10 +89,11 @@ def test_logprobs_are_the_model_distribution():
         lse = m + math.log(sum(math.exp(x - m) for x in row))
         want = sorted(((x - lse, t) for t, x in enumerate(row)), reverse=True)[:20]
         assert abs(lp.chosen[i].item() - (row[tokens[i]] - lse)) < 1e-4
-        got = lp.row(i, 20)
+        got = lp.row(i, 20, int(tokens[i]))
+        assert got.token == int(tokens[i])
         assert [t for t, _ in got.top] == [t for _, t in want]
         assert all(abs(v - w) < 1e-4 for (_, v), (w, _) in zip(got.top, want))
-        assert got.top[:3] == lp.row(i, 3).top
+        assert got.top[:3] == lp.row(i, 3, 0).top
 
 
 def test_params_reject_out_of_range():
@@ -121,7 +122,7 @@ def _reference_decode(model, prompt: list[int], p: SamplingParams, eos: set[int]
     ids, lps = list(prompt), []
     for _ in range(n):
         with torch.no_grad():
-            logits = model(torch.tensor([ids]), last_only=True)[0].double()
+            logits = model(torch.tensor([ids], device=model.device), last_only=True)[0].double()
         gen = ids[len(prompt):]
         processed = _reference_process(logits.tolist(), p, prompt, gen, eos)
         tok = max(range(len(processed)), key=processed.__getitem__)

@@ -143,7 +143,7 @@ BAD = [
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
      "role"),
-    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("n > 16", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("token id out of range", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "token"),
 ]
 

@@ -1,0 +1,269 @@
+"""Every OpenAI parameter works or is refused by name, against a real `woq serve` on loopback
+(SmolLM2): a parameter we do not implement is accepted only at the value that asks for
+nothing; types are strict; errors speak of the JSON the client sent."""
+import httpx
+import pytest
+
+from conftest import LiveServer
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
+                   "--max-seq-len", "1024", "--max-batch-size", "4")
+    yield s
+    s.stop()
+
+
+def _chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, **kw}
+
+
+def _completion(**kw):
+    return {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, **kw}
+
+
+def _post(server, path, body, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def _error(r: httpx.Response) -> dict:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    return err
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+# (endpoint, parameter, a value asking for something we do not do, its neutral value)
+UNSUPPORTED = [
+    (CHAT, "tools", [TOOL], []),
+    (CHAT, "tool_choice", "required", "none"),
+    (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}, "auto"),
+    (CHAT, "functions", [{"name": "f", "parameters": {}}], []),
+    (CHAT, "function_call", {"name": "f"}, "none"),
+    (CHAT, "modalities", ["text", "audio"], ["text"]),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}, None),
+    (CHAT, "prediction", {"type": "content", "content": "Hello"}, None),
+    (CHAT, "reasoning_effort", "high", "none"),
+    (CHAT, "verbosity", "low", None),
+    (CHAT, "web_search_options", {}, None),
+    (COMPLETIONS, "best_of", 2, 1),
+    (COMPLETIONS, "suffix", " and so on.", ""),
+]
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED, ids=[f"{c[0].split('/')[-1]}-{c[1]}-{i}"
+                                                   for i, c in enumerate(UNSUPPORTED)])
+def test_unsupported_parameter_is_refused_by_name_unless_neutral(server, case):
+    path, param, value, neutral = case
+    body = _chat if path == CHAT else _completion
+    err = _error(_post(server, path, body(**{param: value})))
+    assert err["param"] == param and err["code"] == "unsupported_parameter"
+    assert err["message"].startswith(f"'{param}' is not supported by this server")
+    r = _post(server, path, body(**{param: neutral}))
+    assert r.status_code == 200, r.text
+
+
+def test_nested_unsupported_parameters_are_named_by_their_path(server):
+    cases = [
+        (_chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation",
+         "unsupported_parameter"),
+        (_chat(messages=[{"role": "user", "content": "Hi", "name": "bob"}]), "messages[0].name",
+         "unsupported_parameter"),
+        (_chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",
+                                                             "tool_calls": [{"id": "1", "type": "function"}]}]),
+         "messages[1].tool_calls", "unsupported_parameter"),
+        (_chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "1"}]), "messages[0].role",
+         "unsupported_value"),
+        (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "messages[0].content[0].type", "unsupported_value"),
+        (_completion(prompt=["one", "two"]), "prompt", "unsupported_value"),
+    ]
+    for body, param, code in cases:
+        err = _error(_post(server, CHAT if "messages" in body else COMPLETIONS, body))
+        assert (err["param"], err["code"]) == (param, code), err
+        assert err["message"].startswith(f"'{param}' ") and "this server" in err["message"], err
+
+
+def test_what_real_clients_send_by_default_is_accepted(server):
+    """Every unsupported parameter at its neutral value (or null), the informational ones set,
+    text parts, an assistant turn with a null refusal: one 200 each."""
+    neutral = {c[1]: c[3] for c in UNSUPPORTED if c[0] == CHAT}
+    informational = {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
+                     "safety_identifier": "s-1", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+                     "parallel_tool_calls": True}
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "Hi", "name": ""},
+                {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": []},
+                {"role": "user", "content": "Again"}]
+    r = _post(server, CHAT, _chat(messages=messages, **neutral, **informational,
+                                  stream_options={"include_usage": False, "include_obfuscation": False}))
+    assert r.status_code == 200, r.text
+    nulls = {c[1]: None for c in UNSUPPORTED if c[0] == CHAT} | {"temperature": None, "top_p": None, "stop": None}
+    assert _post(server, CHAT, _chat(**nulls)).status_code == 200  # (null asks for the default)
+    r = _post(server, COMPLETIONS, _completion(**{c[1]: c[3] for c in UNSUPPORTED if c[0] == COMPLETIONS},
+                                               echo=False, user="u-1"))
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_fields_are_refused_by_name(server):
+    for path, body, param in [
+        (CHAT, _chat(frobnicate=1), "frobnicate"),
+        (COMPLETIONS, _completion(max_new_tokens=4), "max_new_tokens"),
+        (CHAT, _chat(messages=[{"role": "user", "content": "Hi", "mood": "happy"}]), "messages[0].mood"),
+        (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "lang": "en"}]}]),
+         "messages[0].content[0].lang"),
+        (CHAT, _chat(stream_options={"include_usage": True, "every": 2}), "stream_options.every"),
+    ]:
+        err = _error(_post(server, path, body))
+        assert (err["param"], err["code"]) == (param, "unknown_parameter"), err
+        assert "is not a parameter of this API" in err["message"]
+
+
+COERCIONS = [
+    (CHAT, "max_tokens", "5", "an integer"),
+    (CHAT, "max_tokens", True, "an integer"),
+    (CHAT, "max_tokens", 2.0, "an integer"),
+    (CHAT, "max_completion_tokens", "2", "an integer"),
+    (CHAT, "temperature", "0.5", "a number"),
+    (CHAT, "temperature", False, "a number"),
+    (CHAT, "top_p", "1", "a number"),
+    (CHAT, "stream", "true", "true or false"),
+    (CHAT, "stream", 1, "true or false"),
+    (CHAT, "seed", "7", "an integer"),
+    (CHAT, "n", "1", "an integer"),
+    (COMPLETIONS, "top_k", "3", "an integer"),
+    (COMPLETIONS, "ignore_eos", "yes", "true or false"),
+    (COMPLETIONS, "echo", 1, "true or false"),
+    (COMPLETIONS, "model", 7, "a string"),
+]
+
+
+@pytest.mark.parametrize("case", COERCIONS, ids=[f"{c[1]}={c[2]!r}" for c in COERCIONS])
+def test_no_type_coercion(server, case):
+    path, param, value, expected = case
+    err = _error(_post(server, path, (_chat if path == CHAT else _completion)(**{param: value})))
+    assert err["param"] == param and f"must be {expected}" in err["message"], err
+
+
+def test_an_integer_is_a_number(server):
+    assert _post(server, CHAT, _chat(temperature=1, top_p=1, seed=3)).status_code == 200
+
+
+PYDANTIC_WORDS = ("Input should", "list[", "TextPart", "function-", "str]", ".str", "dictionary", "Field required")
+
+
+def test_union_fields_are_named_as_the_client_wrote_them(server):
+    cases = [
+        (CHAT, _chat(messages=[{"role": "user", "content": 5}]), "messages[0].content",
+         "must be a string or an array of text parts"),
+        (CHAT, _chat(messages=[{"role": "user", "content": ["Hi"]}]), "messages[0].content[0]",
+         "must be an object, not a string"),
+        (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text",
+         "is required"),
+        (CHAT, _chat(stop=5), "stop", "must be a string or an array of up to 4 strings"),
+        (CHAT, _chat(stop=["a", 1]), "stop[1]", "must be a string, not an integer"),
+        (CHAT, _chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (CHAT, _chat(stop=""), "stop[0]", "must not be empty"),
+        (COMPLETIONS, _completion(prompt={"text": "Hi"}), "prompt",
+         "must be a string or an array of token ids (integers)"),
+        (COMPLETIONS, _completion(prompt=[1, True]), "prompt", "array of token ids (integers)"),
+        (COMPLETIONS, _completion(prompt=""), "prompt", "must not be empty"),
+        (CHAT, {"model": MODEL}, "messages", "is required"),
+    ]
+    for path, body, param, needle in cases:
+        err = _error(_post(server, path, body))
+        assert err["param"] == param and err["message"].startswith(f"'{param}' ") and needle in err["message"], err
+        assert not any(w in err["message"] for w in PYDANTIC_WORDS), err
+
+
+def test_a_body_that_is_no_json_object(server):
+    url = server.url + COMPLETIONS
+    for content, ctype, needle in [
+        (b"", "application/json", "the request body is empty; it must be a JSON object"),
+        (b"", None, "the request body is empty; it must be a JSON object"),
+        (b"[1, 2]", "application/json", "the request body must be a JSON object, not an array"),
+        (b'"Hi"', "application/json", "the request body must be a JSON object, not a string"),
+        (b"prompt=Hi&max_tokens=1", "application/x-www-form-urlencoded", "'Content-Type: application/json'"),
+        (b'{"prompt": "Hi", "max_tokens": 1}', "text/plain", "'Content-Type: application/json'"),
+        (b'{"prompt": "Hi", "max_tokens": 1}', None, "'Content-Type: application/json'"),
+        (b'{"prompt": "Hi",}', "application/json", "not valid JSON"),
+    ]:
+        r = httpx.post(url, content=content, headers={"content-type": ctype} if ctype else {}, timeout=60)
+        err = _error(r)
+        assert needle in err["message"] and err["param"] is None, (content, ctype, err)
+        assert "None" not in err["message"]
+    # the same body as JSON is served
+    assert httpx.post(url, content=b'{"prompt": "Hi", "max_tokens": 1}',
+                      headers={"content-type": "application/json; charset=utf-8"}, timeout=60).status_code == 200
+
+
+def test_echo_of_token_ids_gives_the_prompt_as_text(server, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    text = "The capital of France is"
+    ids = AutoTokenizer.from_pretrained(smollm2_dir).encode(text)
+    by_text = _post(server, COMPLETIONS, _completion(prompt=text, echo=True, max_tokens=2)).json()
+    by_ids = _post(server, COMPLETIONS, _completion(prompt=ids, echo=True, max_tokens=2)).json()
+    assert by_text["choices"][0]["text"].startswith(text) and len(by_text["choices"][0]["text"]) > len(text)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+def test_a_too_long_prompt_names_prompt_or_messages(server):
+    err = _error(_post(server, COMPLETIONS, _completion(prompt=[42] * 1100)))
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+    err = _error(_post(server, CHAT, _chat(messages=[{"role": "user", "content": "Hi " * 1100}])))
+    assert (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+
+
+def test_the_openai_client(server):
+    """The official client sends no field it was not given: its plain calls are served; a
+    refused parameter is its BadRequestError, naming the parameter."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 2
+    follow_up = [*messages, chat.choices[0].message, {"role": "user", "content": "More"}]
+    assert client.chat.completions.create(model=MODEL, messages=follow_up, max_completion_tokens=1,
+                                          presence_penalty=0, frequency_penalty=0, logprobs=False, n=1,
+                                          user="u", metadata={"a": "b"}, store=False).choices
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    assert [c for c in stream][-1].usage.completion_tokens <= 2
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].text is not None
+
+    for call, param in [
+        (lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, tools=[TOOL]), "tools"),
+        (lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, best_of=2), "best_of"),
+        (lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"min_q": 1}), "min_q"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.status_code == 400 and e.value.param == param and param in str(e.value)
+
+
+def test_openapi_declares_400_not_422(server):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    ref = "#/components/schemas/ErrorResponse"
+    for path in (CHAT, COMPLETIONS):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"] == ref
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert doc["components"]["schemas"][body.split("/")[-1]]["additionalProperties"] is False
+    assert not [(p, m) for p, ops in doc["paths"].items() for m, op in ops.items() if "422" in op["responses"]]
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    error = doc["components"]["schemas"]["ErrorDetail"]
+    assert set(error["properties"]) == {"message", "type", "param", "code"}
+    # the documented parameters are the accepted ones: no unsupported one is advertised
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_completion_tokens", "top_k", "ignore_eos", "user", "logprobs", "top_logprobs", "n",
+            "presence_penalty", "frequency_penalty", "logit_bias", "response_format"} <= set(chat)
+    assert not {"tools", "tool_choice", "functions", "audio"} & set(chat)

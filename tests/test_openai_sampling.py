@@ -1,0 +1,124 @@
+"""Log-probabilities, n, penalties, logit bias and response_format through a real `woq serve`
+on loopback (SmolLM2 int4), driven by the official `openai` client; log-probabilities
+checked against the same model run in this process (fp64 log-softmax)."""
+import json
+
+import pytest
+import torch
+
+from conftest import LiveServer
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
+                   "--max-seq-len", "1024", "--max-batch-size", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_logprobs_are_the_models(client, smollm2_int4):
+    lm = smollm2_int4
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=4, echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.text_offset[0] == len(prompt)
+    ids = lm.tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        want = torch.log_softmax(lm.model(torch.tensor([ids]), last_only=True)[0].double(), -1)
+    top = want.topk(4)
+    assert abs(lp.token_logprobs[0] - top.values[0].item()) < 2e-3  # (greedy: the most likely token)
+    assert list(lp.top_logprobs[0].values()) == pytest.approx(top.values.tolist(), abs=2e-3)
+    assert list(lp.top_logprobs[0]) == [lm.tokenizer.decode([t]) for t in top.indices.tolist()]
+
+
+def test_chat_logprobs_streaming_and_not(client):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens or r.choices[0].finish_reason == "stop"
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob)  # (greedy)
+        assert bytes(c.bytes).decode() == c.token
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [c for chunk in stream for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+
+
+def test_n_choices_each_equal_their_own_seeded_request(client):
+    messages = [{"role": "user", "content": "Write a word."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for i, c in enumerate(r.choices):
+        alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0,
+                                               seed=11 + i)
+        assert c.message.content == alone.choices[0].message.content, i
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11,
+                                            n=3, stream=True, stream_options={"include_usage": True})
+    texts, reasons, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+    assert texts == [c.message.content for c in r.choices] and None not in reasons
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_logit_bias_and_penalties_change_the_draw(client):
+    import openai
+
+    messages = [{"role": "user", "content": "Say yes."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    # +100 on one token makes it every greedy token
+    forced = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            logit_bias={"1002": 100}, logprobs=True)
+    forced_ids = {c.token for c in forced.choices[0].logprobs.content}
+    assert len(forced_ids) == 1 and first not in forced_ids
+    penalized = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Repeat: a a a a a a"}],
+                                               max_tokens=12, temperature=0, frequency_penalty=2.0)
+    unpenalized = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                         "content": "Repeat: a a a a a a"}],
+                                                 max_tokens=12, temperature=0)
+    assert penalized.choices[0].message.content != unpenalized.choices[0].message.content
+    for kw, param in [(dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={"10": 101}), "logit_bias"),
+                      (dict(n=17), "n"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+                      (dict(frequency_penalty=2.5), "frequency_penalty"),
+                      (dict(response_format={"type": "json_schema"}), "response_format")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **kw)
+        assert e.value.body["param"].split(".")[0] == param, (kw, e.value.body)
+
+
+def test_response_format_json_schema_and_json_object(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A big city, as JSON."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    value = json.loads(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop"  # (the grammar ended it)
+    assert set(value) == {"city", "population"} and 0 <= value["population"] <= 99999999
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON with a name."}],
+                                       max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
