@@ -42,6 +42,16 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def save_results(out: Path, name: str, result: dict, summary, plot=None) -> None:
+    """A benchmark's results as ``out/name.{json,md,png}`` (``summary(result)``: the markdown,
+    also printed; ``plot(result, path)``: the figure)."""
+    write_json(out / f"{name}.json", result)
+    (out / f"{name}.md").write_text(summary(result))
+    if plot is not None:
+        plot(result, out / f"{name}.png")
+    print(summary(result))
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         return f"{v:.1f}" if isinstance(v, float) else str(v)

@@ -113,8 +113,9 @@ class DecodeRun:
     per_request_tps: float  # one request's decode tokens/s, averaged over the requests
 
 
-def decode_tps(engine: Engine, vocab: int, batch: int) -> DecodeRun:
-    """Decode rates of ``batch`` greedy requests of PROMPT tokens + NEW new tokens, submitted at once."""
+def decode_tps(engine: Engine, vocab: int, batch: int, params: SamplingParams | None = None) -> DecodeRun:
+    """Decode rates of ``batch`` requests of PROMPT tokens + NEW new tokens, submitted at once
+    (``params``: greedy unless given)."""
     done = threading.Semaphore(0)
     times: list[list[float]] = [[] for _ in range(batch)]  # when each token of each request arrived
 
@@ -128,7 +129,7 @@ def decode_tps(engine: Engine, vocab: int, batch: int) -> DecodeRun:
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
-        engine.submit(prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), sink_for(i))
+        engine.submit(prompt, params or SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), sink_for(i))
     for _ in range(batch):
         done.acquire()
     firsts, lasts = [t[0] for t in times], [t[-1] for t in times]
@@ -141,9 +142,10 @@ def decode_tps(engine: Engine, vocab: int, batch: int) -> DecodeRun:
     return DecodeRun(steady, end_to_end, per_request)
 
 
-def median_decode_tps(engine: Engine, vocab: int, batch: int, repeats: int = 3) -> DecodeRun:
+def median_decode_tps(engine: Engine, vocab: int, batch: int, repeats: int = 3,
+                      params: SamplingParams | None = None) -> DecodeRun:
     """``decode_tps`` of the run with the median steady rate among ``repeats``."""
-    runs = sorted((decode_tps(engine, vocab, batch) for _ in range(repeats)), key=lambda r: r.steady_tps)
+    runs = sorted((decode_tps(engine, vocab, batch, params) for _ in range(repeats)), key=lambda r: r.steady_tps)
     return runs[repeats // 2]
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa: E402
+from common import copy_bandwidth, gpu_info, markdown_table, save_results  # noqa: E402
 from engine import CONTEXT, configs, decode_tps, random_state  # noqa: E402
 
 from woq.engine.engine import Engine  # noqa: E402
@@ -151,12 +151,7 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=3, help="decode runs per batch (each times every replay)")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     a = p.parse_args()
-    result = run(a.replays)
-    a.out.mkdir(parents=True, exist_ok=True)
-    write_json(a.out / "gemv_in_place.json", result)
-    (a.out / "gemv_in_place.md").write_text(summary(result))
-    plot(result, a.out / "gemv_in_place.png")
-    print(summary(result))
+    save_results(a.out, "gemv_in_place", run(a.replays), summary, plot)
 
 
 if __name__ == "__main__":

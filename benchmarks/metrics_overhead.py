@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa: E402
+from common import copy_bandwidth, gpu_info, markdown_table, save_results  # noqa: E402
 from engine import CONTEXT, PROMPT, configs, median_decode_tps, random_state  # noqa: E402
 
 from woq.engine.engine import Engine  # noqa: E402
@@ -102,12 +102,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     a = p.parse_args()
-    result = run(a.rounds)
-    a.out.mkdir(parents=True, exist_ok=True)
-    write_json(a.out / "metrics_overhead.json", result)
-    (a.out / "metrics_overhead.md").write_text(summary(result))
-    plot(result, a.out / "metrics_overhead.png")
-    print(summary(result))
+    save_results(a.out, "metrics_overhead", run(a.rounds), summary, plot)
 
 
 if __name__ == "__main__":

@@ -389,3 +389,62 @@ def test_gpu_memory_fraction_sizes_the_kv_slots():
         eng.shutdown()
     with pytest.raises(ValueError, match="does not fit"):
         Engine(model, None, set(), max_batch_size=16, max_seq_len=8192, gpu_memory_fraction=in_use / total)
+
+
+def test_sampling_features_under_graphs_and_look_ahead(smollm2_gpu):
+    """Penalties, logit bias and log-probabilities through CUDA-graph replays and look-ahead
+    steps equal a reference loop of whole-sequence forwards on the same GPU model
+    (processors in fp64, ``test_logits``); n choices equal lone requests seeded seed + i;
+    a JSON-schema grammar's output parses."""
+    import json
+
+    from test_logits import _reference_decode
+
+    from woq.engine.grammar import json_schema_grammar
+
+    lm = smollm2_gpu
+    tok = lm.tokenizer
+    eng = Engine(lm.model, tok, {tok.eos_token_id}, max_batch_size=4, max_seq_len=512).start()
+    try:
+        prompt = tok("The cat sat on the mat. The cat sat on the mat. The cat")["input_ids"]
+        p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2, logit_bias=((tok.encode(" sat")[0], -3.0),),
+                           logprobs=3)
+        ahead = eng.look_ahead_steps
+        got = eng.generate(prompt, p)
+        assert eng.look_ahead_steps > ahead  # (the penalties were counted through look-ahead steps)
+        want, want_lp = _reference_decode(lm.model, prompt, p, {tok.eos_token_id}, 24)
+        agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), len(want))
+        assert agree >= 16, (got.token_ids, want)  # (fp16: a near-tie may flip a late token)
+        assert all(abs(lp.logprob - w) < 3e-2 for lp, w in zip(got.logprobs[:agree], want_lp))
+
+        sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, frequency_penalty=0.5)
+        done = threading.Semaphore(0)
+        out = [[] for _ in range(3)]
+
+        def sink_for(i):
+            def sink(ev):
+                out[i].extend(ev.token_ids)
+                if ev.finish_reason:
+                    done.release()
+            return sink
+
+        eng.submit(prompt, sampled, sink_for(0), choices=[sink_for(1), sink_for(2)])
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+        for i in range(3):
+            from dataclasses import replace
+            assert out[i] == eng.generate(prompt, replace(sampled, seed=5 + i)).token_ids, i
+
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                   "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+                  "required": ["name", "age"], "additionalProperties": False}
+        ids = tok.apply_chat_template([{"role": "user", "content": "A person as JSON."}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        res = eng.generate(ids, SamplingParams(max_tokens=80, temperature=0, grammar=json_schema_grammar(schema)))
+        assert res.finish_reason == "stop", res.text  # (the grammar ended it)
+        value = json.loads(res.text)
+        assert set(value) == {"name", "age"} and 0 <= value["age"] <= 150
+    finally:
+        eng.shutdown()
