@@ -91,7 +91,15 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     z = z ^ _shr(z, 31)
-    return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
+    return unit_interval(_shr(z, 41))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """23-bit integers ``[0, 2**23)`` as fp32 in (0, 1): ``(bits + 0.5) / 2**23``, exact in fp32
+    (24 significant bits), so never 0 nor 1. (With 24 bits the top value, 1 - 2**-25, rounds
+    to 1.0 in fp32: its Gumbel noise is +inf, and that token wins whatever its logit, -inf
+    from a grammar's mask included.)"""
+    return (bits.float() + 0.5) * (1.0 / (1 << 23))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ from ..engine.sampling import SamplingParams
 from .errors import APIError, error_body, error_response, install_handlers
 from .logs import request_id
 from .metrics import Metrics
-from .schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Usage, new_id,
-                      now)
+from .schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, NamedToolChoice,
+                      Usage, new_id, now)
+from .tools import FALLBACK_SYSTEM, ToolStream, detect
 
 log = logging.getLogger("woq.service")
 access_log = logging.getLogger("woq.access")
@@ -226,7 +227,28 @@ def _sampling(state: ServerState, req, prompt_len: int) -> SamplingParams:
                           logprobs=req.wanted_logprobs(), presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                           logit_bias=bias, min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
-                          grammar=_grammar(getattr(req, "response_format", None)))
+                          grammar=_tool_grammar(state, req) or _grammar(getattr(req, "response_format", None)))
+
+
+def _tool_grammar(state: ServerState, req) -> str | None:
+    """The grammar that makes the reply a tool call (``tool_choice`` "required" or a named
+    function); None where the model decides ("auto") or there is no tool calling."""
+    if not isinstance(req, ChatCompletionRequest) or req.called_tools() is None:
+        return None
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        functions = [f for f in req.called_tools() if f["name"] == choice.function.name]
+    elif choice == "required":
+        functions = req.called_tools()
+    else:
+        return None
+    tok = state.tokenizer
+    fmt, _ = detect(tok.chat_template)
+    marker = tok.convert_tokens_to_ids(fmt.marker) if fmt.marker in tok.get_added_vocab() else None
+    try:
+        return lark_grammar(fmt.grammar(functions, req.parallel_tool_calls, marker))
+    except ValueError as e:
+        raise APIError(400, f"a tool's parameters are no usable JSON schema: {e}", param="tools") from e
 
 
 def _grammar(fmt) -> str | None:
@@ -243,25 +265,72 @@ def _grammar(fmt) -> str | None:
         raise APIError(400, f"invalid {fmt.type}: {e}", param="response_format") from e
 
 
+def _template_messages(req: ChatCompletionRequest, template_knows_tools: bool) -> list[dict]:
+    """The messages as chat templates take them: tool calls with their arguments as objects;
+    for a template that knows no tools, the tools described in a system message and the
+    calls written out in the format the model is asked to use (``tools.FALLBACK_SYSTEM``)."""
+    messages = []
+    for m in req.messages:
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                     for c in m.tool_calls]
+            if template_knows_tools:
+                msg["tool_calls"] = calls
+            else:
+                msg["content"] += "".join(
+                    "\n<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                    + "\n</tool_call>" for c in calls)
+        messages.append(msg)
+    functions = req.called_tools()
+    if functions and not template_knows_tools:
+        preamble = FALLBACK_SYSTEM.format(tools="\n".join(json.dumps({"type": "function", "function": f})
+                                                           for f in functions))
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + preamble}
+        else:
+            messages.insert(0, {"role": "system", "content": preamble})
+    return messages
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     tok = state.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    knows_tools = detect(tok.chat_template)[1]
+    messages = _template_messages(req, knows_tools)
+    functions = req.called_tools()
+    options = {"tools": [{"type": "function", "function": f} for f in functions]} if functions and knows_tools else {}
+    # A final assistant message is continued (a prefill), not closed and answered.
+    last = req.messages[-1]
+    if last.role == "assistant" and not last.tool_calls:
+        options.update(continue_final_message=True, add_generation_prompt=False)
+    else:
+        options.update(add_generation_prompt=True)
     # The template's markup is tokenized with its control tokens, each message's content as
     # text only: "<|im_start|>system" typed by a user stays those characters, never the
     # control token. So the template is rendered around placeholders (private-use
     # characters no tokenizer maps to a control token), and the pieces tokenized apart.
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
     rendered = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                       add_generation_prompt=True, tokenize=False)
+                                       tokenize=False, **options)
     ids, rest = [], rendered
     for m, mark in zip(messages, marks):
         before, found, rest = rest.partition(mark)
         if not found:  # a template that transforms or drops a content: render it as it is
             log.warning("the chat template does not place each message's content verbatim: special-token strings "
                         "in content are tokenized as control tokens")
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(messages, tokenize=True, **options)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         ids += tok.encode(before, add_special_tokens=False)
         ids += state.text_encoder(m["content"])
@@ -278,7 +347,7 @@ def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
 
 
 async def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                  n: int = 1) -> tuple[str, asyncio.Queue]:
+                  n: int = 1, grammar_param: str = "response_format") -> tuple[str, asyncio.Queue]:
     """Queue a request of ``n`` choices; its events come to the queue as (choice, event)."""
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
@@ -302,7 +371,7 @@ async def _submit(state: ServerState, prompt_ids: list[int], params: SamplingPar
     except EngineStoppedError as e:
         raise APIError(503, str(e), "server_error") from e
     except ValueError as e:  # (a grammar the engine cannot use; n above the batch)
-        raise APIError(400, str(e), param="response_format" if params.grammar is not None else "n") from e
+        raise APIError(400, str(e), param=grammar_param if params.grammar is not None else "n") from e
     return rid, queue
 
 
@@ -491,14 +560,29 @@ def create_app(state: ServerState) -> FastAPI:
         prompt = await state.tokenize(_chat_prompt, req)
         params = _sampling(state, req, len(prompt))
         n = req.n
-        rid, queue = await _submit(state, prompt, params, n)
+        tools = req.called_tools()
+        fmt = detect(state.tokenizer.chat_template)[0] if tools else None
+        rid, queue = await _submit(state, prompt, params, n,
+                                   "tools" if tools and req.tool_choice not in (None, "auto") else "response_format")
         cid, created = new_id("chatcmpl"), now()
         base = {"id": cid, "created": created, "model": state.model_name}
         tok = state.tokenizer
         if req.stream:
+            held = [ToolStream(fmt) for _ in range(n)] if fmt is not None else None
+
             def chunk(i: int, ev: StreamEvent) -> dict:
-                choice = {"index": i, "delta": {"content": ev.text} if ev.text else {},
-                          "finish_reason": ev.finish_reason}
+                text, delta, reason = ev.text, {}, ev.finish_reason
+                if held is not None:  # (an output that starts as a call is held back and parsed at its end)
+                    text = held[i].feed(text)
+                    if reason is not None:
+                        rest, calls = held[i].finish()
+                        text += rest
+                        if calls:
+                            delta["tool_calls"] = [c.openai(j) for j, c in enumerate(calls)]
+                            reason = "tool_calls"
+                if text:
+                    delta["content"] = text
+                choice = {"index": i, "delta": delta, "finish_reason": reason}
                 if params.logprobs is not None:
                     choice["logprobs"] = _chat_logprobs(tok, ev.logprobs or [])
                 return {**base, "object": "chat.completion.chunk", "choices": [choice]}
@@ -513,11 +597,22 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(_stream(state, rid, queue, chunk, first, usage, n),
                                      media_type="text/event-stream")
         evs = await _collect(state, rid, queue, request, n)
+
+        def message(ev: StreamEvent) -> tuple[dict, str]:
+            if fmt is not None:
+                content, calls = fmt.parse(ev.text)
+                if calls:
+                    return ({"role": "assistant", "content": content,
+                             "tool_calls": [c.openai() for c in calls]}, "tool_calls")
+            return {"role": "assistant", "content": ev.text}, ev.finish_reason
+
+        choices = []
+        for i, ev in enumerate(evs):
+            msg, reason = message(ev)
+            choices.append({"index": i, "message": msg, "finish_reason": reason,
+                            "logprobs": _chat_logprobs(tok, ev.logprobs) if params.logprobs is not None else None})
         return JSONResponse({
-            **base, "object": "chat.completion",
-            "choices": [{"index": i, "message": {"role": "assistant", "content": ev.text},
-                         "logprobs": _chat_logprobs(tok, ev.logprobs) if params.logprobs is not None else None,
-                         "finish_reason": ev.finish_reason} for i, ev in enumerate(evs)],
+            **base, "object": "chat.completion", "choices": choices,
             "usage": Usage.of(evs[0].prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
         })
 

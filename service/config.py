@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, FilePath, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ..kernels.options import RuntimeOptions
@@ -77,6 +77,8 @@ class ServeSettings(ModelSettings):
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     served_model_name: str | None = Field(None, description="model name clients send (default: from the model)")
+    chat_template: FilePath | None = Field(None, description="a Jinja chat template file to use instead of the model's "
+                                                         "(its tool-call format is read from it)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together (KV slots)")
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="share of GPU memory for weights + KV cache: caps --max-batch-size to what fits")

@@ -97,22 +97,68 @@ def _content_parts(v: Any) -> Any:
     return v
 
 
-class ChatMessage(_Body):
-    unsupported = {"name": ("",), "tool_calls": ([],), "function_call": (), "refusal": (), "audio": ()}
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Annotated[list[TextPart], BeforeValidator(_content_parts, json_schema_input_type=str | list[TextPart])]
+
+class ToolCallIn(_Body):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    unsupported = {"name": ("",), "function_call": (), "refusal": (), "audio": ()}
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Annotated[list[TextPart], BeforeValidator(_content_parts, json_schema_input_type=str | list[TextPart])] = []
+    tool_calls: list[ToolCallIn] = []  # (assistant)
+    tool_call_id: str | None = None  # (tool: the call this message answers)
 
     @model_validator(mode="before")
     @classmethod
-    def _no_tools(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("role") in ("tool", "function"):
-            raise PydanticCustomError("unsupported_value", "cannot be '{value}': this server does not call tools",
-                                      {"param": "role", "value": data["role"]})
+    def _no_functions(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "function":
+            raise PydanticCustomError("unsupported_value", "cannot be 'function' on this server (deprecated): send "
+                                      "'tool' messages",
+                                      {"param": "role"})
         return data
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only an assistant message makes tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("missing", "a tool message needs 'tool_call_id'")
+        if not self.content and not self.tool_calls:
+            raise PydanticCustomError("missing", "a message needs 'content' (or, from the assistant, 'tool_calls')")
+        return self
 
     def text(self) -> str:
         return "".join(p.text for p in self.content)
+
+
+class FunctionSpec(_Body):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def _stops(v: Any) -> Any:
@@ -197,8 +243,7 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(_Request):
     unsupported = {**_Request.unsupported,
-                   # tool calling ("none" and "auto" call no tool when there are none)
-                   "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
+                   # the deprecated function calling (tools replace it)
                    "functions": ([],), "function_call": ("none", "auto"),
                    "modalities": (["text"],), "audio": (),
                    "prediction": (), "reasoning_effort": ("none",), "verbosity": (), "web_search_options": (),
@@ -209,9 +254,34 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] = Field([], max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        if (named or self.tool_choice == "required") and not self.tools:
+            raise PydanticCustomError("tool_choice_without_tools", "asks for a tool call but 'tools' is empty",
+                                      {"param": "tool_choice"})
+        if named and named not in {t.function.name for t in self.tools}:
+            raise PydanticCustomError("tool_choice_unknown", "names '{name}', which is not among 'tools'",
+                                      {"param": "tool_choice", "name": named})
+        if self.tools and self.response_format is not None and self.response_format.type != "text" \
+                and self.tool_choice not in (None, "none"):
+            raise PydanticCustomError("tools_and_format", "cannot constrain the output to a tool call and to "
+                                      "response_format at once", {"param": "response_format"})
+        return self
 
     def wanted_logprobs(self) -> int | None:
         return self.top_logprobs if self.logprobs else None
+
+    def called_tools(self) -> list[dict] | None:
+        """The function objects a reply may call (None: no tool calling: no tools, or
+        ``tool_choice`` "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

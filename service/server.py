@@ -47,6 +47,11 @@ def load(settings: ModelSettings, progress: bool = True) -> LoadedModel:
 
 def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> ServerState:
     loaded = loaded or load(settings)
+    if settings.chat_template is not None:
+        try:
+            loaded.tokenizer.chat_template = settings.chat_template.read_text()
+        except OSError as e:
+            raise SystemExit(f"cannot read --chat-template {settings.chat_template}: {e.strerror or e}") from e
     metrics = Metrics()
     model = loaded.model
     # (observed before the engine captures its graphs: a graph's calls are recorded as it is captured)

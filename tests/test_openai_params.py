@@ -42,9 +42,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 # (endpoint, parameter, a value asking for something we do not do, its neutral value)
 UNSUPPORTED = [
-    (CHAT, "tools", [TOOL], []),
-    (CHAT, "tool_choice", "required", "none"),
-    (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}, "auto"),
     (CHAT, "functions", [{"name": "f", "parameters": {}}], []),
     (CHAT, "function_call", {"name": "f"}, "none"),
     (CHAT, "modalities", ["text", "audio"], ["text"]),
@@ -76,10 +73,7 @@ def test_nested_unsupported_parameters_are_named_by_their_path(server):
          "unsupported_parameter"),
         (_chat(messages=[{"role": "user", "content": "Hi", "name": "bob"}]), "messages[0].name",
          "unsupported_parameter"),
-        (_chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",
-                                                             "tool_calls": [{"id": "1", "type": "function"}]}]),
-         "messages[1].tool_calls", "unsupported_parameter"),
-        (_chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "1"}]), "messages[0].role",
+        (_chat(messages=[{"role": "function", "content": "42", "name": "f"}]), "messages[0].role",
          "unsupported_value"),
         (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
          "messages[0].content[0].type", "unsupported_value"),
@@ -241,7 +235,8 @@ def test_the_openai_client(server):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].text is not None
 
     for call, param in [
-        (lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, tools=[TOOL]), "tools"),
+        (lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                functions=[{"name": "f", "parameters": {}}]), "functions"),
         (lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, best_of=2), "best_of"),
         (lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"min_q": 1}), "min_q"),
     ]:
@@ -266,4 +261,5 @@ def test_openapi_declares_400_not_422(server):
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "max_completion_tokens", "top_k", "ignore_eos", "user", "logprobs", "top_logprobs", "n",
             "presence_penalty", "frequency_penalty", "logit_bias", "response_format"} <= set(chat)
-    assert not {"tools", "tool_choice", "functions", "audio"} & set(chat)
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)
+    assert not {"functions", "function_call", "audio"} & set(chat)

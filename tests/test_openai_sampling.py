@@ -80,23 +80,44 @@ def test_n_choices_each_equal_their_own_seeded_request(client):
     assert usage.completion_tokens == r.usage.completion_tokens
 
 
-def test_logit_bias_and_penalties_change_the_draw(client):
+def test_logit_bias_bans_and_forces_tokens(client, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    (paris,) = tok.encode(" Paris")
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    assert plain.choices[0].logprobs.tokens[0] == " Paris"  # (the greedy next token)
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                       logit_bias={str(paris): -100})
+    assert " Paris" not in banned.choices[0].logprobs.tokens
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={"1002": 100})
+    assert forced.choices[0].logprobs.tokens == [tok.decode([1002])] * 4
+
+
+def test_penalties_cut_repetition(client):
+    from collections import Counter
+
+    def most_repeated(text: str, **kw) -> int:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=40,
+                                           temperature=0, logprobs=True, **kw)
+        return max(Counter(c.token for c in r.choices[0].logprobs.content).values())
+
+    echo = "Repeat after me: " + "hello " * 10
+    plain = most_repeated(echo)
+    assert plain >= 20  # (the prompt makes the model repeat)
+    assert most_repeated(echo, frequency_penalty=1.5) < plain / 4
+    assert most_repeated(echo, extra_body={"repetition_penalty": 2.0}) < plain / 4
+    # a presence penalty takes a constant off every token seen: less than a frequency penalty's pull
+    count = "Count from 1 to 30."
+    assert most_repeated(count, presence_penalty=2.0) < most_repeated(count)
+
+
+def test_out_of_range_sampling_parameters_are_refused(client):
     import openai
 
     messages = [{"role": "user", "content": "Say yes."}]
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True)
-    first = plain.choices[0].logprobs.content[0].token
-    # +100 on one token makes it every greedy token
-    forced = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
-                                            logit_bias={"1002": 100}, logprobs=True)
-    forced_ids = {c.token for c in forced.choices[0].logprobs.content}
-    assert len(forced_ids) == 1 and first not in forced_ids
-    penalized = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Repeat: a a a a a a"}],
-                                               max_tokens=12, temperature=0, frequency_penalty=2.0)
-    unpenalized = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                                                         "content": "Repeat: a a a a a a"}],
-                                                 max_tokens=12, temperature=0)
-    assert penalized.choices[0].message.content != unpenalized.choices[0].message.content
     for kw, param in [(dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={"10": 101}), "logit_bias"),
                       (dict(n=17), "n"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
                       (dict(frequency_penalty=2.5), "frequency_penalty"),
@@ -122,3 +143,36 @@ def test_response_format_json_schema_and_json_object(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.startswith("{")
+
+
+def test_json_schema_outputs_validate_over_50_prompts(client):
+    """Every one of 50 replies under a strict JSON schema parses and matches it (checked here
+    field by field, not by the grammar engine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["title", "year", "genres", "rating"],
+              "properties": {"title": {"type": "string", "minLength": 1, "maxLength": 40},
+                             "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                             "genres": {"type": "array", "items": {"type": "string", "enum": ["drama", "comedy",
+                                                                                               "action", "horror"]},
+                                        "minItems": 1, "maxItems": 3},
+                             "rating": {"type": "integer", "minimum": 0, "maximum": 10}}}
+    topics = ["space", "love", "a dog", "the sea", "war", "a robot", "music", "a city", "winter", "a detective"]
+    prompts = [f"Invent a film about {t}, as JSON{'!' * (i // 10)}" for i, t in enumerate(topics * 5)]
+
+    def ask(i_prompt):
+        i, prompt = i_prompt
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120, temperature=0.7, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": "film", "schema": schema, "strict": True}})
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, enumerate(prompts)))
+    for r in replies:
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        v = json.loads(r.choices[0].message.content)
+        assert set(v) == {"title", "year", "genres", "rating"}
+        assert isinstance(v["title"], str) and 1 <= len(v["title"]) <= 40
+        assert type(v["year"]) is int and 1900 <= v["year"] <= 2030
+        assert 1 <= len(v["genres"]) <= 3 and set(v["genres"]) <= {"drama", "comedy", "action", "horror"}
+        assert type(v["rating"]) is int and 0 <= v["rating"] <= 10

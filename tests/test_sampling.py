@@ -30,6 +30,15 @@ def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
     return stat < dof + 4.5 * math.sqrt(2 * dof) + 10
 
 
+def test_noise_never_reaches_0_or_1_so_gumbel_noise_stays_finite():
+    from woq.engine.sampling import unit_interval
+
+    extremes = unit_interval(torch.tensor([0, 1, (1 << 23) - 2, (1 << 23) - 1]))
+    assert 0 < extremes.min() and extremes.max() < 1
+    assert torch.isfinite(-torch.log(-torch.log(extremes))).all()
+    assert extremes[-1].double() == 1 - 2.0 ** -24  # (exact: the largest fp32 below 1)
+
+
 def test_uniform_noise_is_uniform_and_keyed():
     u = uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 200_000)
     assert 0 < u.min() and u.max() < 1
