@@ -4,8 +4,8 @@ with every request plain greedy, and with every request asking for one feature.
 Llama-3-8B-shaped int4 g128 (random weights; the Llama-3 tokenizer from ``--tokenizer``),
 CUDA graphs, batch 1 and 16, PROMPT + NEW tokens (``engine.py``): greedy; temperature
 sampling; top-5 log-probabilities; presence + frequency + repetition penalties and a logit
-bias; a grammar (a regex a random model can follow for NEW tokens: the mask is filled on
-the host each step, and the step is not decoded ahead). Alternating rounds, medians.
+bias; a grammar (a regex, and a JSON schema, that a random model can follow for NEW tokens:
+the mask is filled on the host each step, and the step is not decoded ahead). Alternating rounds, medians.
 
     python benchmarks/sampling_cost.py --tokenizer .tok --out docs/bench
 """
@@ -24,11 +24,14 @@ from common import gpu_info, markdown_table, save_results  # noqa: E402
 from engine import CONTEXT, NEW, configs, median_decode_tps, random_state  # noqa: E402
 
 from woq.engine.engine import Engine  # noqa: E402
-from woq.engine.grammar import regex_grammar  # noqa: E402
+from woq.engine.grammar import json_schema_grammar, regex_grammar  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 
 BATCHES = (1, 16)
+# an object whose one string must be longer than NEW tokens can write: a random model follows
+# the mask for all NEW tokens without the grammar ending the request
+LONG_JSON = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4000}}, "required": ["text"]}
 BASE = dict(max_tokens=NEW, ignore_eos=True)
 FEATURES = {
     "greedy": SamplingParams(temperature=0, **BASE),
@@ -38,6 +41,7 @@ FEATURES = {
                                                       repetition_penalty=1.1, logit_bias=((13, 2.0), (42, -5.0)),
                                                       **BASE),
     "greedy + grammar (regex)": SamplingParams(temperature=0, grammar=regex_grammar(r"[a-z ]+"), **BASE),
+    "greedy + JSON schema": SamplingParams(temperature=0, grammar=json_schema_grammar(LONG_JSON), **BASE),
 }
 
 
