@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Match
 
@@ -337,33 +337,59 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     return ids + tok.encode(rest, add_special_tokens=False)
 
 
-def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
-    if isinstance(req.prompt, list):
-        vocab = len(state.tokenizer)
-        if any(not 0 <= t < vocab for t in req.prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(req.prompt)
-    return state.tokenizer.encode(req.prompt)
+def _completion_prompt(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    vocab = len(state.tokenizer)
+    out = []
+    for p in req.prompt:
+        if isinstance(p, list):
+            if any(not 0 <= t < vocab for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            out.append(list(p))
+        else:
+            out.append(state.tokenizer.encode(p))
+    return out
 
 
-async def _submit(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                  n: int = 1, grammar_param: str = "response_format") -> tuple[str, asyncio.Queue]:
-    """Queue a request of ``n`` choices; its events come to the queue as (choice, event)."""
+@dataclass
+class _Submitted:
+    """A request's engine requests (one per prompt) and the queue of their choices' events,
+    as (choice index, event): prompt k's choice j is index k * n + j."""
+    state: ServerState
+    rids: list[str]
+    queue: asyncio.Queue
+    choices: int
+    prompt_tokens: int
+
+    def cancel(self) -> None:
+        for rid in self.rids:
+            self.state.engine.cancel(rid)
+
+
+async def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
+                  n: int = 1, grammar_param: str = "response_format") -> _Submitted:
+    """Queue each prompt's ``n`` choices."""
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
     queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
     loop = asyncio.get_running_loop()
+    sub = _Submitted(state, [], queue, len(prompts) * n, sum(len(p) for p in prompts))
 
     def sink(i: int):
         return lambda ev: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
 
-    def submit() -> str:  # the engine's own id (unique even when clients reuse an X-Request-ID)
-        return state.engine.submit(prompt_ids, params, sink(0), choices=[sink(i) for i in range(1, n)])
+    def submit(k: int) -> str:  # the engine's own id (unique even when clients reuse an X-Request-ID)
+        return state.engine.submit(prompts[k], params, sink(k * n), choices=[sink(k * n + i) for i in range(1, n)])
 
     try:
-        # (a grammar is compiled as the request is submitted, and its first one builds the
-        # tokenizer's index: seconds, off the event loop)
-        rid = await loop.run_in_executor(state.tokenizer_pool, submit) if params.grammar is not None else submit()
+        try:
+            for k in range(len(prompts)):
+                # (a grammar is compiled as the request is submitted, and its first one builds
+                # the tokenizer's index: seconds, off the event loop)
+                sub.rids.append(await loop.run_in_executor(state.tokenizer_pool, submit, k)
+                                if params.grammar is not None else submit(k))
+        except BaseException:
+            sub.cancel()  # (the prompts queued before the one refused)
+            raise
     except QueueFullError as e:
         raise APIError(429, f"{e}; retry later", "rate_limit_error", headers={"Retry-After": "1"}) from e
     except RequestTooLongError as e:
@@ -372,7 +398,7 @@ async def _submit(state: ServerState, prompt_ids: list[int], params: SamplingPar
         raise APIError(503, str(e), "server_error") from e
     except ValueError as e:  # (a grammar the engine cannot use; n above the batch)
         raise APIError(400, str(e), param=grammar_param if params.grammar is not None else "n") from e
-    return rid, queue
+    return sub
 
 
 class _TimedOut(Exception):
@@ -403,10 +429,10 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: Request,
-                   n: int = 1) -> list[StreamEvent]:
+async def _collect(state: ServerState, sub: _Submitted, request: Request) -> list[StreamEvent]:
     """Each choice's whole completion: its text, token ids and log-probabilities joined into
     its last event."""
+    queue, n = sub.queue, sub.choices
     parts: list[list[StreamEvent]] = [[] for _ in range(n)]
     finished: list[StreamEvent | None] = [None] * n
     deadline = time.monotonic() + state.request_timeout
@@ -416,17 +442,17 @@ async def _collect(state: ServerState, rid: str, queue: asyncio.Queue, request: 
             try:
                 ev = await _next_event(queue, gone, deadline)
             except _TimedOut:
-                state.engine.cancel(rid)
+                sub.cancel()
                 raise APIError(504, f"the request did not finish within {state.request_timeout:g} s", "timeout_error",
                                code="timeout") from None
             if ev is None:  # freed at the engine's next step
-                state.engine.cancel(rid)
+                sub.cancel()
                 raise APIError(499, "client closed the request")
             i, ev = ev
             parts[i].append(ev)
             if ev.finish_reason:
                 if ev.error:
-                    state.engine.cancel(rid)
+                    sub.cancel()
                     raise APIError(500, ev.error, "server_error")
                 finished[i] = StreamEvent("".join(e.text for e in parts[i]), [t for e in parts[i] for t in e.token_ids],
                                           ev.finish_reason, ev.prompt_tokens, ev.completion_tokens,
@@ -465,10 +491,11 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Render, first: list[dict],
-                  usage_chunk: Callable[[Usage], dict] | None, n: int = 1) -> AsyncIterator[str]:
+async def _stream(state: ServerState, sub: _Submitted, chunk: Render, first: list[dict],
+                  usage_chunk: Callable[[Usage], dict] | None) -> AsyncIterator[str]:
     finished = False
-    open_choices, completion_tokens = set(range(n)), 0
+    queue = sub.queue
+    open_choices, completion_tokens = set(range(sub.choices)), 0
     deadline = time.monotonic() + state.request_timeout
     try:
         for f in first:
@@ -491,11 +518,11 @@ async def _stream(state: ServerState, rid: str, queue: asyncio.Queue, chunk: Ren
             if ev.text or ev.logprobs or ev.finish_reason is not None:
                 yield _sse(chunk(i, ev))
             if finished and usage_chunk is not None:
-                yield _sse(usage_chunk(Usage.of(ev.prompt_tokens, completion_tokens)))
+                yield _sse(usage_chunk(Usage.of(sub.prompt_tokens, completion_tokens)))
         yield _sse("[DONE]")
     finally:
         if not finished:  # client went away mid-stream: free the slot
-            state.engine.cancel(rid)
+            sub.cancel()
 
 
 # -- app -------------------------------------------------------------------------------
@@ -515,6 +542,10 @@ _GENERATE_ERRORS = _errors({
          "object, or a prompt that does not fit the context",
     404: "the model is not the one served", 413: "the body is larger than the server's limit",
     429: "the queue is full (see Retry-After)", 503: "the server is shutting down", 504: "the request timed out"})
+# A generation's 200: its JSON body, or with "stream": true server-sent events of chunks.
+_GENERATED = {200: {"description": "the completion; with `stream`, server-sent events of chunks ending in "
+                                   "`data: [DONE]`",
+                    "content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -541,7 +572,8 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "draining", "model": state.model_name}, status_code=503)
         return {"status": "ok", "model": state.model_name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text exposition format"}})
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -554,7 +586,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, model_id)
         return ModelCard(id=state.model_name, created=state.created)
 
-    @app.post("/v1/chat/completions", responses=_GENERATE_ERRORS)
+    @app.post("/v1/chat/completions", responses={**_GENERATE_ERRORS, **_GENERATED})
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         _check_model(state, req.model)
         prompt = await state.tokenize(_chat_prompt, req)
@@ -562,8 +594,8 @@ def create_app(state: ServerState) -> FastAPI:
         n = req.n
         tools = req.called_tools()
         fmt = detect(state.tokenizer.chat_template)[0] if tools else None
-        rid, queue = await _submit(state, prompt, params, n,
-                                   "tools" if tools and req.tool_choice not in (None, "auto") else "response_format")
+        sub = await _submit(state, [prompt], params, n,
+                            "tools" if tools and req.tool_choice not in (None, "auto") else "response_format")
         cid, created = new_id("chatcmpl"), now()
         base = {"id": cid, "created": created, "model": state.model_name}
         tok = state.tokenizer
@@ -594,9 +626,8 @@ def create_app(state: ServerState) -> FastAPI:
             if req.stream_options and req.stream_options.include_usage:
                 def usage(u: Usage) -> dict:
                     return {**base, "object": "chat.completion.chunk", "choices": [], "usage": u.model_dump()}
-            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage, n),
-                                     media_type="text/event-stream")
-        evs = await _collect(state, rid, queue, request, n)
+            return StreamingResponse(_stream(state, sub, chunk, first, usage), media_type="text/event-stream")
+        evs = await _collect(state, sub, request)
 
         def message(ev: StreamEvent) -> tuple[dict, str]:
             if fmt is not None:
@@ -613,23 +644,24 @@ def create_app(state: ServerState) -> FastAPI:
                             "logprobs": _chat_logprobs(tok, ev.logprobs) if params.logprobs is not None else None})
         return JSONResponse({
             **base, "object": "chat.completion", "choices": choices,
-            "usage": Usage.of(evs[0].prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
+            "usage": Usage.of(sub.prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
         })
 
-    @app.post("/v1/completions", responses=_GENERATE_ERRORS)
+    @app.post("/v1/completions", responses={**_GENERATE_ERRORS, **_GENERATED})
     async def completions(req: CompletionRequest, request: Request):
         _check_model(state, req.model)
-        prompt = await state.tokenize(_completion_prompt, req)
-        params = _sampling(state, req, len(prompt))
+        prompts = await state.tokenize(_completion_prompt, req)
+        params = _sampling(state, req, max(len(p) for p in prompts))
         n = req.n
-        rid, queue = await _submit(state, prompt, params, n)
+        sub = await _submit(state, prompts, params, n)
         base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": state.model_name}
         tok = state.tokenizer
-        echo = ""
-        if req.echo:  # the prompt as text, a prompt of token ids too
-            echo = req.prompt if isinstance(req.prompt, str) else tok.decode(req.prompt)
+        # each choice's echo: its prompt as text (token-id prompts too); choice i is prompt i // n's
+        echoes = [""] * sub.choices
+        if req.echo:
+            echoes = [p if isinstance(p, str) else tok.decode(p) for p in req.prompt for _ in range(n)]
         if req.stream:
-            offsets = [len(echo)] * n
+            offsets = [len(e) for e in echoes]
 
             def chunk(i: int, ev: StreamEvent) -> dict:
                 lp = None
@@ -639,22 +671,21 @@ def create_app(state: ServerState) -> FastAPI:
                 return {**base, "choices": [{"index": i, "text": ev.text, "logprobs": lp,
                                              "finish_reason": ev.finish_reason}]}
 
-            first = [{**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
-                     for i in range(n)] if echo else []
+            first = [{**base, "choices": [{"index": i, "text": e, "logprobs": None, "finish_reason": None}]}
+                     for i, e in enumerate(echoes) if e]
             usage = None
             if req.stream_options and req.stream_options.include_usage:
                 def usage(u: Usage) -> dict:
                     return {**base, "choices": [], "usage": u.model_dump()}
-            return StreamingResponse(_stream(state, rid, queue, chunk, first, usage, n),
-                                     media_type="text/event-stream")
-        evs = await _collect(state, rid, queue, request, n)
+            return StreamingResponse(_stream(state, sub, chunk, first, usage), media_type="text/event-stream")
+        evs = await _collect(state, sub, request)
         return JSONResponse({
             **base,
-            "choices": [{"index": i, "text": echo + ev.text,
-                         "logprobs": _completion_logprobs(tok, ev.logprobs, len(echo))
+            "choices": [{"index": i, "text": echoes[i] + ev.text,
+                         "logprobs": _completion_logprobs(tok, ev.logprobs, len(echoes[i]))
                          if params.logprobs is not None else None,
                          "finish_reason": ev.finish_reason} for i, ev in enumerate(evs)],
-            "usage": Usage.of(evs[0].prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
+            "usage": Usage.of(sub.prompt_tokens, sum(ev.completion_tokens for ev in evs)).model_dump(),
         })
 
     return app

@@ -287,25 +287,32 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
-def _prompt(v: Any) -> str | list[int]:
-    """One prompt: a string or token ids, alone or as an array's only element."""
-    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-        if len(v) != 1:
-            raise PydanticCustomError("unsupported_value", "must hold one prompt: this server does not batch "
-                                                           "prompts in one request")
-        v = v[0]
-    if not (isinstance(v, str) or isinstance(v, list) and all(type(t) is int for t in v)):
-        raise PydanticCustomError("prompt_type", "must be a string or an array of token ids (integers)")
-    if not v:
-        raise PydanticCustomError("prompt_empty", "must not be empty")
-    return v
+MAX_PROMPTS = 16
+
+
+def _prompts(v: Any) -> list[str | list[int]]:
+    """The request's prompts: a string or token ids, or an array of either (several prompts,
+    each its own choices)."""
+    many = isinstance(v, list) and bool(v) and all(isinstance(p, (str, list)) for p in v)
+    prompts = v if many else [v]
+    if len(prompts) > MAX_PROMPTS:
+        raise PydanticCustomError("prompt_count", "holds {count} prompts; this server takes at most {limit} in one "
+                                                  "request",
+                                  {"count": len(prompts), "limit": MAX_PROMPTS})
+    for p in prompts:
+        if not (isinstance(p, str) or isinstance(p, list) and all(type(t) is int for t in p)):
+            raise PydanticCustomError("prompt_type", "must be a string or an array of token ids (integers), or an "
+                                                     "array of those")
+        if not p:
+            raise PydanticCustomError("prompt_empty", "must not be empty")
+    return prompts
 
 
 class CompletionRequest(_Request):
     unsupported = {**_Request.unsupported, "best_of": (1,), "suffix": ("",)}
 
-    prompt: Annotated[str | list[int], PlainValidator(
-        _prompt, json_schema_input_type=str | list[str] | list[int] | list[list[int]])]
+    prompt: Annotated[list[str | list[int]], PlainValidator(
+        _prompts, json_schema_input_type=str | list[str] | list[int] | list[list[int]])]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="the sampled token's and this many most likely "

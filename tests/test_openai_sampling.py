@@ -176,3 +176,22 @@ def test_json_schema_outputs_validate_over_50_prompts(client):
         assert type(v["year"]) is int and 1900 <= v["year"] <= 2030
         assert 1 <= len(v["genres"]) <= 3 and set(v["genres"]) <= {"drama", "comedy", "action", "horror"}
         assert type(v["rating"]) is int and 0 <= v["rating"] <= 10
+
+
+def test_several_prompts_give_each_their_choices(client, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompts = ["The capital of France is", "1, 2, 3,", tok("Once upon a time")["input_ids"]]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True)
+    assert [c.index for c in r.choices] == list(range(6))
+    for k, p in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0, echo=True)
+        assert r.choices[2 * k].text == r.choices[2 * k + 1].text == alone.choices[0].text, k
+    assert r.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts)
+    stream = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=5, temperature=0, stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [r.choices[0].text.removeprefix(prompts[0]), r.choices[2].text.removeprefix(prompts[1])]
