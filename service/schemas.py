@@ -161,6 +161,9 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+_StopString = Annotated[str, Field(min_length=1)]
+
+
 def _stops(v: Any) -> Any:
     if isinstance(v, str):
         return [v]
@@ -186,8 +189,9 @@ class _Request(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="extension: 0 disables top-k")
     seed: int | None = None
-    stop: Annotated[list[Annotated[str, Field(min_length=1)]],
-                    BeforeValidator(_stops, json_schema_input_type=str | list[str])] = Field([], max_length=4)
+    stop: Annotated[list[_StopString], BeforeValidator(
+        _stops, json_schema_input_type=_StopString | Annotated[list[_StopString], Field(max_length=4)])] = Field(
+        [], max_length=4)
     n: int = Field(1, ge=1, le=16, description="choices of the same prompt (one prefill for all)")
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
