@@ -127,6 +127,16 @@ class LiveServer:
         self.log.close()
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir):
+    """``woq serve`` of SmolLM2 int4 for one test module, served as "smollm2" (4 sequences,
+    1024-token context)."""
+    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", "smollm2", "--quant", "int4",
+                   "--max-seq-len", "1024", "--max-batch-size", "4")
+    yield s
+    s.stop()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Skips counted by reason (hundreds of GPU tests skip on a CPU machine), and the optional
     tools whose absence skipped tests named at the very end."""

@@ -4,19 +4,14 @@ nothing; types are strict; errors speak of the JSON the client sent."""
 import httpx
 import pytest
 
-from conftest import LiveServer
-
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
-                   "--max-seq-len", "1024", "--max-batch-size", "4")
-    yield s
-    s.stop()
+def server(smollm2_server):
+    return smollm2_server
 
 
 def _chat(**kw):

@@ -6,18 +6,13 @@ import json
 import pytest
 import torch
 
-from conftest import LiveServer
-
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
-                   "--max-seq-len", "1024", "--max-batch-size", "4")
-    yield s
-    s.stop()
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
