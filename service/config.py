@@ -93,6 +93,11 @@ class ServeSettings(ModelSettings):
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may take, queueing included (504)")
+    header_timeout: float = Field(10.0, gt=0, description="seconds a client has to send a request's headers, from "
+                                  "connecting or from the previous response (then 408, or just closed if it sent "
+                                  "nothing; the connection closes)")
+    body_timeout: float = Field(30.0, gt=0, description="seconds a request body may stall, no byte arriving while the "
+                                "server waits for it (then 408; the connection closes)")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for in-flight requests")
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="log lines as JSON objects or plain text (auto: text on a terminal, else JSON)")

@@ -4,8 +4,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import torch
+import uvicorn
 
 from ..engine.engine import Engine
 from ..kernels.build import source_hash
@@ -14,6 +16,7 @@ from ..kernels.timing import copy_bandwidth
 from ..models.loader import LoadedModel, load_model
 from .app import ServerState, create_app
 from .config import ModelSettings, ServeSettings
+from .http_guard import HttpGuard, h11_protocol
 from .logs import setup_logging
 from .metrics import Metrics
 
@@ -89,31 +92,71 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: ServeSettings) -> None:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn, draining before it shuts down. uvicorn's shutdown closes the listening
+    socket first, so during its wait for in-flight requests new clients would get
+    "connection refused". Here SIGTERM/SIGINT first sets ``state.draining`` while
+    everything keeps serving: /health and new generation requests get 503 (with
+    ``Connection: close``: ``HttpGuard``), and the requests in flight at the signal,
+    streams included, run to their end. When they have all ended, or ``drain_timeout``
+    has passed, uvicorn's own shutdown follows with what is left of the time: it closes
+    the socket, waits for the responses still being written, and runs the app's lifespan
+    shutdown (the engine stops). A second signal skips the rest of the drain."""
 
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+        super().__init__(config)
+        self.state, self.drain_timeout = state, drain_timeout
+        self.drain_signal: int | None = None
+        self.drain_deadline = 0.0
+        self.in_flight: set | None = None  # the request tasks running when the drain began
+
+    def handle_exit(self, sig, frame):
+        # (a signal handler: it only records the signal; on_tick does the rest, on the loop)
+        if self.drain_signal is None:
+            self.drain_signal, self.drain_deadline = sig, time.monotonic() + self.drain_timeout
+            self.state.draining = True
+        elif not self.should_exit:
+            self._shut_down(sig)
+        else:
+            super().handle_exit(sig, frame)  # (uvicorn's: a further Ctrl+C stops waiting at all)
+
+    async def on_tick(self, counter: int) -> bool:
+        # (uvicorn's main loop calls this every 0.1 s; when it returns True, uvicorn shuts down)
+        if self.drain_signal is not None and not self.should_exit:
+            if self.in_flight is None:
+                self.in_flight = set(self.server_state.tasks)
+                log.info("draining: waiting up to %g s for %d requests in flight (%d running and %d queued in the "
+                         "engine)", self.drain_timeout, len(self.in_flight), self.state.engine.num_running,
+                         self.state.engine.num_waiting)
+            self.in_flight = {t for t in self.in_flight if not t.done()}
+            if not self.in_flight:
+                self._shut_down(self.drain_signal)
+            elif time.monotonic() >= self.drain_deadline:
+                log.warning("drain timeout: %d requests still in flight are cut off", len(self.in_flight))
+                self._shut_down(self.drain_signal)
+        return await super().on_tick(counter)
+
+    def _shut_down(self, sig: int) -> None:
+        # uvicorn waits timeout_graceful_shutdown for the connections still open: the rest
+        # of the drain's time (a little at least, for responses whose last bytes are queued)
+        self.config.timeout_graceful_shutdown = max(self.drain_deadline - time.monotonic(), 0.5)
+        super().handle_exit(sig, None)  # (uvicorn re-raises the signal once stopped: exit status 128 + signal)
+
+
+def serve(settings: ServeSettings) -> None:
     setup_logging(settings.log_level, settings.log_format)
     sock = listen(settings.host, settings.port)
     loaded = load(settings)
     log.info("loaded %s (%s) on %s in %.1f s%s", loaded.name, loaded.quantization, loaded.model.device,
              loaded.load_seconds, ", from the quantized-model cache" if loaded.from_cache else "")
     state = build_state(settings, loaded)
-
-    class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: /health turns 503 and new requests get 503 at once, while
-        uvicorn stops accepting connections and waits up to --drain-timeout for the
-        in-flight ones (streams included) to finish."""
-
-        def handle_exit(self, sig, frame):
-            if not state.draining:
-                log.info("draining: waiting up to %.0f s for %d running and %d queued requests",
-                         settings.drain_timeout, state.engine.num_running, state.engine.num_waiting)
-            state.draining = True
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
-                            log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout)
+    app = HttpGuard(create_app(state), state, settings.body_timeout)
+    # h11 always (uvicorn's default unless httptools is installed): the header timeout is
+    # built on its connection class
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level, http=h11_protocol(settings.header_timeout),
+                            timeout_graceful_shutdown=settings.drain_timeout)
     try:
-        DrainingServer(config).run(sockets=[sock])  # on a signal, uvicorn re-raises it once drained: 128 + signal
+        DrainingServer(config, state, settings.drain_timeout).run(sockets=[sock])
     finally:
         state.engine.shutdown()
