@@ -59,6 +59,7 @@ def test_n_choices_each_equal_their_own_seeded_request(client):
     messages = [{"role": "user", "content": "Write a word."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # (sampled choices differ)
     for i, c in enumerate(r.choices):
         alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0,
                                                seed=11 + i)
