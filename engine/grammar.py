@@ -7,8 +7,8 @@ builds them after queuing the forward), copied to the device and applied to the 
 before the draw (``logits.BatchSampling``). The mask of step n+1 needs step n's token, so a
 batch with a constrained row is never decoded a step ahead (engine look-ahead).
 
-llguidance is the grammar engine (a maintained Rust library: Earley parsing over a lexer,
-masks in ~50 µs a token); nothing here parses grammars.
+llguidance is the grammar engine (a maintained Rust library: Earley parsing over a lexer);
+nothing here parses grammars.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def lark_grammar(lark: str) -> str:
 
 
 class GrammarMatchers:
-    """Matchers for one model's tokenizer. The llguidance tokenizer (seconds to build from a
-    Hugging Face tokenizer) is made on the first constrained request."""
+    """Matchers for one model's tokenizer. The llguidance tokenizer (an index over the whole
+    vocabulary, slow to build) is made on the first constrained request."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.hf_tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, sorted(eos_token_ids)
@@ -66,18 +66,15 @@ class GrammarMatchers:
     def masks(self, matchers: list) -> torch.Tensor:
         """``[B, words]`` int32 bitmasks (bit t of word w: token 32 w + t allowed); a row whose
         matcher is None allows every token. The rows are filled in parallel by llguidance's
-        thread pool, without the GIL (one row of a 128k vocabulary takes up to ~1 ms)."""
+        thread pool, without the GIL."""
         import llguidance
         import llguidance.torch
 
         mask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if len(rows) == 1:
-            llguidance.torch.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
-        elif rows:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, mask)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
 
 

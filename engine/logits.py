@@ -10,8 +10,9 @@ index of the token in its sequence): a look-ahead step that the engine drops lea
 that the step relaunched in its place overwrites, so the counts never see a dropped token.
 
 Order, as vLLM applies them: logit bias, min_tokens, the penalties, then a grammar's mask
-(``grammar.py``), on the raw logits; then temperature, top-k / top-p and the draw. Log-probabilities are the model's own (the
-raw logits' log-softmax, before any processing), as vLLM returns by default.
+(``grammar.py``), on the raw logits; then temperature, top-k / top-p and the draw.
+Log-probabilities are the model's own (the raw logits' log-softmax, before any processing),
+as vLLM returns by default.
 """
 from __future__ import annotations
 
@@ -21,9 +22,6 @@ import torch
 
 from .grammar import apply_masks
 from .sampling import SamplingParams, greedy, sample_some
-
-MAX_TOP_LOGPROBS = 20
-
 
 class TokenHistory:
     """Each KV slot's generated token ids on the device (``[slots, max_len]``), and the
@@ -55,7 +53,7 @@ class Processors:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, min_tokens of the row)
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition [B]
-    mask: torch.Tensor | None = None  # [B, words] int32: the grammars' allowed tokens (grammar.fill_masks)
+    mask: torch.Tensor | None = None  # [B, words] int32: the grammars' allowed tokens (GrammarMatchers.masks)
 
 
 @dataclass(frozen=True)
@@ -75,8 +73,8 @@ class BatchSampling:
     @staticmethod
     def of(params: list[SamplingParams], seeds: list[int], steps: list[int], slots: list[int],
            eos: set[int], device: torch.device, mask: torch.Tensor | None = None) -> "BatchSampling":
-        """``mask``: the rows' grammar masks on the host (``grammar.fill_masks``), where a row
-        has a grammar."""
+        """``mask``: the rows' grammar masks on the host (``GrammarMatchers.masks``), where a
+        row has a grammar."""
         def t(values, dtype=None):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -87,8 +85,8 @@ class BatchSampling:
                       for tok in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos))]
             penalized = any(p.penalized for p in params)
             processors = Processors(
-                bias=tuple(t(list(c), dtype) for c, dtype in zip(zip(*bias), (torch.long, torch.long, torch.float32)))
-                if bias else None,
+                bias=(t([r for r, _, _ in bias], torch.long), t([k for _, k, _ in bias], torch.long),
+                      t([v for _, _, v in bias], torch.float32)) if bias else None,
                 banned=tuple(t(list(c), torch.long) for c in zip(*banned)) if banned else None,
                 penalties=(t([p.presence_penalty for p in params], torch.float32),
                            t([p.frequency_penalty for p in params], torch.float32),
@@ -110,7 +108,8 @@ class BatchSampling:
         return self.processors is not None and self.processors.penalties is not None
 
     def process(self, logits: torch.Tensor, history: TokenHistory | None) -> torch.Tensor:
-        """The logits after the rows' logit bias, min_tokens bans and penalties (fp32)."""
+        """The logits after the rows' logit bias, min_tokens bans, penalties and grammar
+        masks (fp32)."""
         p = self.processors
         if p is None:
             return logits
@@ -160,7 +159,7 @@ class Logprobs:
     @staticmethod
     def of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> "Logprobs":
         logp = torch.log_softmax(logits.float(), dim=-1)
-        values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], tokens[:, None][:, :0])
+        values, ids = logp.topk(k, dim=-1)
         return Logprobs(logp.gather(1, tokens[:, None]).squeeze(1), values, ids)
 
     def to_host(self) -> "Logprobs":

@@ -135,13 +135,11 @@ class GemvStamps:
     layer's. A call's stamps run from its wait for the previous kernel to its last block's
     end, and under programmatic launches its first weight stages stream in before that
     wait, during whatever ran before it; the first layer's qkv follows the embedding, not a
-    previous layer's down, and reads ~1.8x slower than every later layer's
-    (docs/design/metrics.md)."""
+    previous layer's down, and is slower than every later layer's (docs/design/metrics.md)."""
 
     KINDS, BLOCKS = 4, 4096  # GEMV layer kinds a twin stamps (then events); blocks a call stamps at most
 
     def __init__(self, device: torch.device, layers: int):
-        self.layers = layers
         self.buffer = torch.zeros(self.KINDS * layers, 2 * self.BLOCKS, dtype=torch.int64, device=device)
         self.host = torch.zeros(self.buffer.shape, dtype=torch.int64, pin_memory=True)
         self.calls: list[KernelCall] = []

@@ -27,7 +27,7 @@ from .metrics import Metrics
 from .requests import chat_prompt, completion_prompt, sampling_params, text_encoder
 from .schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Usage, new_id,
                       now)
-from .tools import ToolStream, detect
+from .tools import ToolStream, template_tools
 
 log = logging.getLogger("woq.service")
 access_log = logging.getLogger("woq.access")
@@ -51,6 +51,7 @@ class ServerState:
 
     def __post_init__(self):
         self.text_encoder = text_encoder(self.tokenizer)
+        self.tools = template_tools(self.tokenizer)  # (the template is fixed once the server starts)
 
     async def tokenize(self, fn: Callable, req) -> list[int]:
         """``fn(self, req)`` (a prompt's token ids) in the tokenizer pool, once the request's
@@ -430,7 +431,7 @@ def create_app(state: ServerState) -> FastAPI:
         params = sampling_params(state, req, len(prompt))
         n = req.n
         tools = req.called_tools()
-        fmt = detect(state.tokenizer.chat_template)[0] if tools else None
+        fmt = state.tools.fmt if tools else None
         sub = await _submit(state, [prompt], params, n,
                             "tools" if tools and req.tool_choice not in (None, "auto") else "response_format")
         cid, created = new_id("chatcmpl"), now()

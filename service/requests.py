@@ -12,7 +12,7 @@ from ..engine.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .tools import FALLBACK_SYSTEM, detect
+from .tools import FALLBACK_SYSTEM, TemplateTools, fallback_call
 
 
 
@@ -21,6 +21,7 @@ class ServerState(Protocol):
     engine: Engine
     tokenizer: object
     text_encoder: Callable[[str], list[int]]
+    tools: TemplateTools
 
 log = logging.getLogger("woq.service")
 
@@ -83,11 +84,9 @@ def tool_grammar(state: ServerState, req) -> str | None:
         functions = req.called_tools()
     else:
         return None
-    tok = state.tokenizer
-    fmt, _ = detect(tok.chat_template)
-    marker = tok.convert_tokens_to_ids(fmt.marker) if fmt.marker in tok.get_added_vocab() else None
+    tools = state.tools
     try:
-        return lark_grammar(fmt.grammar(functions, req.parallel_tool_calls, marker))
+        return lark_grammar(tools.fmt.grammar(functions, req.parallel_tool_calls, tools.marker_token))
     except ValueError as e:
         raise APIError(400, f"a tool's parameters are no usable JSON schema: {e}", param="tools") from e
 
@@ -122,9 +121,8 @@ def template_messages(req: ChatCompletionRequest, template_knows_tools: bool) ->
             if template_knows_tools:
                 msg["tool_calls"] = calls
             else:
-                msg["content"] += "".join(
-                    "\n<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                    + "\n</tool_call>" for c in calls)
+                msg["content"] += "".join(fallback_call(c["function"]["name"], c["function"]["arguments"])
+                                          for c in calls)
         messages.append(msg)
     functions = req.called_tools()
     if functions and not template_knows_tools:
@@ -148,7 +146,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     tok = state.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    knows_tools = detect(tok.chat_template)[1]
+    knows_tools = state.tools.knows_tools
     messages = template_messages(req, knows_tools)
     functions = req.called_tools()
     options = {"tools": [{"type": "function", "function": f} for f in functions]} if functions and knows_tools else {}

@@ -152,6 +152,29 @@ def detect(template: str | None) -> tuple[ToolFormat, bool]:
     return FORMATS["hermes"], knows_tools
 
 
+@dataclass(frozen=True)
+class TemplateTools:
+    """What a chat template says about tool calls: the format its model writes them in,
+    whether the template renders ``tools`` itself, and the format's marker as one special
+    token's id where the tokenizer has it as one (None: text)."""
+
+    fmt: ToolFormat
+    knows_tools: bool
+    marker_token: int | None
+
+
+def template_tools(tokenizer) -> TemplateTools:
+    """``TemplateTools`` of a tokenizer's chat template (read once per server)."""
+    fmt, knows_tools = detect(getattr(tokenizer, "chat_template", None))
+    return TemplateTools(fmt, knows_tools, tokenizer.get_added_vocab().get(fmt.marker))
+
+
+def fallback_call(name: str, arguments) -> str:
+    """An earlier call written back for a template that knows no tools, in the format its
+    system message (``FALLBACK_SYSTEM``) asks the model to use."""
+    return "\n<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
 class ToolStream:
     """A streamed output that may be a call: text passes through until the output is known
     not to start with the format's marker; an output that does is held back whole, and
