@@ -4,7 +4,7 @@
 #   docker run --gpus all -p 8000:8000 -v /path/to/model:/models/m:ro -e WOQ_MODEL=/models/m \
 #              -e WOQ_QUANT=int4 -v woq-cache:/cache woq
 # Configuration: WOQ_* environment variables (README: Configuration) or flags after the
-# image name, e.g. `docker run ... woq --quant int4 --max-batch-size 32`.
+# image name, e.g. `docker run ... woq --quant int4 --max-num-seqs 32`.
 
 ARG CUDA_VERSION=12.8.1
 ARG UBUNTU=ubuntu22.04

@@ -185,7 +185,7 @@ def run(models: list[str], batches: list[int], out: Path) -> dict:
                            ("int4-g128", QuantConfig("int4", 128))):
             model = build_model(config, dict(state), quant, torch.float16, "cuda", CONTEXT, progress=False)
             wbytes = weight_bytes(model)
-            engine = Engine(model, None, set(), max_batch_size=max_batch, max_queue=4096, max_seq_len=CONTEXT,
+            engine = Engine(model, None, set(), max_num_seqs=max_batch, max_queue=4096, max_seq_len=CONTEXT,
                             max_prefill_tokens=2048).start()
             engine.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
             row = dict(model=name, format=fmt, weight_bytes=wbytes, hf_eager_tps=hf["dynamic"],

@@ -68,7 +68,7 @@ def run(replays: int) -> dict:
     steps = _Steps()
     timing = KernelTiming(steps, 1, stamped_layers=layers)
     model.observe_kernels(timing)
-    engine = Engine(model, None, set(), max_batch_size=max(BATCHES), max_queue=64, max_seq_len=CONTEXT,
+    engine = Engine(model, None, set(), max_num_seqs=max(BATCHES), max_queue=64, max_seq_len=CONTEXT,
                     max_prefill_tokens=2048).start()
     result = dict(gpu_info(), model="llama3-8b int4 g128", bandwidth=bandwidth, batches={})
     for b in BATCHES:

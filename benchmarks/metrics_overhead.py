@@ -40,7 +40,7 @@ def run(rounds: int) -> dict:
     model = build_model(config, state, QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT, progress=False)
     del state
     torch.cuda.empty_cache()
-    kw = dict(max_batch_size=max(BATCHES), max_queue=4096, max_seq_len=CONTEXT, max_prefill_tokens=2048)
+    kw = dict(max_num_seqs=max(BATCHES), max_queue=4096, max_seq_len=CONTEXT, max_prefill_tokens=2048)
     off = Engine(model, None, set(), **kw).start()
     metrics = Metrics()
     every = ServeSettings.model_fields["kernel_timing_every"].default

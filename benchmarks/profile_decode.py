@@ -135,7 +135,7 @@ def graph_step_us(model, cache, ids, pos, slots, replays: int = 200) -> float:
     """Median µs of one decode step of ``ids.shape[0]`` sequences replayed as a CUDA graph
     (the engine's step: a new ``DecodeRunner``, so a persistent step built for the model's
     current options)."""
-    graphs = DecodeGraphs(DecodeRunner(model, cache), ids.shape[0], scratch_slot=cache.num_slots - 1)
+    graphs = DecodeGraphs(DecodeRunner(model, cache), ids.shape[0], scratch_slot=cache.num_rows - 1)
     graphs.capture()
     times = []
     for _ in range(replays):
@@ -234,7 +234,7 @@ def profile_model(name: str, bw: float, base: RuntimeOptions) -> list[dict]:
         for g, v in sorted(prefill_groups.items(), key=lambda kv: -kv[1]["us"]):
             print(f"   {g:40s} {v['count']:5d} {v['us']:9.1f} us  {v['names']}", flush=True)
         del cache
-        engine = Engine(model, None, set(), max_batch_size=1, max_seq_len=CONTEXT).start()
+        engine = Engine(model, None, set(), max_num_seqs=1, max_seq_len=CONTEXT).start()
         engine.generate(list(range(PROMPT)), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         tps = statistics.median(decode_tps(engine, cfg.vocab_size, 1).steady_tps for _ in range(3))
         engine.shutdown()

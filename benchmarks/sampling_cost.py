@@ -54,7 +54,7 @@ def run(tokenizer_dir: Path, rounds: int) -> dict:
     model = build_model(config, state, QuantConfig("int4", 128), torch.float16, "cuda", CONTEXT, progress=False)
     del state
     torch.cuda.empty_cache()
-    engine = Engine(model, tokenizer, {tokenizer.eos_token_id}, max_batch_size=max(BATCHES), max_queue=64,
+    engine = Engine(model, tokenizer, {tokenizer.eos_token_id}, max_num_seqs=max(BATCHES), max_queue=64,
                     max_seq_len=CONTEXT, max_prefill_tokens=2048).start()
     for params in FEATURES.values():  # warm-up (the grammar's tokenizer is built on its first use)
         engine.generate(list(range(100, 228)), replace(params, max_tokens=4))

@@ -2,15 +2,17 @@
 
 A decode step of a small or quantized model is launch-bound: hundreds of small kernels
 whose CPU-side launch cost exceeds their GPU time. Each graph is captured once with static
-input buffers (token ids, positions, cache slots, lengths) and replayed with new values
-copied in. Batches are padded to the next captured size (1, 2, 4, 8, ...); padding rows
-decode a dummy token in a scratch cache slot that no sequence owns.
+input buffers (token ids, positions, block-table rows, lengths) and replayed with new
+values copied in; the block table itself is read on the device, so a replay follows the
+blocks assigned since the capture. Batches are padded to the next captured size (1, 2,
+4, 8, ...); padding rows decode a dummy token in a scratch row that no sequence owns
+(every entry the scratch block: ``models/kv_cache.py``).
 
 A short prefill is host-bound the same way (a 128-token prompt of a small model spends
 far more host time launching its kernels than the GPU runs them: docs/design/engine.md).
 ``PrefillGraphs`` captures the prefill of one whole prompt per padded token count (16,
 32, ..., up to ``PREFILL_GRAPH_TOKENS``): the prompt is padded with token 0 at the
-following positions of its own slot, which causal attention makes invisible to the
+following positions of its own row, which causal attention makes invisible to the
 prompt's tokens (``models.batches.PaddedPrompt``).
 """
 from __future__ import annotations
@@ -170,17 +172,18 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    """One graph per padded token count, each prefilling one whole prompt into one slot
+    """One graph per padded token count, each prefilling one whole prompt into one row
     and giving the logits of its last token."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, max_tokens: int = PREFILL_GRAPH_TOKENS):
+    def __init__(self, model: CausalLM, cache: KVCache, max_tokens: int = PREFILL_GRAPH_TOKENS,
+                 scratch_slot: int = 0):
         self.model, self.cache = model, cache
         self.buckets = prefill_buckets(min(max_tokens, cache.max_seq_len))
         dev = model.device
         n = self.buckets[-1]
         self.ids = torch.zeros(1, n, dtype=torch.long, device=dev)
         self.positions = torch.arange(n, device=dev)[None]
-        self.slots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs: dict[int, Graph] = {}
         self.replays = 0
@@ -195,12 +198,12 @@ class PrefillGraphs:
 
     def capture(self) -> None:
         """Capture every token count, largest first (the smaller graphs reuse its memory pool).
-        The captures write slot 0's first positions, which no sequence holds yet."""
+        The captures write the first positions of row ``scratch_slot``, which no sequence holds."""
         self.graphs = capture_graphs(self._forward, self.buckets, self.model.kernel_timing)
 
     def run(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
         """Logits ``[1, V]`` of the last token of ``prompt_ids`` (1 to ``max_tokens`` of them),
-        its k and v written to positions ``[0, len)`` of ``slot``."""
+        its k and v written to positions ``[0, len)`` of row ``slot``."""
         n = len(prompt_ids)
         if not 1 <= n <= self.max_tokens:
             raise ValueError(f"a prefill graph takes 1 to {self.max_tokens} tokens, got {n}")

@@ -2,7 +2,7 @@
 
 One background thread owns the model and the KV cache and loops:
 
-1. admit waiting requests while a KV slot is free and prefill the newcomers together (their
+1. admit waiting requests while KV blocks are free and prefill the newcomers together (their
    prompts packed into one forward, M = the sum of their lengths, so that each weight is
    read once for all of them and the host launches one forward, not one per request; on
    CUDA, newcomers of a few hundred tokens in all instead replay the prefill graph of each
@@ -15,7 +15,7 @@ One background thread owns the model and the KV cache and loops:
    CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
    whose timed twin keeps the kernel metrics' latencies flowing: ``kernels/observe.py``);
 3. sample every row in one pass on the device (only the new ids come back to the host),
-   hand each request its new text through its sink, and free the slots of finished or
+   hand each request its new text through its sink, and free the blocks of finished or
    cancelled requests.
 
 Look-ahead: on CUDA, while the running batch stays the same (no sequence can end by
@@ -36,11 +36,18 @@ sink sets off -- the HTTP server's event loop turning each token into a streamed
 then runs while the GPU works, instead of holding the GIL while this thread prepares the
 next launch with the GPU idle.
 
-KV memory is fixed (``max_batch_size`` slots × ``max_seq_len`` positions); requests beyond
-the free slots wait in a bounded queue, and beyond that ``submit`` refuses them
-(``QueueFullError``: the HTTP layer answers 429). With ``gpu_memory_fraction`` the slots
-are sized from that share of the GPU: what is left after the weights and the measured peak
-of a full prefill (``kv_slots_for_budget``) bounds the batch.
+KV memory is paged (``models/kv_cache.py``, ``kv_space.py``): blocks of ``block_size``
+positions from one pool, which on CUDA takes ``gpu_memory_fraction`` of the GPU less what
+is in use and the measured peak of a full prefill (``kv_blocks_for_budget``). A sequence
+holds a row of the block table (its ``slot``) and the blocks its positions need, taken as
+it grows. Requests are admitted while a row and the blocks of their prompt are free, up to
+``max_num_seqs`` running; beyond that they wait in a bounded queue, and beyond that
+``submit`` refuses them (``QueueFullError``: the HTTP layer answers 429). When a decoding
+sequence needs a block and none is free, the most recently admitted sequence is preempted:
+its blocks go back (its full ones stay in the prefix cache), and it waits at the head of
+the queue to be prefilled again from its prompt and the tokens it has generated (it then
+goes on where it stopped; nothing is sent twice). With ``prefix_caching`` a newcomer's
+prompt starts from the cached blocks of its leading run (``kv_blocks.py``).
 """
 from __future__ import annotations
 
@@ -57,6 +64,8 @@ import torch
 
 from ..models.batches import Decode, Prefill
 from ..models.kv_cache import KVCache
+from .kv_blocks import BlockPool
+from .kv_space import KVSpace, SequenceBlocks
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
 from .detokenizer import TextStream
@@ -65,6 +74,12 @@ from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
 from .sampling import SamplingParams, greedy
 
 log = logging.getLogger("woq.engine")
+
+# Prompt tokens prefilled between two decode steps: a running stream waits for one such
+# prefill at most, so this bounds its stall. An eager prefill forward of an 8B model costs
+# ~20 ms of launches whatever its size up to ~512 tokens, and its tokens per ms level off
+# at ~2,048 (docs/bench/step_budget.md, docs/design/kv_cache.md "Token budget").
+DEFAULT_PREFILL_TOKENS = 2048
 
 
 class QueueFullError(RuntimeError):
@@ -99,6 +114,8 @@ class EngineObserver(Protocol):
 
     def on_first_token(self, seconds: float) -> None: ...
 
+    def on_preempt(self) -> None: ...
+
     def on_token_latency(self, seconds: float) -> None: ...
 
     def on_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, seconds: float) -> None: ...
@@ -116,14 +133,17 @@ class _Sequence:
     seed: int
     stream: TextStream | None  # None: token ids only (an engine without a tokenizer)
     submitted: float
-    slot: int = -1
+    slot: int = -1  # the sequence's row of the block table (-1: none)
+    kv: SequenceBlocks | None = None  # its blocks
+    admitted: int = -1  # admission order (the newest is preempted first)
     generated: list[int] = field(default_factory=list)
     last_token_time: float = 0.0
     cancelled: bool = False
-    prefilled: int = 0  # prompt tokens in the cache so far (a long prompt comes in chunks)
-    # A request's further choices (n > 1): admitted with this sequence, each in a slot of its
-    # own, and given a copy of its prompt's KV once it is prefilled (one prefill for all).
+    prefilled: int = 0  # context tokens in the cache so far (a long prompt comes in chunks)
+    # A request's further choices (n > 1): each a sequence of its own, sharing this one's
+    # prompt blocks once it is prefilled (one prefill for all); ``forked`` once they are.
     siblings: list["_Sequence"] = field(default_factory=list)
+    forked: bool = False
     finished: bool = False
     matcher: object | None = None  # the grammar's llguidance matcher (SamplingParams.grammar)
 
@@ -131,6 +151,11 @@ class _Sequence:
     def next_position(self) -> int:
         """Cache position of the token fed next (the last sampled one)."""
         return len(self.prompt_ids) + len(self.generated) - 1
+
+    def context(self) -> list[int]:
+        """The tokens whose keys and values a prefill writes: the prompt, and after a
+        preemption the generated tokens but the last (which the next decode step feeds)."""
+        return self.prompt_ids + self.generated[:-1]
 
 
 @dataclass
@@ -154,10 +179,10 @@ class _Launched:
         return self.host[: len(self.seqs)].tolist()
 
 
-def kv_slots_for_budget(model: CausalLM, fraction: float, max_seq_len: int, prefill_tokens: int) -> tuple[int, str]:
-    """How many ``max_seq_len`` KV slots fit in ``fraction`` of the GPU's memory after what is
-    in use now (weights, other processes) and the activation peak of a prefill of
-    ``prefill_tokens`` tokens, measured by running one (as vLLM profiles). Also a summary."""
+def kv_blocks_for_budget(model: CausalLM, fraction: float, block_size: int, prefill_tokens: int) -> tuple[int, str]:
+    """How many KV blocks of ``block_size`` positions fit in ``fraction`` of the GPU's memory
+    after what is in use now (weights, other processes) and the activation peak of a prefill
+    of ``prefill_tokens`` tokens, measured by running one (as vLLM profiles). Also a summary."""
     dev = model.device
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
@@ -165,20 +190,20 @@ def kv_slots_for_budget(model: CausalLM, fraction: float, max_seq_len: int, pref
     # in use: other processes + our live tensors (not blocks our allocator caches for reuse)
     in_use = total - free - torch.cuda.memory_reserved(dev) + base
     torch.cuda.reset_peak_memory_stats(dev)
-    n = max(1, min(prefill_tokens, max_seq_len))
+    n = max(1, min(prefill_tokens, model.max_seq_len))
     model(torch.zeros(1, n, dtype=torch.long, device=dev), last_only=True)
     torch.cuda.synchronize(dev)
     activations = torch.cuda.max_memory_allocated(dev) - base
     cfg = model.cfg
-    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * max_seq_len
-    graphs_and_slack = 256 << 20  # CUDA graph pools, cuBLAS workspaces, allocator rounding
+    per_block = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * block_size
+    graphs_and_slack = 512 << 20  # CUDA graph pools, cuBLAS workspaces, allocator rounding
     budget = fraction * total - in_use - activations - graphs_and_slack
-    slots = max(0, int(budget // per_slot))
+    blocks = max(0, int(budget // per_block))
     gib = 1 << 30
     summary = (f"{fraction:.2f} of {total / gib:.1f} GiB; in use {in_use / gib:.2f} GiB, prefill peak "
                f"{activations / gib:.2f} GiB -> {max(budget, 0) / gib:.2f} GiB for the KV cache, "
-               f"{per_slot / gib:.3f} GiB per {max_seq_len}-token slot")
-    return slots, summary
+               f"{blocks} blocks of {block_size} positions")
+    return blocks, summary
 
 
 def _same(a: list[_Sequence], b: list[_Sequence]) -> bool:
@@ -192,41 +217,51 @@ class Engine:
         model: CausalLM,
         tokenizer,
         eos_token_ids: set[int],
-        max_batch_size: int = 16,
+        max_num_seqs: int | None = None,
         max_queue: int = 64,
         max_seq_len: int | None = None,
-        max_prefill_tokens: int = 4096,
+        max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         observer: EngineObserver | None = None,
         cuda_graphs: bool = True,
         prefill_graphs: bool = True,
-        gpu_memory_fraction: float | None = None,
+        gpu_memory_fraction: float = 0.9,
+        kv_cache_gib: float = 1.0,
+        block_size: int = 16,
+        prefix_caching: bool = True,
     ):
+        """``max_num_seqs``: sequences running at once (default 256 on CUDA, 64 elsewhere);
+        the KV pool: on CUDA ``gpu_memory_fraction`` of the GPU (``kv_blocks_for_budget``),
+        elsewhere ``kv_cache_gib``; never more blocks than ``max_num_seqs`` sequences of
+        ``max_seq_len`` positions could hold."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
-        self.max_batch_size = max_batch_size
+        on_cuda = model.device.type == "cuda"
+        self.max_num_seqs = max_num_seqs = max_num_seqs or (256 if on_cuda else 64)
         self.max_queue = max_queue
         self.max_seq_len = min(max_seq_len or model.max_seq_len, model.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
         self.observer = observer
         cfg = model.cfg
-        on_cuda = model.device.type == "cuda"
-        if on_cuda and gpu_memory_fraction is not None:
-            # one slot more than the batch on CUDA: the graphs' scratch slot
-            slots, summary = kv_slots_for_budget(model, gpu_memory_fraction, self.max_seq_len, max_prefill_tokens)
-            if slots < 2:
-                raise ValueError(f"the KV cache does not fit: {summary}; lower --max-seq-len or raise "
-                                 f"--gpu-memory-fraction")
-            if slots - 1 < max_batch_size:
-                log.warning("KV budget: %s: max batch size %d -> %d", summary, max_batch_size, slots - 1)
-                max_batch_size = slots - 1
-            else:
-                log.info("KV budget: %s: room for %d slots, using %d", summary, slots, max_batch_size + 1)
-            self.max_batch_size = max_batch_size
-        # On CUDA one extra slot is a scratch area for the padding rows of graph replays.
-        self.cache = KVCache(cfg.num_layers, max_batch_size + on_cuda, cfg.num_kv_heads, self.max_seq_len,
-                             cfg.head_dim, model.dtype, model.device)
-        self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        per_block = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * block_size
+        most = max_num_seqs * -(-self.max_seq_len // block_size)  # every sequence at full length
+        if on_cuda:
+            blocks, summary = kv_blocks_for_budget(model, gpu_memory_fraction, block_size, max_prefill_tokens)
+        else:
+            blocks, summary = int(kv_cache_gib * (1 << 30) // per_block), f"{kv_cache_gib:g} GiB"
+        self.longest = min(blocks, most) * block_size  # the most positions one sequence can hold
+        if self.longest < min(self.max_seq_len, 2 * block_size):
+            raise ValueError(f"the KV cache does not fit: {summary}; lower --max-seq-len or raise "
+                             f"--gpu-memory-fraction")
+        log.info("KV cache: %s; %d blocks of %d positions for %d sequences", summary, min(blocks, most), block_size,
+                 max_num_seqs)
+        # Block 0 and one more row: the scratch block, and the graphs' padding rows' row (every entry block 0).
+        self.cache = KVCache(cfg.num_layers, max_num_seqs + 1, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim,
+                             model.dtype, model.device, block_size=block_size, num_blocks=1 + min(blocks, most))
+        salt = f"{cfg}|{model.dtype}".encode()  # (the pool serves this model only: its config names it)
+        self.kv = KVSpace(self.cache, BlockPool(self.cache.num_blocks, block_size, prefix_caching, salt), max_num_seqs)
+        self.preemptions = 0
+        self._admitted = itertools.count()
         self.history: TokenHistory | None = None  # generated ids per slot, once a request has penalties
         self.grammars = GrammarMatchers(tokenizer, cfg.vocab_size, self.eos) if tokenizer is not None else None
         self.decode = DecodeRunner(model, self.cache)
@@ -234,21 +269,22 @@ class Engine:
         if on_cuda and cuda_graphs:
             from .cuda_graphs import PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 
-            self.graphs = DecodeGraphs(self.decode, max_batch_size, scratch_slot=max_batch_size)
+            self.graphs = DecodeGraphs(self.decode, max_num_seqs, scratch_slot=max_num_seqs)
             self.graphs.capture()
             if prefill_graphs:
-                self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens))
+                self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens),
+                                                    scratch_slot=max_num_seqs)
                 self.prefill_graphs.capture()
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
-        self.prefilling: list[_Sequence] = []  # holding a slot, part of the prompt cached
+        self.prefilling: list[_Sequence] = []  # holding a row, part of the context cached
         self.by_id: dict[str, _Sequence] = {}
         self._outbox: list[tuple[Sink, StreamEvent]] = []  # events not yet handed to their sinks
         # Look-ahead (module docstring): the step queued behind the one being read, and two
         # pinned host buffers for the sampled ids, one per step in flight.
         self._ahead: _Launched | None = None
-        self._pinned = ([torch.empty(max_batch_size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._pinned = ([torch.empty(max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
                         if on_cuda else [])
         self._pinned_next = 0
         self.look_ahead_steps = 0  # look-ahead steps queued ...
@@ -268,10 +304,13 @@ class Engine:
         return len(self.waiting)
 
     @property
-    def kv_tokens_in_use(self) -> int:
-        """Cache positions written by running or prefilling sequences (a scrape-time estimate)."""
-        return (sum(len(s.prompt_ids) + len(s.generated) for s in list(self.running))
-                + sum(s.prefilled for s in list(self.prefilling)))
+    def kv_blocks_total(self) -> int:
+        return self.cache.num_blocks - 1
+
+    @property
+    def kv_blocks_used(self) -> int:
+        """Blocks held by running or prefilling sequences (cached unreferenced ones are free)."""
+        return self.kv.pool.num_used
 
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="woq-engine", daemon=True)
@@ -293,6 +332,11 @@ class Engine:
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"of {self.max_seq_len} tokens"
             )
+        if prompt_tokens + max_tokens > self.longest:
+            raise RequestTooLongError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the KV cache's "
+                f"{self.longest} positions"
+            )
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None,
                choices: list[Sink] | None = None) -> str:
@@ -304,8 +348,8 @@ class Engine:
         if self.tokenizer is None and (params.stop or params.grammar is not None):
             raise ValueError("stop strings and grammars need a tokenizer")
         choices = choices or []
-        if 1 + len(choices) > self.max_batch_size:
-            raise ValueError(f"n = {1 + len(choices)} exceeds the server's batch of {self.max_batch_size} sequences")
+        if 1 + len(choices) > self.max_num_seqs:
+            raise ValueError(f"n = {1 + len(choices)} exceeds the server's batch of {self.max_num_seqs} sequences")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         rid = request_id or f"req-{next(self._ids)}"
         now = time.perf_counter()
@@ -321,10 +365,10 @@ class Engine:
         with self._cv:
             if self._stop:
                 raise EngineStoppedError("the server is shutting down")
-            # Waiting requests up to the free slots are about to be admitted, not queued: a
-            # burst on an idle server gets the free slots and the queue (the engine thread
+            # Waiting requests up to the free rows are about to be admitted, not queued: a
+            # burst on an idle server gets the free rows and the queue (the engine thread
             # admits between steps, after the burst has arrived).
-            if len(self.waiting) >= self.max_queue + len(self.free_slots):
+            if len(self.waiting) >= self.max_queue + len(self.kv.free_rows):
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
             self.waiting.append(seq)
             self.by_id[rid] = seq
@@ -332,7 +376,7 @@ class Engine:
         return rid
 
     def cancel(self, request_id: str) -> None:
-        """Abort a request (client gone): its slot is freed at the next step."""
+        """Abort a request (client gone): its blocks are freed at the next step."""
         with self._cv:
             seq = self.by_id.get(request_id)
             if seq is not None:
@@ -392,25 +436,45 @@ class Engine:
 
     def _prefill_chunks(self) -> list[tuple[_Sequence, int, int]]:
         """This iteration's prefill work within the token budget, as (sequence, first
-        position, tokens): first the rest of prompts begun earlier, then waiting requests
-        that get a slot now; the last one taken may get only a chunk of its prompt."""
+        position, tokens): first the rest of contexts begun earlier, then waiting requests
+        admitted now (a row and their context's blocks free; a cached prefix is not
+        prefilled again); the last one taken may get only a chunk of its context."""
         chunks, budget = [], self.max_prefill_tokens
         for seq in self.prefilling:
             if budget == 0:
                 break
-            n = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            n = min(len(seq.context()) - seq.prefilled, budget)
             chunks.append((seq, seq.prefilled, n))
             budget -= n
-        while budget and self.waiting and len(self.free_slots) > len(self.waiting[0].siblings):
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            for sibling in seq.siblings:
-                sibling.slot = self.free_slots.pop()
+        while budget and self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
+            seq = self.waiting[0]
+            context = seq.context()
+            if self._shares_a_block_being_prefilled(context):
+                break  # admitted once that block is cached, it is not prefilled twice
+            admitted = self.kv.admit(context, reserve=1)  # (and the first decode step's position)
+            if admitted is None:
+                break  # first come, first served: no one overtakes the head of the queue
+            self.waiting.popleft()
+            seq.kv, seq.prefilled = admitted
+            seq.slot, seq.admitted = seq.kv.row, next(self._admitted)
             self.prefilling.append(seq)
-            n = min(len(seq.prompt_ids), budget)
-            chunks.append((seq, 0, n))
+            n = min(len(context) - seq.prefilled, budget)
+            chunks.append((seq, seq.prefilled, n))
             budget -= n
         return chunks
+
+    def _shares_a_block_being_prefilled(self, context: list[int]) -> bool:
+        """Whether a sequence being prefilled shares with ``context`` the full block after its
+        own cached ones (blocks are cached once written: requests with one system prompt
+        arriving together would otherwise all prefill it)."""
+        if not self.kv.pool.prefix_caching:
+            return False
+        bs = self.cache.block_size
+        for other in self.prefilling:
+            end = (other.kv.registered + 1) * bs  # (the new block must not hold context's last token)
+            if end < len(context) and end <= len(other.prompt_ids) and other.prompt_ids[:end] == context[:end]:
+                return True
+        return False
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled]:
@@ -420,34 +484,52 @@ class Engine:
             self._finish(seq, "abort")
 
     def _prefill(self, chunks: list[tuple[_Sequence, int, int]]) -> int:
-        """Prefill ``chunks`` -- whole prompts of a few hundred tokens in all as graph
-        replays, one per prompt, else in one packed forward; the sequences whose prompt is
-        then complete start running with their first token. Returns the prompt tokens."""
+        """Prefill ``chunks`` -- whole contexts of a few hundred tokens in all as graph
+        replays, one per context, else in one packed forward; the sequences whose context
+        is then complete start running: with their first token, or, resumed after a
+        preemption, with the token they had. Returns the tokens prefilled."""
         graphs = self.prefill_graphs
+        contexts = [s.context() for s, _, _ in chunks]
+        self.kv.flush()
         if graphs is not None and sum(n for _, _, n in chunks) <= graphs.max_tokens and all(
-                p == 0 and n == len(s.prompt_ids) for s, p, n in chunks):
+                p == 0 and n == len(c) for (_, p, n), c in zip(chunks, contexts)):
             # (each replay's logits are copied out before the next replay overwrites them)
-            logits = torch.cat([graphs.run(s.prompt_ids, s.slot).clone() for s, _, _ in chunks])
+            logits = torch.cat([graphs.run(c, s.slot).clone() for (s, _, _), c in zip(chunks, contexts)])
         else:
             dev = self.model.device
-            ids = torch.tensor([[t for s, p, n in chunks for t in s.prompt_ids[p:p + n]]], device=dev)
+            ids = torch.tensor([[t for (_, p, n), c in zip(chunks, contexts) for t in c[p:p + n]]], device=dev)
             batch = Prefill.pack([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev,
                                  [p for _, p, _ in chunks])
             logits = self.model(ids, batch, self.cache, last_only=True)
-        done, rows = [], []
-        for i, (seq, p, n) in enumerate(chunks):
+        first, rows = [], []
+        for i, ((seq, p, n), context) in enumerate(zip(chunks, contexts)):
             seq.prefilled = p + n
-            if seq.prefilled == len(seq.prompt_ids):
-                self.prefilling.remove(seq)
-                for s in [seq, *seq.siblings]:
-                    if s is not seq:
-                        self.cache.copy_prefix(seq.slot, s.slot, len(seq.prompt_ids))
-                        s.prefilled = seq.prefilled
-                    done.append(s)
+            self.kv.commit(seq.kv, context[:seq.prefilled])
+            if seq.prefilled < len(context):
+                continue
+            self.prefilling.remove(seq)
+            self.running.append(seq)
+            if seq.generated:  # resumed after a preemption: the next step feeds its last token
+                if self.history is not None and seq.params.penalized:
+                    self.history.resume(seq.slot, seq.prompt_ids, seq.generated)
+                continue
+            first.append(seq)
+            rows.append(i)
+            if not seq.forked:  # the request's other choices share this prefill
+                seq.forked = True
+                for sibling in seq.siblings:
+                    sibling.kv = self.kv.fork(seq.kv, len(context), reserve=1)
+                    if sibling.kv is None:  # no room now: it waits, to start from the cached prompt
+                        self.waiting.appendleft(sibling)
+                        continue
+                    sibling.slot, sibling.admitted, sibling.prefilled = (sibling.kv.row, next(self._admitted),
+                                                                         len(context))
+                    self.running.append(sibling)
+                    first.append(sibling)
                     rows.append(i)
-                    self.running.append(s)
-        if done:
-            self._emit_tokens(done, logits[rows])
+        if first:
+            self.kv.flush()
+            self._emit_tokens(first, logits[rows])
         return sum(n for _, _, n in chunks)
 
     def _decode_step(self, prefill_tokens: int) -> None:
@@ -456,16 +538,50 @@ class Engine:
         if ahead is not None and not _same(ahead.seqs, seqs):
             self.look_ahead_dropped += 1
             ahead = None
+        if ahead is None:
+            seqs = self._make_room(seqs)
         if not seqs:
             return
         step = ahead if ahead is not None else self._launch_step(seqs)
         self.steps += 1
         if self.observer:
             self.observer.on_step(len(seqs), prefill_tokens)
-        if self._may_look_ahead(step):
+        if self._may_look_ahead(step) and self._room_ahead(step.seqs):
             self._ahead = self._launch_next_step(step)
         self._deliver()  # the previous step's events, while the GPU works
         self._accept_all(seqs, step.token_ids(), step.logprobs)
+
+    def _make_room(self, seqs: list[_Sequence]) -> list[_Sequence]:
+        """A block for each sequence's next position, oldest sequences first; where none is
+        free, the newest running sequence is preempted (``_preempt``), until there is one or
+        the sequence itself was the newest. The sequences left to decode."""
+        for seq in sorted(seqs, key=lambda s: s.admitted):
+            while seq.kv is not None and not self.kv.grow(seq.kv, seq.next_position + 1):
+                victim = max((s for s in seqs if s.kv is not None), key=lambda s: s.admitted)
+                self._preempt(victim)
+        self.kv.flush()
+        return [s for s in seqs if s.kv is not None]
+
+    def _room_ahead(self, seqs: list[_Sequence]) -> bool:
+        """A block for each sequence's position after this step's (a step queued ahead writes
+        there), taken only where free: no preemption for a look-ahead."""
+        if not all(self.kv.grow(s.kv, s.next_position + 2) for s in seqs):
+            return False
+        self.kv.flush()
+        return True
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free ``seq``'s blocks and row and queue it first, to be prefilled again from its
+        prompt and generated tokens (``_Sequence.context``); its full blocks stay in the
+        prefix cache, so that prefill mostly finds them there."""
+        self.preemptions += 1
+        self.running.remove(seq)
+        self.kv.release(seq.kv)
+        seq.kv, seq.slot, seq.prefilled = None, -1, 0
+        self.waiting.appendleft(seq)
+        if self.observer:
+            self.observer.on_preempt()
+        log.info("KV cache full: preempted %s at %d tokens", seq.request_id, seq.next_position)
 
     def _launch_step(self, seqs: list[_Sequence]) -> _Launched:
         """Queue one decode step for ``seqs`` from the host's state."""
@@ -491,13 +607,20 @@ class Engine:
         """Whether the next step is known now to decode the same batch by a graph replay."""
         if not step.graph:  # (a graph replay: CUDA, graphs captured)
             return False
-        if self.prefilling or (self.waiting and self.free_slots):  # a newcomer is prefilled first
+        if self.prefilling or self._may_admit():  # a newcomer is prefilled first
             return False
         if any(s.matcher is not None for s in step.seqs):  # (its next mask needs this step's token)
             return False
         # no sequence ends by length with this step's token (its next step would be past it)
         return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len
                    for s in step.seqs)
+
+    def _may_admit(self) -> bool:
+        """Whether the head of the queue may be admitted at the next iteration (a row and
+        its context's blocks free, cached prefixes not counted)."""
+        if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_num_seqs:
+            return False
+        return self.kv.pool.num_free >= self.kv.blocks_for(len(self.waiting[0].context()) + 1)
 
     def _batch_sampling(self, seqs: list[_Sequence]) -> BatchSampling | None:
         """The rows' sampling on the device; None where every row is plain greedy (nothing
@@ -506,7 +629,7 @@ class Engine:
         if all(x.greedy and not x.processed and x.logprobs is None for x in p):
             return None
         if self.history is None and any(x.penalized for x in p):
-            self.history = TokenHistory(self.cache.num_slots, self.max_seq_len, self.model.cfg.vocab_size,
+            self.history = TokenHistory(self.cache.num_rows, self.max_seq_len, self.model.cfg.vocab_size,
                                         self.model.device)
         # (called once the step's forward is queued: the grammars' masks are filled while it runs)
         masks = self.grammars.masks([s.matcher for s in seqs]) if any(s.matcher is not None for s in seqs) else None
@@ -557,6 +680,9 @@ class Engine:
                 self.observer.on_first_token(now - seq.submitted)
         seq.last_token_time = now
         seq.generated.append(token)
+        if self.kv.pool.prefix_caching and seq.kv is not None and seq.next_position % self.cache.block_size == 0:
+            # (a block was completed: positions up to next_position are written)
+            self.kv.commit(seq.kv, (seq.prompt_ids + seq.generated)[:seq.next_position])
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             self._finish(seq, "error", error=f"the grammar refused a token: {seq.matcher.get_error()}")
             return
@@ -580,9 +706,9 @@ class Engine:
             self.running.remove(seq)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
-        if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
-            seq.slot = -1
+        if seq.kv is not None:
+            self.kv.release(seq.kv)
+            seq.kv, seq.slot = None, -1
         self.by_id.pop(seq.request_id, None)
         if reason != "error" and reason != "abort" and seq.stream is not None:
             text += seq.stream.finish()
@@ -591,6 +717,6 @@ class Engine:
             self.observer.on_finish(reason, len(seq.prompt_ids), n_out, time.perf_counter() - seq.submitted)
         self._outbox.append((seq.sink, StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error,
                                                    logprobs)))
-        for sibling in seq.siblings:  # choices not started yet (the prompt still prefilling) end with it
-            if sibling not in self.running:
+        if not seq.forked:  # choices not started yet (the prompt still prefilling) end with it
+            for sibling in seq.siblings:
                 self._finish(sibling, reason, error=error)

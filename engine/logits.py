@@ -24,7 +24,7 @@ from .grammar import apply_masks
 from .sampling import SamplingParams, greedy, sample_some
 
 class TokenHistory:
-    """Each KV slot's generated token ids on the device (``[slots, max_len]``), and the
+    """Each sequence row's generated token ids on the device (``[slots, max_len]``), and the
     vocabulary its prompt holds (``[slots, vocab]`` bool, for the repetition penalty).
     Allocated when a request first needs it."""
 
@@ -37,6 +37,11 @@ class TokenHistory:
         also counts."""
         self.prompt[slot].zero_()
         self.prompt[slot, torch.tensor(prompt_ids, device=self.prompt.device)] = True
+
+    def resume(self, slot: int, prompt_ids: list[int], generated: list[int]) -> None:
+        """A preempted sequence resumes in ``slot``: its prompt and the ids it had generated."""
+        self.start(slot, prompt_ids)
+        self.ids[slot, :len(generated)] = torch.tensor(generated, device=self.ids.device)
 
     def counts(self, slots: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """``[B, vocab]`` int32: each row's generated tokens before index ``steps``."""

@@ -1,7 +1,11 @@
-"""Decode attention over the per-slot KV cache, reading only each sequence's live tokens.
+"""Decode attention over the paged KV cache, reading only each sequence's live tokens.
 
-One query token per sequence (a decode step). The KV cache is ``[slots, kv_heads, T, D]``
-per layer; sequence b lives in slot ``slots[b]`` and has ``lengths[b]`` valid positions.
+One query token per sequence (a decode step). The KV cache is paged
+(``models/kv_cache.py``): per layer ``[blocks, kv_heads, BS, D]``, and one block table
+``[rows, blocks_per_row]``; sequence b owns row ``slots[b]`` of the table and has
+``lengths[b]`` valid positions, position t in block ``block_table[slots[b], t // BS]`` at
+offset ``t % BS``. A tile of the kernel spans several blocks: it gathers its tokens' rows
+through the table (one vectorised load of the tile's entries, then the k and v rows).
 The grid is (sequences, kv heads, splits): each program takes one KV head, all of its
 query heads (grouped-query attention: the KV bytes are read once per group) and one of
 ``splits`` equal contiguous shares of the sequence's live length, keeping a running max
@@ -49,12 +53,27 @@ from .fused import LAUNCH_NEXT, rope_rotate
 
 
 @triton.jit
+def _cache_rows(table_row, t, end, stride_kb, stride_kt, BS: tl.constexpr):
+    """Offsets in one layer's cache (add ``hkv * stride_kh`` for a KV head) of positions
+    ``t`` (a tile) of the sequence whose block-table row starts at ``table_row``.
+
+    One vectorised load of the tile's table entries, one per position: the ``BS`` positions
+    of a block read the same entry, and a tile's entries are a few consecutive int32s (a
+    sector or two), so this costs one dependent round trip ahead of the k/v loads.
+    Masked past ``end``, where the tile may run past the table row (the k/v loads are
+    masked there too; unassigned entries inside the row are 0, the scratch block). Offsets
+    in int64: one layer's pool may pass 2^31 elements."""
+    blk = tl.load(table_row + t // BS, mask=t < end, other=0)
+    return blk.to(tl.int64) * stride_kb + (t % BS) * stride_kt
+
+
+@triton.jit
 def _decode_attention_kernel(
-    Q, K, V, Part, Lse, Out, Counters, slots, lengths, positions, COS, SIN,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
-    stride_ob, stride_oh, stride_rope, scale,
+    Q, K, V, Table, Part, Lse, Out, Counters, slots, lengths, positions, COS, SIN,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_pb, stride_ps, stride_ph,
+    stride_lb, stride_ls, stride_ob, stride_oh, stride_rope, scale,
     HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, LAUNCH: tl.constexpr,
+    BS: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, LAUNCH: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // HKV
     if PDL and LAUNCH == 0:  # when the next kernel may launch: fused.LAUNCH_NEXT
@@ -63,10 +82,10 @@ def _decode_attention_kernel(
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     # Before waiting for the previous kernel (the qkv projection), all that does not
-    # depend on it: the step's inputs (written before the step's first kernel) and the
-    # cached k and v of the earlier positions -- the first tile's DRAM latency then
-    # passes while the projection still runs instead of after it.
-    slot = tl.load(slots + b)
+    # depend on it: the step's inputs (written before the step's first kernel: the block
+    # table too) and the cached k and v of the earlier positions -- the first tile's DRAM
+    # latency then passes while the projection still runs instead of after it.
+    table_row = Table + tl.load(slots + b) * stride_table  # this sequence's blocks
     length = tl.load(lengths + b)
     # This sequence's shares: SPLITS equal ones of the live length (multiples of 16
     # tokens), at least a tile each: a short sequence takes one program per KV head, which
@@ -85,14 +104,18 @@ def _decode_attention_kernel(
     if start < end:
         d = tl.arange(0, D)
         t = start + tl.arange(0, BLOCK)
-        k_base = K + slot * stride_ks + hkv * stride_kh
-        v_base = V + slot * stride_ks + hkv * stride_kh
+        k_base = K + hkv * stride_kh
+        v_base = V + hkv * stride_kh
+        rows = _cache_rows(table_row, t, end, stride_kb, stride_kt, BS)
         cached = ((t < end) & (t != pos))[:, None]
-        k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=cached, other=0.0)
-        v = tl.load(v_base + t[:, None] * stride_kt + d[None, :], mask=cached, other=0.0)
-        if ROPE:  # this position's RoPE rows (fp32 tables, DRAM) too
+        k = tl.load(k_base + rows[:, None] + d[None, :], mask=cached, other=0.0)
+        v = tl.load(v_base + rows[:, None] + d[None, :], mask=cached, other=0.0)
+        if ROPE:  # this position's RoPE rows (fp32 tables, DRAM) and cache row too
             cos = tl.load(COS + pos * stride_rope + d)
             sin = tl.load(SIN + pos * stride_rope + d)
+            owner = (pos >= start) & (pos < end)  # this share holds the new position: it caches k and v
+            new = tl.load(table_row + pos // BS, mask=owner, other=0).to(tl.int64) * stride_kb
+            new += (pos % BS) * stride_kt
         if PDL:
             tl.extra.cuda.gdc_wait()
 
@@ -110,9 +133,9 @@ def _decode_attention_kernel(
             v_new = tl.load(Q + b * stride_qb + (HEADS + HKV + hkv) * stride_qh + d)
             # the share holding the new position caches it, and every share takes it from
             # registers (its tile left that row out), so nothing waits for the store
-            mine = (d < D) & (pos >= start) & (pos < end)
-            tl.store(k_base + pos * stride_kt + d, k_new, mask=mine)
-            tl.store(v_base + pos * stride_kt + d, v_new, mask=mine)
+            mine = (d < D) & owner
+            tl.store(k_base + new + d, k_new, mask=mine)
+            tl.store(v_base + new + d, v_new, mask=mine)
             new_row = (t == pos)[:, None]
             k = tl.where(new_row, k_new[None, :], k)
             v = tl.where(new_row, v_new[None, :], v)
@@ -129,13 +152,14 @@ def _decode_attention_kernel(
         for t0 in range(start + BLOCK, end, BLOCK):
             t = t0 + tl.arange(0, BLOCK)
             tmask = t < end
-            k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=tmask[:, None], other=0.0)
+            rows = _cache_rows(table_row, t, end, stride_kb, stride_kt, BS)
+            k = tl.load(k_base + rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_base + t[:, None] * stride_kt + d[None, :], mask=tmask[:, None], other=0.0)
+            v = tl.load(v_base + rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -206,11 +230,17 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
     return have
 
 
-def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-            lengths: torch.Tensor, B: int, H: int, D: int, splits: int | None, block: int | None,
-            stages: int | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-            launch_next: str = "start", programmatic: bool = False) -> torch.Tensor:
-    Hkv = k_cache.shape[1]
+def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_table: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, B: int, H: int, D: int,
+            splits: int | None, block: int | None, stages: int | None,
+            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, launch_next: str = "start",
+            programmatic: bool = False) -> torch.Tensor:
+    Hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    # (k and v share one set of strides, a position's D values are contiguous, so are a
+    # table row's entries)
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1, "k and v caches of one layout"
+    assert block_table.stride(1) == 1, "block-table rows must be contiguous"
+    assert bs & (bs - 1) == 0, f"cache block size {bs} is not a power of two"
     group = H // Hkv
     if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
         splits = min(16, math.ceil(2 * sm_count(q_src.device) / (B * Hkv)))
@@ -224,22 +254,24 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
     counters = _merge_counters(q_src.device, B * Hkv)
     positions, cos, sin = rope if rope is not None else (lengths, q_src, q_src)  # (unread without RoPE)
     _decode_attention_kernel[(B, Hkv, splits)](
-        q_src, k_cache, v_cache, part, lse, out, counters, slots, lengths, positions, cos, sin,
-        q_src.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q_src, k_cache, v_cache, block_table, part, lse, out, counters, slots, lengths, positions, cos, sin,
+        q_src.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), 1.0 / math.sqrt(D),
-        HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, SPLITS=splits,
+        HEADS=H, HKV=Hkv, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK=block, BS=bs, SPLITS=splits,
         ROPE=rope is not None, LAUNCH=LAUNCH_NEXT[launch_next], num_warps=min(16, max(4, block * D // 2048)),
         num_stages=stages, **pdl.triton_kwargs(q_src.device, programmatic),
     )
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, splits: int | None = None, block: int | None = None,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, splits: int | None = None, block: int | None = None,
                      stages: int | None = None, programmatic: bool = False) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
-    positions of slot ``slots[b]`` in ``k_cache``/``v_cache`` ``[S, Hkv, T, D]``; ``[B, H, D]``.
+    positions of block-table row ``slots[b]``; ``[B, H, D]``. ``k_cache``/``v_cache``: one
+    layer's blocks ``[N, Hkv, BS, D]`` (BS a power of two), ``block_table``: int32 ``[rows,
+    blocks_per_row]``, position t of row r in block ``block_table[r, t // BS]``.
 
     ``splits`` (rounded up to a power of two; default: from the batch and the GPU's SMs)
     shares per sequence and KV head, each at least ``block`` tokens (a power of two >= 16)
@@ -248,20 +280,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     B, H, D = q.shape
     q = q.contiguous()
-    return _launch(q, q.stride(1), k_cache, v_cache, slots, lengths, B, H, D, splits, block, stages, None,
-                   programmatic=programmatic)
+    return _launch(q, q.stride(1), k_cache, v_cache, block_table, slots, lengths, B, H, D, splits, block, stages,
+                   None, programmatic=programmatic)
 
 
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         heads: int, head_dim: int, splits: int | None = None, block: int | None = None,
-                         stages: int | None = None, launch_next: str = "start",
+                         block_table: torch.Tensor, heads: int, head_dim: int, splits: int | None = None,
+                         block: int | None = None, stages: int | None = None, launch_next: str = "start",
                          programmatic: bool = False) -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
-    ``fused.rope_and_cache`` takes them), k and v stored at that position of slot
-    ``slots[b]``, then ``decode_attention`` of q over ``lengths[b]`` (> ``positions[b]``)
-    positions; ``[B, H, D]``."""
+    ``fused.rope_and_cache`` takes them), k and v stored at that position of block-table
+    row ``slots[b]`` (its block through ``block_table``), then ``decode_attention`` of q over
+    ``lengths[b]`` (> ``positions[b]``) positions; ``[B, H, D]``."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
-    return _launch(qkv, head_dim, k_cache, v_cache, slots, lengths, qkv.shape[0], heads, head_dim, splits, block,
-                   stages, (positions, cos, sin), launch_next, programmatic)
+    return _launch(qkv, head_dim, k_cache, v_cache, block_table, slots, lengths, qkv.shape[0], heads, head_dim,
+                   splits, block, stages, (positions, cos, sin), launch_next, programmatic)

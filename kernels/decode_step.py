@@ -4,9 +4,10 @@ that never waits for activations, the layers' stages ordered by counters in glob
 instead of kernel boundaries.
 
 ``DecodeStep`` holds what the kernel reads besides each step's inputs: the layer table
-(pointers to every weight, norm and cache, built once), the step's buffers and its
-counters. It takes int4 g128 weights (with or without zero points) in the GPU layout, fp16
-or bf16, on sm_90; ``DecodeStep.supported`` says whether a model's layers qualify.
+(pointers to every weight, norm and cache and to the KV cache's block table, built once),
+the step's buffers and its counters. It takes int4 g128 weights (with or without zero
+points) in the GPU layout, fp16 or bf16, on sm_90; ``DecodeStep.supported`` says whether a
+model's layers qualify.
 """
 from __future__ import annotations
 
@@ -22,13 +23,17 @@ class DecodeStep:
 
     ``layers``: per decoder layer, ``(qkv, o, gate_up, down, input_norm_weight,
     post_norm_weight)`` with the four weights as ``GpuWeight`` (gate/up with SwiGLU-
-    interleaved rows); ``k_caches``/``v_caches``: per layer ``[slots, kv_heads, positions,
-    head_dim]``; ``cos``/``sin``: the fp32 RoPE tables ``[positions, head_dim]``.
+    interleaved rows); ``k_caches``/``v_caches``: per layer the paged cache ``[blocks,
+    kv_heads, block_size, head_dim]`` (contiguous, ``block_size`` a power of two);
+    ``block_table``: int32 ``[rows, blocks_per_row]``, every layer's (``models/kv_cache.py``:
+    position t of row r is in block ``block_table[r, t // block_size]``), rewritten in place
+    by its owner, never reallocated (the layer table holds its address); ``cos``/``sin``: the
+    fp32 RoPE tables ``[positions, head_dim]``.
     """
 
     def __init__(self, layers: list[tuple], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, eps: float,
-                 options: DecodeStepOptions = DecodeStepOptions(), shares: int | None = None):
+                 block_table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
+                 eps: float, options: DecodeStepOptions = DecodeStepOptions(), shares: int | None = None):
         qkv0, o0, _, down0 = layers[0][:4]
         device, dtype = k_caches[0].device, o0.dtype
         kv_heads = k_caches[0].shape[1]
@@ -63,11 +68,12 @@ class DecodeStep:
         # start, in column 0; zeros elsewhere, so a row's max is its latest stamp: kernels/observe.py)
         self.stamps = torch.zeros(torch.ops.woq.decode_step_counters(len(layers)), sm_count(device), device=device,
                                   dtype=torch.int64)
+        self.block_table = block_table  # (kept alive, as the caches: the table points at them)
         self.caches = (k_caches, v_caches, cos, sin)
         self.table = torch.ops.woq.decode_step_plan(
             [w.qweight for w in self.weights], [w.scales for w in self.weights],
-            [w.zeros for w in self.weights] if self.zeros else [], self.norms, k_caches, v_caches, self.qkv,
-            self.attn, self.part, self.lse, self.merge_counters, cos, sin, heads, head_dim)
+            [w.zeros for w in self.weights] if self.zeros else [], self.norms, k_caches, v_caches, block_table,
+            self.qkv, self.attn, self.part, self.lse, self.merge_counters, cos, sin, heads, head_dim)
 
     @staticmethod
     def supported(layers: list[tuple[GpuWeight, ...]], device: torch.device) -> bool:
@@ -94,8 +100,8 @@ class DecodeStep:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  lengths: torch.Tensor, stamps: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after every layer for the embedding ``h`` ``[hidden]`` (in
-        place), the token at ``positions[0]`` of slot ``slots[0]`` cached, attention over
-        ``lengths[0]`` positions; with ``stamps`` (``self.stamps``) the stages' end times
+        place), the token at ``positions[0]`` of block-table row ``slots[0]`` cached, attention
+        over ``lengths[0]`` positions; with ``stamps`` (``self.stamps``) the stages' end times
         written there. Launch-only: a CUDA graph captures it."""
         torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
                                   self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,

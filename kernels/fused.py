@@ -118,10 +118,10 @@ def rope_rotate(x, partner, d, cos, sin, D: tl.constexpr):
 
 
 @triton.jit
-def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
-                           stride_qkv, stride_q, stride_qh, stride_cs, stride_ch, stride_ct, stride_rope,
+def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Table, Q, KC, VC,
+                           stride_qkv, stride_q, stride_qh, stride_cb, stride_ch, stride_ct, stride_table, stride_rope,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BS: tl.constexpr, PDL: tl.constexpr):
     # One token's HEADS consecutive heads of q, k, v (in that order) per program: a
     # prefill's rows are thousands of tokens, and a program per (token, head) spent
     # several times the bandwidth time.
@@ -129,7 +129,9 @@ def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
     tok = tl.program_id(0)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     pos = tl.load(positions + tok)
-    slot = tl.load(slots + tok)
+    # The paged cache (models/kv_cache.py): the token's row of the block table names the
+    # block of its position (int64 offsets: one layer's pool may pass 2^31 elements).
+    block = tl.load(Table + tl.load(slots + tok) * stride_table + pos // BS).to(tl.int64)
     d = tl.arange(0, D)
     src = QKV + tok * stride_qkv + head[:, None] * D
     live = head[:, None] < H + 2 * HKV
@@ -140,26 +142,31 @@ def _rope_and_cache_kernel(QKV, COS, SIN, positions, slots, Q, KC, VC,
     is_q = head[:, None] < H
     is_k = (head[:, None] >= H) & (head[:, None] < H + HKV)
     is_v = (head[:, None] >= H + HKV) & live
-    cache = slot * stride_cs + pos * stride_ct + d[None, :]  # (masked rows' offsets are never used)
+    cache = block * stride_cb + (pos % BS) * stride_ct + d[None, :]  # (masked rows' offsets are never used)
     tl.store(Q + tok * stride_q + head[:, None] * stride_qh + d[None, :], y, mask=is_q)
     tl.store(KC + cache + (head[:, None] - H) * stride_ch, y, mask=is_k)
     tl.store(VC + cache + (head[:, None] - H - HKV) * stride_ch, x, mask=is_v)
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-                   head_dim: int, programmatic: bool = False) -> torch.Tensor:
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   heads: int, kv_heads: int, head_dim: int, programmatic: bool = False) -> torch.Tensor:
     """One token per row: rotate q and k of ``qkv`` ``[B, (H + 2 Hkv) D]`` at ``positions``
-    ``[B]``, store k and v at that position of cache slot ``slots[b]`` (``k_cache``/``v_cache``:
-    one layer, ``[S, Hkv, T, D]``), and return the rotated q ``[B, H, D]``."""
+    ``[B]``, store k and v at that position of block-table row ``slots[b]`` (``k_cache``/
+    ``v_cache``: one layer's blocks ``[N, Hkv, BS, D]``, BS a power of two; ``block_table``:
+    int32 ``[rows, blocks_per_row]``, position t of row r in block ``block_table[r, t //
+    BS]`` at offset ``t % BS``), and return the rotated q ``[B, H, D]``."""
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1, "k and v caches of one layout"
+    assert block_table.stride(1) == 1, "block-table rows must be contiguous"
     B = qkv.shape[0]
     q = torch.empty(B, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     total = heads + 2 * kv_heads
     per_program = min(triton.next_power_of_2(total), max(1, 2048 // head_dim))  # ~2K elements a program
     _rope_and_cache_kernel[(B, triton.cdiv(total, per_program))](
-        qkv, cos, sin, positions, slots, q, k_cache, v_cache,
+        qkv, cos, sin, positions, slots, block_table, q, k_cache, v_cache,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        cos.stride(0), H=heads, HKV=kv_heads, D=head_dim, HEADS=per_program, num_warps=4,
+        block_table.stride(0), cos.stride(0), H=heads, HKV=kv_heads, D=head_dim, HEADS=per_program,
+        BS=k_cache.shape[2], num_warps=4,
         **pdl.triton_kwargs(qkv.device, programmatic),
     )
     return q

@@ -80,7 +80,8 @@ class _Attention:
         cache = self.cache
         if self.fused is not None:
             return self.fused.rope_and_cache(qkv, positions, slots, self.rope.cos, self.rope.sin, cache.k[layer],
-                                             cache.v[layer], H, Hkv, D, programmatic=self.programmatic)
+                                             cache.v[layer], cache.block_table, H, Hkv, D,
+                                             programmatic=self.programmatic)
         q, k, v = self.h.split(qkv)
         q = self.rope(q.view(1, T, H, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
         k = self.rope(k.view(1, T, Hkv, D).transpose(1, 2), positions[None])[0].transpose(0, 1)
@@ -104,10 +105,11 @@ class CausalAttention(_Attention):
 
 
 class PrefillAttention(_Attention):
-    """Packed prompt chunks. Every token's rotated k and v go to its slot first (on CUDA RoPE
-    and the write are one kernel for all tokens); a chunk of n tokens from position p then
-    sees the contiguous positions ``[0, p + n)`` of its slot (its prompt's earlier chunks
-    are there already), causally aligned to the end: one SDPA call per chunk."""
+    """Packed prompt chunks. Every token's rotated k and v go to its row's blocks first (on
+    CUDA RoPE and the write are one kernel for all tokens); a chunk of n tokens from
+    position p then sees positions ``[0, p + n)`` of its row (its prompt's earlier chunks,
+    or blocks of a cached prefix, are there already), gathered from the blocks into one
+    contiguous run, causally aligned to the end: one SDPA call per chunk."""
 
 
     def context(self):
@@ -116,13 +118,12 @@ class PrefillAttention(_Attention):
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         b = self.batch
         H, D = self.h.heads, self.h.head_dim
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         q = self._rope_and_cache(layer, qkv, b.positions.view(-1), b.slots).transpose(0, 1)  # [H, T, D]
         outs, start = [], 0
         for n, slot, p in zip(b.prompt_lens, b.prompt_slots, b.prompt_starts):
             causal = {"is_causal": True} if p == 0 else {"attn_mask": causal_lower_right(n, p + n)}
-            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k_cache[None, slot, :, :p + n],
-                                                 v_cache[None, slot, :, :p + n], enable_gqa=H != self.h.kv_heads,
+            k, v = self.cache.read(layer, slot, p + n)
+            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k, v, enable_gqa=H != self.h.kv_heads,
                                                  **causal)
             outs.append(out[0].transpose(0, 1).reshape(n, H * D))
             start += n
@@ -131,7 +132,7 @@ class PrefillAttention(_Attention):
 
 class PaddedPromptAttention(_Attention):
     """One whole prompt padded to T tokens, every value on the device (a CUDA graph captures
-    it): its keys and values are read back from its slot, positions ``[0, T)``."""
+    it): its keys and values are read back from its row's blocks, positions ``[0, T)``."""
 
 
     def context(self):
@@ -156,8 +157,8 @@ class FusedDecodeAttention(_Attention):
 
         b, B = self.batch, qkv.shape[0]
         out = rope_cache_attention(qkv, b.positions.view(B), b.slots, b.lengths, self.rope.cos, self.rope.sin,
-                                   self.cache.k[layer], self.cache.v[layer], self.h.heads, self.h.head_dim,
-                                   programmatic=self.programmatic)
+                                   self.cache.k[layer], self.cache.v[layer], self.cache.block_table, self.h.heads,
+                                   self.h.head_dim, programmatic=self.programmatic)
         return out.view(B, -1)
 
 
@@ -177,8 +178,8 @@ class TorchDecodeAttention(_Attention):
         if qkv.is_cuda:
             from ..kernels.decode_attention import decode_attention
 
-            out = decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], b.slots, b.lengths,
-                                   programmatic=self.programmatic)
+            out = decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], self.cache.block_table,
+                                   b.slots, b.lengths, programmatic=self.programmatic)
             return out.reshape(B, H * D)
         length = int(b.lengths.max())
         k, v = self.cache.read(layer, b.slots, length)

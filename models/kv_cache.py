@@ -1,14 +1,25 @@
-"""Per-slot KV cache: one fixed region of ``max_seq_len`` positions per sequence slot.
+"""Paged KV cache: keys and values in fixed-size blocks of one pool, found through a table.
 
-Layout ``[layers, slots, kv_heads, max_seq_len, head_dim]``: a decode step gathers the
-rows of the batch's slots and reads positions ``[0, L)`` only, L being the longest live
-sequence of the batch, so attention cost follows the live tokens rather than the cache
-size. Memory is fixed at allocation (slots × max_seq_len), which is what bounds
-admission: a request waits until a slot frees. The cache is zero-filled so that
-positions a shorter sequence has not written are finite (they are masked out, but a
+Layout per layer ``[blocks, kv_heads, block_size, head_dim]``, and one block table
+``[rows, blocks_per_row]`` (int32, on the device) shared by every layer: a sequence owns a
+row, and position t of the sequence in row r lives in block ``block_table[r, t //
+block_size]`` at offset ``t % block_size``. A batch names its sequences by row (the
+``slots`` of ``models/batches.py``), so every kernel of a step reads a table on the device
+and a CUDA graph replays at any block assignment.
+
+Block 0 is a scratch block that no sequence owns: every table entry not assigned points
+at it, so a write past a sequence's blocks (a graph's padding rows, a decode step queued
+ahead for a sequence that has ended) lands there, and a read past a sequence's length,
+which attention masks, reads finite values. The pool is zero-filled for that reason (a
 masked NaN would still poison ``softmax @ V``).
+
+Which blocks a row gets is the engine's choice (``engine/kv_blocks.py``: allocation and
+prefix caching); without ``num_blocks`` every row gets blocks of its own up front, the
+fixed-slot cache of a caller that does not page (tests, scoring, benchmarks).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,37 +28,80 @@ class KVCache:
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        num_rows: int,
         num_kv_heads: int,
         max_seq_len: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        block_size: int = 16,
+        num_blocks: int | None = None,
     ):
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {block_size}")
+        self.block_size = block_size
+        self.blocks_per_row = math.ceil(max_seq_len / block_size)
+        fixed = num_blocks is None
+        if fixed:
+            num_blocks = 1 + num_rows * self.blocks_per_row
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
+        self.block_table = torch.zeros(num_rows, self.blocks_per_row, dtype=torch.int32, device=device)
+        if fixed:
+            self.block_table += torch.arange(1, num_blocks, dtype=torch.int32, device=device).view(num_rows, -1)
+        self.num_rows = num_rows
+        self.num_blocks = num_blocks
         self.max_seq_len = max_seq_len
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def bytes_per_block(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store token rows ``k``/``v`` ``[N, kv_heads, D]`` at ``positions`` ``[N]`` of ``slots`` ``[N]``."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+    # -- the table (host-driven: the engine's allocator decides) -----------------------
+    def assign(self, row: int, first: int, blocks: list[int]) -> None:
+        """Point entries ``[first, first + len(blocks))`` of ``row`` at ``blocks``."""
+        if blocks:
+            self.block_table[row, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Copy slot ``src``'s first ``length`` positions (every layer) into slot ``dst``: a
-        prompt prefilled once, shared by the sequences of one request's choices."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+    def release(self, row: int) -> None:
+        """Point every entry of ``row`` back at the scratch block."""
+        self.block_table[row].zero_()
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, kv_heads, length, D]`` of ``slots``."""
-        return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s keys and values (every layer) into block ``dst``."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    # -- torch reads and writes (the kernels do the same through the table) -------------
+    def locate(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each position ``[N]`` of its row ``[N]``."""
+        blocks = self.block_table[rows, positions // self.block_size].long()
+        return blocks, positions % self.block_size
+
+    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store token rows ``k``/``v`` ``[N, kv_heads, D]`` at ``positions`` ``[N]`` of ``rows`` ``[N]``."""
+        blocks, offsets = self.locate(rows, positions)
+        self.k[layer][blocks, :, offsets] = k
+        self.v[layer][blocks, :, offsets] = v
+
+    def read(self, layer: int, rows: torch.Tensor | int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, kv_heads, length, D]`` of positions ``[0, length)`` of ``rows``
+        ``[B]`` (an int: that one row, B = 1), gathered block by block (``length`` a host
+        value: the shapes follow it)."""
+        n = math.ceil(length / self.block_size)
+        table = self.block_table[rows:rows + 1] if isinstance(rows, int) else self.block_table[rows]
+        blocks = table[:, :n].long()  # [B, n]
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            x = pool[blocks]  # [B, n, Hkv, bs, D]
+            B, _, H, bs, D = x.shape
+            return x.transpose(1, 2).reshape(B, H, n * bs, D)[:, :, :length]
+
+        return gather(self.k[layer]), gather(self.v[layer])

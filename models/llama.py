@@ -213,7 +213,8 @@ class CausalLM(nn.Module):
         if not DecodeStep.supported(weights, self.device):
             return None
         layers = [(*w, layer.input_norm.weight, layer.post_norm.weight) for w, layer in zip(weights, self.layers)]
-        return DecodeStep(layers, list(cache.k), list(cache.v), self.rope.cos, self.rope.sin, self.cfg.num_heads,
+        return DecodeStep(layers, list(cache.k), list(cache.v), cache.block_table, self.rope.cos, self.rope.sin,
+                          self.cfg.num_heads,
                           self.cfg.head_dim, self.layers[0].input_norm.eps, self.options.decode_step)
 
     @torch.inference_mode()

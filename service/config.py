@@ -1,7 +1,7 @@
 """Configuration: one pydantic-settings model per command, read from flags and ``WOQ_*``.
 
-Every field is both a kebab-case flag (``--max-batch-size 8``) and an environment
-variable (``WOQ_MAX_BATCH_SIZE=8``); flags win. ``docs``/README list them all.
+Every field is both a kebab-case flag (``--max-num-seqs 8``) and an environment
+variable (``WOQ_MAX_NUM_SEQS=8``); flags win. ``docs``/README list them all.
 """
 from __future__ import annotations
 
@@ -79,12 +79,17 @@ class ServeSettings(ModelSettings):
     served_model_name: str | None = Field(None, description="model name clients send (default: from the model)")
     chat_template: FilePath | None = Field(None, description="a Jinja chat template file to use instead of the model's "
                                                          "(its tool-call format is read from it)")
-    max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together (KV slots)")
-    gpu_memory_fraction: float | None = Field(
-        None, gt=0, le=1, description="share of GPU memory for weights + KV cache: caps --max-batch-size to what fits")
-    max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
-    max_prefill_tokens: int = Field(4096, ge=1, description="prompt tokens prefilled between two decode steps "
-                                    "(longer prompts go in chunks)")
+    max_num_seqs: int | None = Field(None, ge=1, le=1024, description="sequences running at once (default: 256 "
+                                     "on CUDA, 64 on CPU)")
+    gpu_memory_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory for weights + KV cache: the "
+                                       "KV pool takes what is left after the weights and a measured prefill peak")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (GiB)")
+    block_size: Literal[8, 16, 32, 64] = Field(16, description="positions per KV cache block")
+    prefix_caching: bool = Field(True, description="reuse the cached KV blocks of a prompt's prefix across requests")
+    max_queue: int = Field(64, ge=0, description="requests waiting for KV blocks before new ones get 429")
+    max_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens prefilled between two decode steps "
+                                           "(longer prompts go in chunks), which bounds a running stream's stall "
+                                           "(default: the engine's, measured: docs/design/engine.md)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics "
                                      "(under CUDA graphs: one replay in N runs the graph's timed twin)")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from ..kernels.observe import KernelCall, KernelTiming, m_bucket
@@ -48,10 +49,12 @@ class Metrics:
                              ["finish_reason"], buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("woq_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("woq_generation_tokens", "Tokens generated", registry=r)
-        self.running = Gauge("woq_requests_running", "Requests holding a KV slot (decoding)", registry=r)
-        self.waiting = Gauge("woq_requests_waiting", "Requests queued for a KV slot", registry=r)
+        self.running = Gauge("woq_requests_running", "Requests holding KV blocks (prefilling or decoding)", registry=r)
+        self.waiting = Gauge("woq_requests_waiting", "Requests queued for KV blocks", registry=r)
         self.batch_size = Histogram("woq_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS, registry=r)
         self.prefill_tokens = Counter("woq_prefill_tokens", "Prompt tokens prefilled between decode steps", registry=r)
+        self.preemptions = Counter("woq_preemptions", "Sequences preempted for KV blocks (recomputed later)",
+                                   registry=r)
         labels = ["path", "layer", "bits", "m_bucket"]
         self.kernel_latency = Histogram("woq_kernel_latency_seconds",
                                         "Latency of sampled quantized-linear calls by dispatch path",
@@ -83,12 +86,16 @@ class Metrics:
         r = self.registry
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
-        Gauge("woq_kv_cache_slots", "KV cache slots (sequences that can decode together)",
-              registry=r).set_function(lambda: engine.max_batch_size)
-        Gauge("woq_kv_cache_tokens", "Tokens held in the KV cache by running requests",
-              registry=r).set_function(lambda: engine.kv_tokens_in_use)
-        Gauge("woq_kv_cache_usage_ratio", "KV cache positions in use / positions allocated",
-              registry=r).set_function(lambda: engine.kv_tokens_in_use / (engine.max_batch_size * engine.max_seq_len))
+        Gauge("woq_kv_cache_blocks", "KV cache blocks in the pool", registry=r).set(engine.kv_blocks_total)
+        Gauge("woq_kv_cache_block_size", "Positions per KV cache block", registry=r).set(engine.cache.block_size)
+        Gauge("woq_kv_cache_blocks_used", "KV cache blocks held by running or prefilling requests",
+              registry=r).set_function(lambda: engine.kv_blocks_used)
+        Gauge("woq_kv_cache_usage_ratio", "KV cache blocks held / blocks in the pool",
+              registry=r).set_function(lambda: engine.kv_blocks_used / engine.kv_blocks_total)
+        pool = engine.kv.pool
+        r.register(_PrefixCacheCollector(pool))
+        Gauge("woq_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens looked up",
+              registry=r).set_function(lambda: pool.hit_tokens / max(pool.query_tokens, 1))
         Gauge("woq_kv_cache_bytes", "Bytes allocated to the KV cache", registry=r).set(engine.cache.nbytes())
         device = engine.model.device
         if device.type == "cuda":
@@ -106,6 +113,9 @@ class Metrics:
         self.batch_size.observe(batch_size)
         if prefill_tokens:
             self.prefill_tokens.inc(prefill_tokens)
+
+    def on_preempt(self) -> None:
+        self.preemptions.inc()
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -158,3 +168,18 @@ class _FlushBeforeScrape(Collector):
         for timing in self.timings:
             timing.flush()
         return []
+
+
+class _PrefixCacheCollector(Collector):
+    """The prefix cache's token counts, read from the engine's block pool at scrape time
+    (the pool counts them where it looks prefixes up)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        queries = CounterMetricFamily("woq_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache")
+        queries.add_metric([], self.pool.query_tokens)
+        hits = CounterMetricFamily("woq_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
+        hits.add_metric([], self.pool.hit_tokens)
+        return [queries, hits]

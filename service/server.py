@@ -64,10 +64,12 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
     metrics.bind_timing(timing, copy_bandwidth(model.device, settings.runtime_options().cache_dir) if on_cuda else None)
     device = torch.cuda.get_device_name(model.device) if on_cuda else "cpu"
     metrics.describe(settings.served_model_name or loaded.name, loaded.quantization, device, source_hash())
-    engine = Engine(model, loaded.tokenizer, eos_token_ids(loaded), max_batch_size=settings.max_batch_size,
-                    max_queue=settings.max_queue, max_seq_len=settings.max_seq_len,
-                    max_prefill_tokens=settings.max_prefill_tokens, observer=metrics, cuda_graphs=settings.cuda_graphs,
-                    prefill_graphs=settings.prefill_graphs, gpu_memory_fraction=settings.gpu_memory_fraction).start()
+    budget = {"max_prefill_tokens": settings.max_prefill_tokens} if settings.max_prefill_tokens else {}
+    engine = Engine(model, loaded.tokenizer, eos_token_ids(loaded), max_num_seqs=settings.max_num_seqs,
+                    max_queue=settings.max_queue, max_seq_len=settings.max_seq_len, observer=metrics,
+                    cuda_graphs=settings.cuda_graphs, prefill_graphs=settings.prefill_graphs,
+                    gpu_memory_fraction=settings.gpu_memory_fraction, kv_cache_gib=settings.kv_cache_gib,
+                    block_size=settings.block_size, prefix_caching=settings.prefix_caching, **budget).start()
     metrics.bind_engine(engine)
     return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
                        api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,

@@ -73,6 +73,28 @@ def smollm2_int4(smollm2_dir):
     return load_model(str(smollm2_dir), QuantConfig("int4"), device="cpu", max_seq_len=1024, progress=False)
 
 
+class PrefillCounter:
+    """An engine observer that adds up the prompt tokens prefilled (and ignores the rest)."""
+
+    def __init__(self):
+        self.prefill_tokens = 0
+
+    def on_step(self, batch_size, prefill_tokens):
+        self.prefill_tokens += prefill_tokens
+
+    def on_preempt(self):
+        pass
+
+    def on_first_token(self, seconds):
+        pass
+
+    def on_token_latency(self, seconds):
+        pass
+
+    def on_finish(self, *args):
+        pass
+
+
 def metric_value(text: str, name: str, **labels) -> float:
     """The value of the series ``name{labels}`` in a Prometheus text exposition (0 if absent)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -132,7 +154,7 @@ def smollm2_server(smollm2_dir):
     """``woq serve`` of SmolLM2 int4 for one test module, served as "smollm2" (4 sequences,
     1024-token context)."""
     s = LiveServer("--model", str(smollm2_dir), "--served-model-name", "smollm2", "--quant", "int4",
-                   "--max-seq-len", "1024", "--max-batch-size", "4")
+                   "--max-seq-len", "1024", "--max-num-seqs", "4")
     yield s
     s.stop()
 

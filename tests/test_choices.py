@@ -7,28 +7,13 @@ import pytest
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
 
-
-class _Steps:
-    def __init__(self):
-        self.prefill_tokens = 0
-
-    def on_step(self, batch_size, prefill_tokens):
-        self.prefill_tokens += prefill_tokens
-
-    def on_first_token(self, seconds):
-        pass
-
-    def on_token_latency(self, seconds):
-        pass
-
-    def on_finish(self, *args):
-        pass
+from conftest import PrefillCounter
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_int4):
     lm = smollm2_int4
-    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_batch_size=6, max_queue=16,
+    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_num_seqs=6, max_queue=16,
                  max_seq_len=256).start()
     yield eng
     eng.shutdown()
@@ -55,7 +40,7 @@ def test_choices_share_one_prefill_and_each_equals_its_own_request(engine, smoll
     tok = smollm2_int4.tokenizer
     prompt = tok("Here is a short story about a robot:")["input_ids"]
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=77, ignore_eos=True)
-    steps = _Steps()
+    steps = PrefillCounter()
     engine.observer = steps
     _, done, out = _choices(engine, prompt, params, 4)
     for _ in range(4):
@@ -68,7 +53,7 @@ def test_choices_share_one_prefill_and_each_equals_its_own_request(engine, smoll
     assert len({tuple(ids) for ids, _ in out}) > 1  # (different seeds, different draws)
 
 
-def test_cancelling_a_request_ends_every_choice_and_frees_every_slot(engine, smollm2_int4):
+def test_cancelling_a_request_ends_every_choice_and_frees_every_block(engine, smollm2_int4):
     tok = smollm2_int4.tokenizer
     prompt = tok("Count to one hundred:")["input_ids"]
     rid, done, out = _choices(engine, prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), 3)
@@ -80,14 +65,15 @@ def test_cancelling_a_request_ends_every_choice_and_frees_every_slot(engine, smo
         assert done.acquire(timeout=30)
     assert [reason for _, reason in out] == ["abort"] * 3
     deadline = time.monotonic() + 10
-    while len(engine.free_slots) < engine.max_batch_size and time.monotonic() < deadline:
+    while len(engine.kv.free_rows) < engine.max_num_seqs and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sorted(engine.free_slots) == list(range(engine.max_batch_size))
+    assert sorted(engine.kv.free_rows) == list(range(engine.max_num_seqs)) and engine.kv_blocks_used == 0
+    engine.kv.pool.check()
 
 
-def test_choices_wait_for_enough_free_slots(engine, smollm2_int4):
-    """A request of n choices is admitted only with n slots free: behind a running one that
-    holds 4 of the 6 slots, a 3-choice request waits, then runs in full."""
+def test_choices_beyond_the_free_rows_wait_then_run(engine, smollm2_int4):
+    """Behind a running request that holds 4 of the 6 rows, a 3-choice request's choices
+    that find no row wait (to start from its cached prompt), then run in full."""
     tok = smollm2_int4.tokenizer
     _, first_done, first = _choices(engine, tok("Tell me about the sea.")["input_ids"],
                                     SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), 4)

@@ -31,7 +31,7 @@ def test_readme_metrics_table_matches_exported_metrics(tmp_path):
     config = AutoModelForCausalLM.from_pretrained(path).config
     model = build_model(config, read_safetensors(path), QuantConfig("int8"), torch.float32, "cpu", 64, progress=False)
     metrics = Metrics()
-    metrics.bind_engine(Engine(model, None, set(), max_batch_size=2, max_seq_len=64))
+    metrics.bind_engine(Engine(model, None, set(), max_num_seqs=2, max_seq_len=64))
     text = README.read_text()
     rows = re.findall(r"^\| `(woq_[a-z_]+)` \|.*$", text, flags=re.M)
     documented = set(rows)

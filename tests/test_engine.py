@@ -26,7 +26,7 @@ def _chat(tok, text):
 @pytest.fixture(scope="module")
 def engine(smollm2_int4):
     lm = smollm2_int4
-    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_batch_size=16, max_queue=64,
+    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_num_seqs=16, max_queue=64,
                  max_seq_len=512).start()
     yield eng
     eng.shutdown()
@@ -84,7 +84,7 @@ def test_admission_limits(smollm2_int4):
     """A burst that arrives before the engine admits anything gets the free slots and the
     queue; one request more is refused."""
     lm = smollm2_int4
-    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=3, max_queue=2, max_seq_len=64)
+    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=3, max_queue=2, max_seq_len=64)
     sink = lambda ev: None  # noqa: E731  (engine not started: requests stay waiting)
     with pytest.raises(RequestTooLongError):
         eng.submit(list(range(60)), SamplingParams(max_tokens=10), sink)

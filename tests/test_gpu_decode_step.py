@@ -2,7 +2,9 @@
 every decoder layer in one kernel gives the logits and the KV cache of the kernel-per-op
 step, and is as close as that step to the same quantized model run in fp32 on the CPU
 (skipped without an sm_90 GPU). Decode steps run through the engine's step runner
-(``engine/decode.py``), which takes the persistent step where the model's options ask."""
+(``engine/decode.py``), which takes the persistent step where the model's options ask.
+The KV cache is paged (``models/kv_cache.py``): a sequence's positions are read through
+its block-table row, so the cache's contents are compared row by row (``row_kv``)."""
 from dataclasses import replace
 
 import pytest
@@ -34,8 +36,20 @@ def with_step(model, persistent: bool, **step):
     return bind_kernels(model, options)
 
 
+def row_kv(cache: KVCache, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``row``'s cached k and v, each ``[layers, kv_heads, positions, head_dim]``: its
+    blocks, gathered through the block table in position order."""
+    blocks = cache.block_table[row].long()
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:  # [layers, blocks, kv_heads, block_size, head_dim]
+        g = pool[:, blocks]
+        return g.permute(0, 2, 1, 3, 4).reshape(g.shape[0], g.shape[2], -1, g.shape[4])
+
+    return gather(cache.k), gather(cache.v)
+
+
 def decode(model, cache, prompt, fed) -> torch.Tensor:
-    """Logits of the prompt's prefill (into slot 1) and of one decode step per token of ``fed``,
+    """Logits of the prompt's prefill (into row 1) and of one decode step per token of ``fed``,
     each through the engine's step runner; the persistent step ran iff the model's options
     ask for it (``with_step``)."""
     P, dev = prompt.shape[1], prompt.device
@@ -66,11 +80,12 @@ def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape,
     runs = {}
     for persistent in (False, True):
         cache = new_cache()
-        cache.k.normal_(generator=g)  # (poison: slot 1 past the live tokens is never read, slot 0 never written)
+        cache.k.normal_(generator=g)  # (poison: row 1 past the live tokens is never read, row 0 never written)
         cache.v.normal_(generator=g)
-        k0, v0 = cache.k[:, 0].clone(), cache.v[:, 0].clone()
-        runs[persistent] = decode(with_step(model, persistent), cache, prompt, fed), cache
-        assert torch.equal(cache.k[:, 0], k0) and torch.equal(cache.v[:, 0], v0), "another slot was written"
+        k0, v0 = row_kv(cache, 0)
+        runs[persistent] = decode(with_step(model, persistent), cache, prompt, fed), row_kv(cache, 1)
+        k0_after, v0_after = row_kv(cache, 0)
+        assert torch.equal(k0_after, k0) and torch.equal(v0_after, v0), "another row was written"
     (per_op, c_op), (ours, c_ours) = runs[False], runs[True]
     scale = per_op.abs().max().item()
     assert torch.isfinite(ours).all()
@@ -78,8 +93,8 @@ def test_persistent_step_matches_the_kernel_per_op_step(dtype, symmetric, shape,
     # logits by a few bf16 ulps)
     assert (ours - per_op).abs().max().item() <= (0.02 if dtype == torch.float16 else 0.04) * scale
     live = prompt_len + len(fed)
-    for a, b in ((c_ours.k, c_op.k), (c_ours.v, c_op.v)):  # the decoded tokens' k and v
-        a, b = a[:, 1, :, prompt_len:live].float(), b[:, 1, :, prompt_len:live].float()
+    for a, b in zip(c_ours, c_op):  # the decoded tokens' k and v
+        a, b = a[:, :, prompt_len:live].float(), b[:, :, prompt_len:live].float()
         assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
 
     # Against the same quantized model in fp32 on the CPU, the whole sequence in one forward:
@@ -143,9 +158,47 @@ def test_cache_hints_and_ring_depth_change_no_result(shape):
         step = model.persistent_step(cache)
         assert (step.cache_hints, step.ring_slots) == (hints, slots)  # (the options reach the step)
         logits = decode(model, cache, prompt, fed)
-        runs.append((logits, cache.k[:, 1].clone(), cache.v[:, 1].clone()))
+        runs.append((logits, *row_kv(cache, 1)))
     for logits, k, v in runs[1:]:
         assert torch.equal(logits, runs[0][0]) and torch.equal(k, runs[0][1]) and torch.equal(v, runs[0][2])
+
+
+@pytest.mark.parametrize("prompt_len,block_size", [(37, 16), (200, 16), (200, 128)],
+                         ids=["37-one-share", "200-merged-shares", "200-shares-within-blocks"])
+def test_persistent_step_reads_the_cache_through_the_block_table(prompt_len, block_size):
+    """With the row's blocks a random permutation of the pool (neither in position order
+    nor adjacent), the step gives the logits and the cached k and v of the identity-like
+    table bit for bit: only the addresses change. A length past a block boundary (37, 200
+    + fed: the last block partly live, tiles of 64 rows spanning several blocks of 16), and
+    blocks of 128 that hold several attention shares, each starting mid-block (the roles'
+    tiles and the next layer's prefetch, cache_hints on by default, take rows at an offset
+    into a block)."""
+    model = with_step(random_llama(torch.float16, "cuda", MAX_LEN, "int4"), True)
+    cfg = model.cfg
+    g = torch.Generator(device="cuda").manual_seed(8)
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda", generator=g)
+    fed = torch.randint(0, cfg.vocab_size, (5,), device="cuda", generator=g)
+    runs = []
+    for shuffled in (False, True):
+        cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim, torch.float16, "cuda",
+                        block_size=block_size)
+        table = cache.block_table
+        assert cache.k.shape[3] == block_size and table.shape[1] * block_size >= MAX_LEN
+        if shuffled:  # every block but the scratch block 0, dealt to the rows in a random order
+            blocks = cache.k.shape[1]
+            assert blocks - 1 >= table.numel()
+            perm = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(9))[:table.numel()] + 1
+            table.copy_(perm.view_as(table).to(table))
+            if torch.equal(table[1], table[1].sort().values):  # (the row's blocks out of position order)
+                table[1] = table[1].flip(0)
+        logits = decode(model, cache, prompt, fed)
+        live = prompt_len + len(fed)
+        k, v = row_kv(cache, 1)
+        runs.append((logits, k[:, :, :live].clone(), v[:, :, :live].clone()))
+    (logits, k, v), (logits_s, k_s, v_s) = runs
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits_s, logits), "logits through a shuffled block table"
+    assert torch.equal(k_s, k) and torch.equal(v_s, v), "the row's cached k and v through a shuffled block table"
 
 
 def small_model_run(seed: int, prompt_len: int, fed_len: int):

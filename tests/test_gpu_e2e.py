@@ -26,7 +26,7 @@ def _prompt_ids(tok, text):
 
 
 def _greedy(lm, prompts, steps=32):
-    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=4, max_seq_len=256).start()
+    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=4, max_seq_len=256).start()
     try:
         return [eng.generate(_prompt_ids(lm.tokenizer, p), SamplingParams(max_tokens=steps, temperature=0,
                                                                           ignore_eos=True)).token_ids

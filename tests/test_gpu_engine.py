@@ -1,6 +1,6 @@
-"""The GPU decode loop: live-token decode attention, CUDA-graph replays against eager
-steps, and slot accounting over many requests (skipped without a GPU)."""
-import math
+"""The GPU decode loop: CUDA-graph replays against eager steps, the KV pool's size and
+block accounting over many requests (skipped without a GPU; the decode-attention kernels'
+own tests are in test_gpu_fused.py)."""
 import random
 import threading
 
@@ -14,91 +14,6 @@ from woq.models.builder import QuantConfig
 from woq.models.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("splits,block,stages", [(1, None, None), (3, None, None), (None, None, None), (None, 16, 3),
-                                                 (3, 128, 1), (1, 64, 3)])
-def test_decode_attention_reads_live_tokens_exactly(heads, kv_heads, dim, dtype, splits, block, stages):
-    from woq.kernels.decode_attention import decode_attention
-
-    g = torch.Generator(device="cuda").manual_seed(heads + dim)
-    S, T = 7, 700
-    k = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
-    slots = torch.tensor([5, 0, 3, 6], device="cuda")
-    lengths = torch.tensor([1, 64, 333, 700], device="cuda")
-    # poison everything past each live length: it must never be read
-    for s, n in zip(slots.tolist(), lengths.tolist()):
-        k[s, :, n:] = float("nan")
-        v[s, :, n:] = float("nan")
-    q = torch.randn(4, heads, dim, device="cuda", dtype=dtype, generator=g)
-    out = decode_attention(q, k, v, slots, lengths, splits=splits, block=block, stages=stages)
-    for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        ref = _attention_fp64(q[b], k[s, :, :n], v[s, :, :n])
-        err = ((out[b].double() - ref).norm() / ref.norm()).item()
-        assert err < (3e-3 if dtype == torch.float16 else 2e-2), (b, err)
-
-
-def _decode_step_case(g, S, T, heads, kv_heads, dim, dtype, slots, lengths):
-    """Random caches ``[S, kv_heads, T, dim]`` poisoned (NaN) from each slot's new position on,
-    the step's lengths and positions, and a qkv row per sequence."""
-    k = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(S, kv_heads, T, dim, device="cuda", dtype=dtype, generator=g)
-    lengths = torch.tensor(lengths, device="cuda")
-    for s, n in zip(slots.tolist(), lengths.tolist()):
-        k[s, :, n - 1:] = float("nan")
-        v[s, :, n - 1:] = float("nan")
-    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
-    return k, v, lengths, lengths - 1, qkv
-
-
-def _attention_fp64(q, k, v):
-    """One token's attention in fp64: q ``[H, D]`` over k, v ``[Hkv, n, D]`` (GQA)."""
-    group = q.shape[0] // k.shape[0]
-    kk, vv = (t.double().repeat_interleave(group, 0) for t in (k, v))
-    p = torch.softmax(q.double()[:, None] @ kk.transpose(1, 2) / math.sqrt(q.shape[1]), -1)
-    return (p @ vv)[:, 0]
-
-
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("splits,block,stages", [(1, None, None), (3, None, None), (None, None, None), (None, 16, 3),
-                                                 (3, 128, 1), (1, 64, 3)])
-def test_rope_cache_attention_equals_rope_kernel_then_attention(heads, kv_heads, dim, dtype, splits, block, stages):
-    """The one-kernel decode attention (RoPE, cache write, attention, merge) writes the
-    cache exactly as ``rope_and_cache`` does, touches nothing else, and attends like the
-    fp64 reference over that cache -- launch after launch (its merge counters re-arm)."""
-    from woq.kernels.decode_attention import rope_cache_attention
-    from woq.kernels.fused import rope_and_cache
-    from woq.models.attention import Rotary
-
-    g = torch.Generator(device="cuda").manual_seed(heads + dim)
-    S, T = 7, 700
-    rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
-    slots = torch.tensor([5, 0, 3, 6], device="cuda")
-    for step, lengths in enumerate(([1, 64, 333, 700], [2, 129, 334, 64])):
-        k, v, lengths, positions, qkv = _decode_step_case(g, S, T, heads, kv_heads, dim, dtype, slots, lengths)
-        ref_k, ref_v = k.clone(), v.clone()
-        q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ref_k, ref_v, heads, kv_heads, dim)
-        out = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim, splits=splits,
-                                   block=block, stages=stages)
-        for ours, ref in ((k, ref_k), (v, ref_v)):
-            assert ((ours == ref) | (ours.isnan() & ref.isnan())).all(), step
-        refs = [_attention_fp64(q[b], ref_k[s, :, :n], ref_v[s, :, :n])
-                for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist()))]
-
-        def check_attends(got, label):
-            for b, ref in enumerate(refs):
-                err = ((got[b].double() - ref).norm() / ref.norm()).item()
-                assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, label, b, err)
-
-        check_attends(out, "default")
-        for launch_next in ("inputs", "end"):  # (the same cache writes again: k and v stay as checked)
-            again = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, heads, dim,
-                                         splits=splits, block=block, stages=stages, launch_next=launch_next)
-            assert torch.equal(again, out), (step, launch_next)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +46,8 @@ def test_prefill_graphs_give_the_eager_prefill(smollm2_gpu):
         eager = model(prompt[None].cuda(), Prefill.pack([n], [slot], "cuda"), caches[1], last_only=True)
         assert ours.argmax(-1).item() == eager.argmax(-1).item(), n
         assert (ours - eager).abs().max() < 2e-2 * eager.abs().max(), n
-        for kv in ("k", "v"):
-            a, b = getattr(caches[0], kv)[:, slot, :, :n], getattr(caches[1], kv)[:, slot, :, :n]
+        for i, kv in enumerate(("k", "v")):  # (each layer's positions [0, n) of the slot, through its table)
+            a, b = (torch.stack([c.read(layer, slot, n)[i] for layer in range(cfg.num_layers)]) for c in caches)
             assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max(), (n, kv)
     with pytest.raises(ValueError, match="1 to 512 tokens"):
         graphs.run(list(range(513)), 0)
@@ -149,7 +64,9 @@ def test_engine_prefill_graphs(smollm2_gpu):
                     lm.model.dtype, "cuda")
     eager_first = [lm.model(torch.tensor([p], device="cuda"), Prefill.pack([len(p)], [0], "cuda"), cache,
                             last_only=True).argmax(-1).item() for p in prompts]
-    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=4, max_seq_len=512)
+    # (no prefix caching: the prompts share the chat template's opening, and a prompt that
+    # starts from cached blocks is prefilled in a packed forward, not a graph)
+    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=4, max_seq_len=512, prefix_caching=False)
     out = [[] for _ in prompts]
     done = threading.Semaphore(0)
     for i, p in enumerate(prompts[:3]):  # three queued before the engine starts: one iteration's arrivals
@@ -179,7 +96,7 @@ def test_graph_replays_give_the_eager_tokens_with_requests_joining_and_leaving(s
         # packed together; the comparison is about graph replays vs eager decode steps).
         # (prefills eager in both: a prefill graph runs a prompt alone at its padded length,
         # whose rounding differs from a packed forward's; test_engine_prefill_graphs covers it)
-        eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=8, max_seq_len=512, cuda_graphs=graphs,
+        eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=8, max_seq_len=512, cuda_graphs=graphs,
                      prefill_graphs=False)
         out = [[] for _ in prompts]
         done = threading.Semaphore(0)
@@ -218,7 +135,7 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     prompts = [_chat(lm.tokenizer, f"Describe the number {i} in two sentences.") for i in range(10)]
 
     def run(graphs: bool):
-        eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_batch_size=4, max_seq_len=512, cuda_graphs=graphs)
+        eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_num_seqs=4, max_seq_len=512, cuda_graphs=graphs)
         out: list[list] = [[] for _ in prompts]
         done = threading.Semaphore(0)
 
@@ -296,7 +213,7 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
         tally = _Tally()
         timing = KernelTiming(tally, sample_every=4)
         model.observe_kernels(timing)  # (before the engine: its graphs record their calls as they are captured)
-        eng = Engine(model, None, set(), max_batch_size=4, max_seq_len=256, cuda_graphs=graphs, prefill_graphs=False)
+        eng = Engine(model, None, set(), max_num_seqs=4, max_seq_len=256, cuda_graphs=graphs, prefill_graphs=False)
         done = threading.Semaphore(0)
         for p in prompts:
             eng.submit(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -325,11 +242,10 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
 
 
 @pytest.mark.slow
-def test_no_kv_slot_leak_after_1000_requests(smollm2_gpu):
+def test_no_kv_block_leak_after_1000_requests(smollm2_gpu):
     lm = smollm2_gpu
-    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_batch_size=16, max_queue=1024,
+    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_num_seqs=16, max_queue=1024,
                  max_seq_len=512).start()
-    free_at_start = sorted(eng.free_slots)
     rng = random.Random(0)
     done = threading.Semaphore(0)
     results = []
@@ -351,44 +267,48 @@ def test_no_kv_slot_leak_after_1000_requests(smollm2_gpu):
         assert done.acquire(timeout=120)
     eng.shutdown()
     assert len(results) == 1000 and set(results) <= {"stop", "length", "abort"}
-    assert sorted(eng.free_slots) == free_at_start and not eng.running and not eng.waiting
+    assert sorted(eng.kv.free_rows) == list(range(16)) and eng.kv_blocks_used == 0
+    assert not eng.running and not eng.waiting
+    eng.kv.pool.check()
 
 
-def test_gpu_memory_fraction_sizes_the_kv_slots():
-    """The KV slots follow the memory budget: 4 more slots' worth of memory gives 4 more
-    slots; a budget that holds 3 caps the batch at 2 (+ the graphs' scratch slot) and still
-    serves more requests than that; a budget with no room fails with a clear error."""
+def test_gpu_memory_fraction_sizes_the_kv_pool_and_preempts_when_it_is_full():
+    """The KV pool follows the memory budget: 40 more blocks' worth of memory gives 40 more
+    blocks; a pool of 3 sequences' worth still serves 6 long requests at once (preempting,
+    every one completing); a budget with no room fails with a clear error."""
     from conftest import random_llama
-    from woq.engine.engine import kv_slots_for_budget
+    from woq.engine.engine import kv_blocks_for_budget
 
     model = random_llama(torch.float16, "cuda", 8192, hidden_size=1024, intermediate_size=2048, num_hidden_layers=16,
                          num_attention_heads=8, num_key_value_heads=8)
-    per_slot = 2 * 16 * 8 * 128 * 2 * 8192  # K and V, layers, kv heads, head dim, fp16, positions
+    per_block = 2 * 16 * 8 * 128 * 2 * 16  # K and V, layers, kv heads, head dim, fp16, positions
     free, total = torch.cuda.mem_get_info()
     in_use = total - free - torch.cuda.memory_reserved() + torch.cuda.memory_allocated()
     base = (in_use + (1 << 30)) / total  # what is in use + 1 GiB of room (prefill peak, slack)
-    n0, summary = kv_slots_for_budget(model, base, 8192, 1024)
-    n4, _ = kv_slots_for_budget(model, base + 4 * per_slot / total, 8192, 1024)
-    assert n4 - n0 == 4, summary
-    three = base + (3 - n0 + 0.5) * per_slot / total
-    eng = Engine(model, None, set(), max_batch_size=16, max_seq_len=8192, gpu_memory_fraction=three).start()
+    n0, summary = kv_blocks_for_budget(model, base, 16, 1024)
+    n40, _ = kv_blocks_for_budget(model, base + 40 * per_block / total, 16, 1024)
+    assert n40 - n0 == 40, summary
+    fraction = base + (3 * 1024 // 16 - n0 + 0.5) * per_block / total  # 3 sequences of 1,024 positions
+    eng = Engine(model, None, set(), max_num_seqs=8, max_seq_len=1024, max_prefill_tokens=1024,
+                 gpu_memory_fraction=fraction).start()
     try:
-        assert eng.max_batch_size == 2 and eng.cache.num_slots == 3
-        outs = [None] * 5
+        assert eng.kv_blocks_total == 3 * 1024 // 16
+        outs = [None] * 6
 
         def one(i):
-            outs[i] = eng.generate([1, 2, 3 + i], SamplingParams(max_tokens=4, ignore_eos=True)).completion_tokens
+            outs[i] = eng.generate([1, 2, 3 + i] * 100, SamplingParams(max_tokens=600, ignore_eos=True))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
-        assert outs == [4] * 5
+            t.join(120)
+        assert [o.completion_tokens for o in outs] == [600] * 6 and eng.preemptions > 0
+        assert eng.kv_blocks_used == 0
     finally:
         eng.shutdown()
     with pytest.raises(ValueError, match="does not fit"):
-        Engine(model, None, set(), max_batch_size=16, max_seq_len=8192, gpu_memory_fraction=in_use / total)
+        Engine(model, None, set(), max_num_seqs=16, max_seq_len=8192, gpu_memory_fraction=in_use / total)
 
 
 def test_sampling_features_under_graphs_and_look_ahead(smollm2_gpu):
@@ -404,7 +324,7 @@ def test_sampling_features_under_graphs_and_look_ahead(smollm2_gpu):
 
     lm = smollm2_gpu
     tok = lm.tokenizer
-    eng = Engine(lm.model, tok, {tok.eos_token_id}, max_batch_size=4, max_seq_len=512).start()
+    eng = Engine(lm.model, tok, {tok.eos_token_id}, max_num_seqs=4, max_seq_len=512).start()
     try:
         prompt = tok("The cat sat on the mat. The cat sat on the mat. The cat")["input_ids"]
         p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3,

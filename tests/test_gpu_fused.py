@@ -124,22 +124,38 @@ def test_gemv_swiglu_epilogue(inter, K, bits, group, sym, dtype):
             assert_same_rounding(out, reference.silu_mul(plain, interleaved=True), exact)
 
 
+def shuffle_blocks(cache: KVCache, seed: int) -> None:
+    """Give ``cache``'s rows a random permutation of its blocks (block 0, the scratch
+    block, to none), as an allocator leaves them after many requests: a row's positions
+    then cross blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    n = cache.block_table.numel()
+    blocks = torch.randperm(cache.num_blocks - 1, generator=g)[:n] + 1
+    cache.block_table.copy_(blocks.to(torch.int32).view_as(cache.block_table))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
-def test_rope_and_cache_writes_only_its_positions(dtype, heads, kv_heads, dim):
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_rope_and_cache_writes_only_its_positions(dtype, heads, kv_heads, dim, block_size):
     from woq.kernels.fused import rope_and_cache
 
     g = torch.Generator(device="cuda").manual_seed(heads)
-    S, T, B = 6, 300, 4
+    S, T = 6, 300
     rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, T).cuda()
+    # a prefill's rows (a run of positions across block boundaries) and single tokens
+    positions = torch.tensor([0, 15, 16, 17, 33, 17, 299, 128], device="cuda")
+    slots = torch.tensor([4, 4, 4, 4, 4, 0, 2, 3], device="cuda")
+    B = len(slots)
     qkv = torch.randn(B, (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
-    positions = torch.tensor([0, 17, 299, 128], device="cuda")
-    slots = torch.tensor([5, 0, 2, 3], device="cuda")
-    ours, ref = (KVCache(2, S, kv_heads, T, dim, dtype, "cuda") for _ in range(2))
+    blocks = 1 + S * -(-T // block_size) + 9  # (9 blocks no row owns)
+    ours, ref = (KVCache(2, S, kv_heads, T, dim, dtype, "cuda", block_size, blocks) for _ in range(2))
     for c in (ours, ref):  # poisoned: every position not written must stay NaN
+        shuffle_blocks(c, heads + block_size)
         c.k.fill_(float("nan"))
         c.v.fill_(float("nan"))
-    q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ours.k[1], ours.v[1], heads, kv_heads, dim)
+    q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ours.k[1], ours.v[1], ours.block_table, heads,
+                       kv_heads, dim)
 
     qr, kr, vr = qkv.view(B, 1, -1).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
     pos = positions[:, None]
@@ -164,16 +180,132 @@ def test_rope_and_cache_writes_only_its_positions(dtype, heads, kv_heads, dim):
     for a, b in ((ours.k, ref.k), (ours.v, ref.v)):
         assert torch.equal(a.isnan(), b.isnan())  # the same positions written, nothing else
     assert torch.equal(ours.v.nan_to_num(), ref.v.nan_to_num())  # v is copied
-    assert_rotation(ours.k[1, slots, :, positions], ref.k[1, slots, :, positions], kr.view(B, kv_heads, dim))
+    blk, off = ours.locate(slots, positions)  # (through the table, as the kernel wrote them)
+    assert_rotation(ours.k[1][blk, :, off], ref.k[1][blk, :, off], kr.view(B, kv_heads, dim))
 
-    again = KVCache(2, S, kv_heads, T, dim, dtype, "cuda")  # launched programmatically (sm_90+): the same writes
+    # launched programmatically (sm_90+): the same writes
+    again = KVCache(2, S, kv_heads, T, dim, dtype, "cuda", block_size, blocks)
+    again.block_table.copy_(ours.block_table)
     again.k.fill_(float("nan"))
     again.v.fill_(float("nan"))
-    q2 = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, again.k[1], again.v[1], heads, kv_heads, dim,
-                        programmatic=True)
+    q2 = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, again.k[1], again.v[1], again.block_table, heads,
+                        kv_heads, dim, programmatic=True)
     assert torch.equal(q2, q)
     for a, b in ((again.k, ours.k), (again.v, ours.v)):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+# Decode attention over the paged cache: lengths that end inside a block, on its edges and
+# across many blocks, in rows whose blocks are shuffled over the pool.
+PAGED_LENGTHS = [1, 15, 16, 17, 300, 1000]
+PAGED_ROWS = [5, 0, 3, 6, 2, 1]
+# (splits, tile, stages): one share; the defaults (from the batch and the GPU); tiles of
+# 16 in blocks of 64; 3 shares (rounded up to 4) of 128-token tiles; 16 shares of 64
+LAUNCHES = [(1, None, None), (None, None, None), (None, 16, 3), (3, 128, 1), (16, 64, 1)]
+
+
+def gather_fp64(pool: torch.Tensor, table: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """Positions ``[0, n)`` of block-table row ``row`` from one layer's blocks ``[N, Hkv, BS,
+    D]``, block by block: ``[Hkv, n, D]`` in fp64 (the reference's own gather, not the
+    cache's)."""
+    bs = pool.shape[2]
+    blocks = table[row, :-(-n // bs)].long()
+    return pool[blocks].double().transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])[:, :n]
+
+
+def attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One token's attention in fp64: q ``[H, D]`` over k, v ``[Hkv, n, D]`` (GQA)."""
+    group = q.shape[0] // k.shape[0]
+    kk, vv = (t.double().repeat_interleave(group, 0) for t in (k, v))
+    p = torch.softmax(q.double()[:, None] @ kk.transpose(1, 2) / q.shape[1] ** 0.5, -1)
+    return (p @ vv)[:, 0]
+
+
+def paged_case(kv_heads: int, dim: int, dtype, block_size: int, live: list[int], seed: int) -> KVCache:
+    """A one-layer cache of 8 rows x 1024 positions with shuffled blocks, NaN everywhere but
+    positions ``[0, live[i])`` of row ``PAGED_ROWS[i]`` (random): a read past a length, or
+    through a wrong table entry, turns the result NaN."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = KVCache(1, 8, kv_heads, 1024, dim, dtype, "cuda", block_size, 1 + 8 * 1024 // block_size + 7)
+    shuffle_blocks(cache, seed)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    rows = torch.tensor([r for r, n in zip(PAGED_ROWS, live) for _ in range(n)], device="cuda")
+    positions = torch.cat([torch.arange(n, device="cuda") for n in live])
+    k, v = (torch.randn(len(rows), kv_heads, dim, device="cuda", generator=g).to(dtype) for _ in range(2))
+    cache.write(0, rows, positions, k, v)
+    return cache
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("splits,block,stages", LAUNCHES)
+def test_decode_attention_paged_reads_live_tokens_exactly(heads, kv_heads, dim, dtype, block_size, splits, block,
+                                                          stages):
+    """``decode_attention`` over a shuffled block table attends to exactly each sequence's
+    live positions (the fp64 reference over the same positions gathered block by block),
+    for tiles that span several blocks (64, 128 tokens) or a part of one (16 tokens of a
+    64-token block), shares that start inside a block, and programmatic launches."""
+    from woq.kernels.decode_attention import decode_attention
+
+    cache = paged_case(kv_heads, dim, dtype, block_size, PAGED_LENGTHS, heads + dim + block_size)
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    q = torch.randn(len(PAGED_ROWS), heads, dim, device="cuda", dtype=dtype, generator=g)
+    slots = torch.tensor(PAGED_ROWS, device="cuda")
+    lengths = torch.tensor(PAGED_LENGTHS, device="cuda")
+    k, v, table = cache.k[0], cache.v[0], cache.block_table
+    out = decode_attention(q, k, v, table, slots, lengths, splits=splits, block=block, stages=stages)
+    for b, (row, n) in enumerate(zip(PAGED_ROWS, PAGED_LENGTHS)):
+        ref = attention_fp64(q[b], gather_fp64(k, table, row, n), gather_fp64(v, table, row, n))
+        err = ((out[b].double() - ref).norm() / ref.norm()).item()
+        assert err < (3e-3 if dtype == torch.float16 else 2e-2), (n, err)
+    again = decode_attention(q, k, v, table, slots, lengths, splits=splits, block=block, stages=stages,
+                             programmatic=True)
+    assert torch.equal(again, out)  # (launched programmatically, sm_90+: the same sums in the same order)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("splits,block,stages", LAUNCHES)
+def test_rope_cache_attention_paged_equals_rope_kernel_then_attention(heads, kv_heads, dim, dtype, block_size,
+                                                                      splits, block, stages):
+    """The one-kernel decode attention over a shuffled block table writes the new k and v
+    where ``rope_and_cache`` writes them (the new position's block, through the table),
+    touches nothing else, and attends like the fp64 reference over that cache -- launch
+    after launch (its merge counters re-arm). One more row, released (its entries all 0):
+    a graph's padding row, whose token goes to the scratch block."""
+    from woq.kernels.decode_attention import rope_cache_attention
+    from woq.kernels.fused import rope_and_cache
+
+    rope = Rotary(1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, 1024).cuda()
+    slots = torch.tensor(PAGED_ROWS + [7], device="cuda")
+    for step, live in enumerate((PAGED_LENGTHS, [2, 16, 17, 18, 301, 64])):
+        cache = paged_case(kv_heads, dim, dtype, block_size, [n - 1 for n in live], heads + dim + step)
+        cache.block_table[7] = 0
+        lengths = torch.tensor(live + [1], device="cuda")
+        positions = lengths - 1
+        g = torch.Generator(device="cuda").manual_seed(step)
+        qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, device="cuda", generator=g).to(dtype)
+        k, v, table = cache.k[0], cache.v[0], cache.block_table
+        ref_k, ref_v = k.clone(), v.clone()
+        q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, ref_k, ref_v, table, heads, kv_heads, dim)
+        refs = [attention_fp64(q[b], gather_fp64(ref_k, table, r, n), gather_fp64(ref_v, table, r, n))
+                for b, (r, n) in enumerate(zip(slots.tolist(), lengths.tolist()))]
+        out = None
+        for launch_next, programmatic in (("start", False), ("inputs", False), ("end", False), ("start", True)):
+            got = rope_cache_attention(qkv, positions, slots, lengths, rope.cos, rope.sin, k, v, table, heads, dim,
+                                       splits=splits, block=block, stages=stages, launch_next=launch_next,
+                                       programmatic=programmatic)
+            for ours, ref in ((k, ref_k), (v, ref_v)):  # (the same writes each launch)
+                assert ((ours == ref) | (ours.isnan() & ref.isnan())).all(), (step, launch_next)
+            if out is None:
+                out = got
+                for b, ref in enumerate(refs):
+                    err = ((out[b].double() - ref).norm() / ref.norm()).item()
+                    assert err < (3e-3 if dtype == torch.float16 else 2e-2), (step, lengths[b].item(), err)
+            assert torch.equal(got, out), (step, launch_next, programmatic)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

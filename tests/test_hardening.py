@@ -23,14 +23,14 @@ def _server(smollm2_dir, *args):
 @pytest.fixture(scope="module")
 def guarded(smollm2_dir):
     s = _server(smollm2_dir, "--api-key", KEY, "--max-body-bytes", "4096", "--request-timeout", "3",
-                "--max-batch-size", "2")
+                "--max-num-seqs", "2")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def one_slot(smollm2_dir):
-    s = _server(smollm2_dir, "--max-batch-size", "1", "--max-queue", "1")
+    s = _server(smollm2_dir, "--max-num-seqs", "1", "--max-queue", "1")
     yield s
     s.stop()
 
@@ -165,7 +165,7 @@ def test_sigterm_drains_in_flight_streams(smollm2_dir):
 
 
 def test_64_concurrent_streams_lose_nothing_and_match_running_alone(smollm2_dir):
-    server = _server(smollm2_dir, "--max-batch-size", "16", "--max-queue", "64")
+    server = _server(smollm2_dir, "--max-num-seqs", "16", "--max-queue", "64")
     prompts = [f"Write one sentence about the number {i}." for i in range(64)]
 
     def body(p):
@@ -206,7 +206,7 @@ def test_64_concurrent_streams_lose_nothing_and_match_running_alone(smollm2_dir)
 def test_a_burst_gets_the_free_slots_and_the_queue(smollm2_dir):
     """Requests arriving together on an idle server are admitted up to the free slots plus
     the queue (the engine admits between steps, after the burst has arrived): no 429."""
-    server = _server(smollm2_dir, "--max-batch-size", "3", "--max-queue", "1")
+    server = _server(smollm2_dir, "--max-num-seqs", "3", "--max-queue", "1")
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:

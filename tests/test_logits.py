@@ -110,7 +110,7 @@ def engine(smollm2_int4):
     from woq.engine.engine import Engine
 
     lm = smollm2_int4
-    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_batch_size=4, max_queue=16,
+    eng = Engine(lm.model, lm.tokenizer, {lm.tokenizer.eos_token_id}, max_num_seqs=4, max_queue=16,
                  max_seq_len=256).start()
     yield eng
     eng.shutdown()

@@ -41,7 +41,7 @@ def _ids(B, T, seed=0):
 
 
 def _greedy_engine(lm, prompt, steps):
-    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=2, max_seq_len=256).start()
+    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=2, max_seq_len=256).start()
     try:
         return eng.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)).token_ids
     finally:
@@ -161,7 +161,7 @@ def test_chunked_prefill_engine_matches_transformers(tiny):
     theirs = [ref.generate(p, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, p.shape[1]:].tolist()
               for p in (long, short)]
     steps = []
-    eng = Engine(lm.model, lm.tokenizer, set(), max_batch_size=2, max_seq_len=256, max_prefill_tokens=5)
+    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=2, max_seq_len=256, max_prefill_tokens=5)
     eng.observer = type("Obs", (), {
         "on_step": lambda self, b, p: steps.append((b, p)), "on_first_token": lambda self, s: None,
         "on_token_latency": lambda self, s: None, "on_finish": lambda self, *a: None})()

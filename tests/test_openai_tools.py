@@ -36,7 +36,7 @@ def client(request, smollm2_dir):
 
     template = [] if request.param == "own" else ["--chat-template", str(TEMPLATES / f"{request.param}.jinja")]
     s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
-                   "--max-seq-len", "1024", "--max-batch-size", "4", *template)
+                   "--max-seq-len", "1024", "--max-num-seqs", "4", *template)
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
     s.stop()
 

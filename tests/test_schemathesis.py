@@ -40,7 +40,7 @@ OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
-                   "--max-seq-len", "256", "--max-batch-size", "4", "--request-timeout", str(TIMEOUT - 5))
+                   "--max-seq-len", "256", "--max-num-seqs", "4", "--request-timeout", str(TIMEOUT - 5))
     yield s
     s.stop()
 

@@ -15,7 +15,7 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
-                   "--group-size", "128", "--max-seq-len", "512", "--max-batch-size", "4", "--kernel-timing-every", "1")
+                   "--group-size", "128", "--max-seq-len", "512", "--max-num-seqs", "4", "--kernel-timing-every", "1")
     yield s
     s.stop()
 

@@ -43,7 +43,7 @@ class Generate(GenerateSettings):
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:
             ids = tok.encode(self.prompt)
-        engine = Engine(loaded.model, tok, eos_token_ids(loaded), max_batch_size=1, max_seq_len=self.max_seq_len)
+        engine = Engine(loaded.model, tok, eos_token_ids(loaded), max_num_seqs=1, max_seq_len=self.max_seq_len)
         engine.start()
         try:
             params = SamplingParams(max_tokens=min(self.max_tokens, engine.max_seq_len - len(ids)),

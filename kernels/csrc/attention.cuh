@@ -16,6 +16,11 @@
 //     log-sum-exp, and the head's share 0, once the others have counted theirs released
 //     (a counter per (sequence, KV head), re-armed by share 0), merges them in share order;
 //   * whoever wrote a head's output adds 1 to `flags[0]` -- the step's attention counter.
+// The cache is paged (woq_kernels.h, DecodeAttention): a share's [start, end) may cross
+// blocks, so rows are addressed one by one through the block table. Each fetching thread
+// takes one row of a tile (all 16-byte units of the row: one table entry a tile), and
+// loads the entry of its row of the next tile while the current one is consumed, so a
+// tile's copies wait for no table read (the first tile's read passes before the wait).
 // A tile's scores and p @ v are mma (m16n8k16, fp32 sums): the G query heads are the rows
 // of A (the other rows zero); p, fp32, enters as two T operands, its rounding and the rest
 // (hi + lo), so it keeps ~16 of its bits rather than T's 8 or 11.
@@ -158,8 +163,14 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   const AttentionShare share = attention_share(a, role);
   const int b = share.b, hkv = share.hkv, split = share.split, used = share.used, start = share.start, end = share.end;
   if (start >= end) return false;
-  const long long slot = a.slots[b];
+  // The block holding position t of the sequence. (Its operands are re-read from `a` at
+  // each use, not held in registers across the tile loop: the decode step keeps `a` in
+  // shared memory, and registers held there cost its kernel spills elsewhere.)
+  auto block_of = [&](int t) { return a.block_table[a.slots[b] * a.blocks_per_row + (t >> a.block_shift)]; };
+  auto row_in_block = [&](int t) { return t & ((1 << a.block_shift) - 1); };
   const int pos = static_cast<int>(a.positions[b]);  // the new token's (= length - 1)
+  const bool mine = pos >= start && pos < end;        // this share caches the new k and v
+  const int pos_block = mine ? block_of(pos) : 0;     // (read before the wait, stored after it)
 
   T* k_s = reinterpret_cast<T*>(smem_attention);
   T* v_s = k_s + TT * RS;
@@ -170,19 +181,28 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   float* warp_max = sc + G * TT;  // [TT / 8][kAttentionMaxGroup]: a score warp's per head
   float* warp_sum = warp_max + TT / 8 * kAttentionMaxGroup;
 
-  T* k_head = static_cast<T*>(a.k_cache) + slot * a.cache_slot_stride + hkv * a.cache_head_stride;
-  T* v_head = static_cast<T*>(a.v_cache) + slot * a.cache_slot_stride + hkv * a.cache_head_stride;
-  // A tile's cached rows (the new position's row is patched in after the wait).
+  T* k_head = static_cast<T*>(a.k_cache) + hkv * a.cache_head_stride;  // (+ a block's offset)
+  T* v_head = static_cast<T*>(a.v_cache) + hkv * a.cache_head_stride;
+  // A tile's cached rows (the new position's row is patched in after the wait): kRowThreads
+  // threads a row, thread `tid` row fetch_row of every tile, its units fetch_col,
+  // fetch_col + kRowThreads, ... Rows past the share's end are zero-filled, their addresses
+  // taken in the block of the share's last row: the table has entries up to the sequence's
+  // length only (a tile's last row may lie past the table row's end).
+  constexpr int kRowThreads = kThreads / TT;
+  static_assert(kThreads % TT == 0, "whole threads a tile row");
+  const int fetch_row = tid / kRowThreads, fetch_col = tid % kRowThreads;
+  auto row_block = [&](int t0) { return block_of(min(t0 + fetch_row, end - 1)); };
+  int tile_block = row_block(start);  // the block of this thread's row of the next tile fetched
   auto fetch_tile = [&](int t0) {
-    const int units = D / 8;
-    for (int u = tid; u < TT * units; u += kThreads) {
-      const int t = u / units, c = (u % units) * 8, tok = t0 + t;
-      const bool valid = tok < end && tok != pos;
-      const long long off = static_cast<long long>(valid ? tok : t0) * a.cache_pos_stride + c;
-      copy16_async(static_cast<uint32_t>(__cvta_generic_to_shared(k_s + t * RS + c)), k_head + off, valid);
-      copy16_async(static_cast<uint32_t>(__cvta_generic_to_shared(v_s + t * RS + c)), v_head + off, valid);
+    const int tok = t0 + fetch_row;
+    const bool valid = tok < end && tok != pos;
+    const long long off = tile_block * a.cache_block_stride + row_in_block(tok) * a.cache_pos_stride;
+    for (int c = fetch_col * 8; c < D; c += kRowThreads * 8) {
+      copy16_async(static_cast<uint32_t>(__cvta_generic_to_shared(k_s + fetch_row * RS + c)), k_head + off + c, valid);
+      copy16_async(static_cast<uint32_t>(__cvta_generic_to_shared(v_s + fetch_row * RS + c)), v_head + off + c, valid);
     }
     cp_async_commit();
+    if (t0 + TT < end) tile_block = row_block(t0 + TT);  // (in flight while this tile is consumed)
   };
   fetch_tile(start);
   wait();
@@ -190,7 +210,6 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
   // q of the group's heads and the new k rotated, the new v; the share holding the
   // position caches k and v.
   const T* row = static_cast<const T*>(a.qkv) + static_cast<long long>(b) * a.qkv_stride;
-  const bool mine = pos >= start && pos < end;
   // (all loads first: one L2 round trip, not one per element a thread takes)
   constexpr int kPerThread = (kAttentionMaxGroupDims + 2 * 256) / kThreads;  // (G + 2) * D <= this * kThreads (D <= 256)
   float xv[kPerThread], pv[kPerThread], cv[kPerThread], sv[kPerThread];
@@ -217,7 +236,9 @@ __device__ __forceinline__ bool attend_share(const DecodeAttention& a, int role,
       q_s[h * RS + d] = from_float<T>(v);
     } else {
       (h == G ? kn : vn)[d] = from_float<T>(v);
-      if (mine) (h == G ? k_head : v_head)[static_cast<long long>(pos) * a.cache_pos_stride + d] = from_float<T>(v);
+      if (mine)
+        (h == G ? k_head : v_head)[pos_block * a.cache_block_stride + row_in_block(pos) * a.cache_pos_stride + d] =
+            from_float<T>(v);
     }
   }
 

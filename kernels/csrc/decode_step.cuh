@@ -164,7 +164,7 @@ struct DecodeStepParams {
   void* x_qkv;              // [(heads + 2 kv_heads) head_dim] the qkv projection's output (= attention.qkv)
   void* attn;               // [hidden] the attention output (= attention.out)
   void* act;                // [inter] silu(gate) * up
-  const long long* slots;   // [1] this step's cache slot, live length and position
+  const long long* slots;   // [1] this step's block-table row, live length and position
   const long long* lengths;
   const long long* positions;
   int* counters;            // [n_layers * kStages + 1], zero, re-armed by the kernel
@@ -302,10 +302,11 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // evict_first): read from DRAM behind the ring's queue, they were late for the norms.
   if ((p.cache_hints & kHintPrefetch) && tid == kIssuer)
     for (int i = block; i < 2 * p.n_layers; i += grid) prefetch_l2(table[i / 2].norm[i % 2], p.hidden * sizeof(T));
-  // The attention's parameters, once (layer by layer only its caches change). The step's
-  // slot, length and position are copied into shared memory after the wait (earlier
-  // kernels of the graph may write them): the roles read them every layer, and from global
-  // memory each read was one more round trip on the attention's path.
+  // The attention's parameters, once (layer by layer only its caches change; the block
+  // table is every layer's). The step's block-table row, length and position are copied
+  // into shared memory after the wait (earlier kernels of the graph may write them, as they
+  // may write the table, which the roles read only after it): the roles read them every
+  // layer, and from global memory each read was one more round trip on the attention's path.
   __shared__ long long sequence[3];
   if (block < p.roles && tid == 0) att = p.layers[0].attention;
   wait_for_prior_grid();  // (the embedding, which wrote h)
@@ -580,19 +581,26 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
           }
         __syncthreads();
       });
+      __syncthreads();  // (the role's shared memory is free again)
       // The next layer's cached rows of this share into L2 (kHintPrefetch): their tile is
-      // then an L2 hit, not a DRAM read queued behind the weight stream.
-      if ((p.cache_hints & kHintPrefetch) && tid == kIssuer && layer + 1 < p.n_layers) {
+      // then an L2 hit, not a DRAM read queued behind the weight stream. The share's rows
+      // are contiguous within each cache block (the head's [block_size, head_dim]), not
+      // across blocks: one prefetch per block, a block per thread of warps 1.., whose table
+      // reads pass while thread 0 polls the attention counter below (no barrier between).
+      if ((p.cache_hints & kHintPrefetch) && warp > 0 && layer + 1 < p.n_layers) {
         const AttentionShare s = attention_share(att, block);
-        if (s.start < s.end) {
-          const long long row0 = sequence[0] * att.cache_slot_stride + s.hkv * att.cache_head_stride +
-                                 s.start * att.cache_pos_stride;
-          const uint32_t bytes = (s.end - s.start) * att.cache_pos_stride * sizeof(T);  // (rows contiguous)
+        const int shift = att.block_shift, in_block = (1 << att.block_shift) - 1;
+        const int first = s.start >> shift, blocks = s.start < s.end ? ((s.end - 1) >> shift) - first + 1 : 0;
+        const int* table_row = att.block_table + sequence[0] * att.blocks_per_row;
+        for (int i = tid - 32; i < blocks; i += kThreads - 32) {
+          const int lo = max(s.start, (first + i) << shift), hi = min(s.end, (first + i + 1) << shift);
+          const long long row0 = table_row[first + i] * att.cache_block_stride + s.hkv * att.cache_head_stride +
+                                 (lo & in_block) * att.cache_pos_stride;
+          const uint32_t bytes = static_cast<uint32_t>((hi - lo) * att.cache_pos_stride * sizeof(T));
           prefetch_l2(static_cast<const T*>(table[layer + 1].cache[0]) + row0, bytes);
           prefetch_l2(static_cast<const T*>(table[layer + 1].cache[1]) + row0, bytes);
         }
       }
-      __syncthreads();
     }
     // h += attn @ Wo^T  (the attention counter counts heads written, not blocks)
     if (tid == 0) {

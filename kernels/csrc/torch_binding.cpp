@@ -143,20 +143,51 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 }
 
 
+// A paged cache's block table: int32 [rows, blocks_per_row] on the caches' device, contiguous
+// (the kernels index it as one array). Its rows cover the batches' slots and its entries
+// name blocks of the pool: the caller's to keep.
+void check_block_table(const at::Tensor& block_table, const at::Tensor& k_cache) {
+  check(block_table.is_cuda() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+            block_table.is_contiguous() && block_table.device() == k_cache.device(),
+        "block_table must be a contiguous int32 CUDA tensor [rows, blocks_per_row] on the caches' device");
+  check(block_table.size(0) >= 1 && block_table.size(1) >= 1 && block_table.numel() < (1LL << 31),
+        "block_table must have at least one row and one block a row, fewer than 2^31 entries");
+}
+
+// A layer's paged cache [blocks, kv_heads, block_size, head_dim], contiguous, block_size a
+// power of two (a position's block and row are a shift and a mask): log2 block_size.
+int block_shift_of(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  check(k_cache.is_cuda() && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+            v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+            v_cache.device() == k_cache.device(),
+        "k and v caches must be contiguous CUDA tensors [blocks, kv_heads, block_size, head_dim] alike");
+  const int64_t block_size = k_cache.size(2);
+  check(block_size >= 1 && block_size <= (1 << 20) && (block_size & (block_size - 1)) == 0,
+        "the caches' block_size (dimension 2) must be a power of two, got " + str(block_size));
+  int shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  return shift;
+}
+
 // The fields of a decode attention that do not change between its launches: the qkv rows,
-// the cache, the RoPE tables, the shares' scratch and the output (checked by the caller).
+// the paged cache and its block table, the RoPE tables, the shares' scratch and the output
+// (checked by the caller: check_block_table, block_shift_of).
 woq::DecodeAttention decode_attention(const at::Tensor& qkv, int64_t qkv_stride, const at::Tensor& k_cache,
-                                      const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
-                                      const at::Tensor& part, const at::Tensor& lse, const at::Tensor& merge_counters,
-                                      void* out, int64_t batch, int64_t heads, int64_t head_dim) {
+                                      const at::Tensor& v_cache, const at::Tensor& block_table, int block_shift,
+                                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& part,
+                                      const at::Tensor& lse, const at::Tensor& merge_counters, void* out,
+                                      int64_t batch, int64_t heads, int64_t head_dim) {
   woq::DecodeAttention a{};
   a.qkv = qkv.data_ptr();
   a.qkv_stride = qkv_stride;
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
-  a.cache_slot_stride = k_cache.stride(0);
+  a.cache_block_stride = k_cache.stride(0);
   a.cache_head_stride = k_cache.stride(1);
   a.cache_pos_stride = k_cache.stride(2);
+  a.block_table = block_table.data_ptr<int>();
+  a.blocks_per_row = static_cast<int>(block_table.size(1));
+  a.block_shift = block_shift;
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
   a.rope_stride = cos.stride(0);
@@ -178,17 +209,22 @@ woq::DecodeAttention decode_attention(const at::Tensor& qkv, int64_t qkv_stride,
 // model and KV cache: for each layer l, qweights/scales[4 l .. 4 l + 3] are its qkv, o,
 // gate/up (rows interleaved for SwiGLU) and down weights in the GPU layout, zeros the same
 // or empty (symmetric), norms[2 l], norms[2 l + 1] its input and post-attention RMSNorm
-// weights, k_caches/v_caches[l] its cache [slots, kv_heads, positions, head_dim]; qkv
-// [qkv_n] and attn [hidden] the step's buffers, part [1, splits, heads, head_dim] and lse
-// [1, splits, heads] (float32) the attention shares' scratch, merge_counters (>= kv_heads)
-// int32 zeros. Returns the table as a CUDA uint8 tensor (its pointers: the caller keeps
-// every tensor alive while it is used).
+// weights, k_caches/v_caches[l] its paged cache [blocks, kv_heads, block_size, head_dim]
+// (contiguous, block_size a power of two), block_table the int32 [rows, blocks_per_row]
+// table of every layer (a step's slot is its row); qkv [qkv_n] and attn [hidden] the step's
+// buffers, part [1, splits, heads, head_dim] and lse [1, splits, heads] (float32) the
+// attention shares' scratch, merge_counters (>= kv_heads) int32 zeros. Returns the table as
+// a CUDA uint8 tensor (its pointers: the caller keeps every tensor alive while it is used,
+// and rewrites the block table in place, never reallocates it).
 at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::TensorList zeros, at::TensorList norms,
-                            at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& qkv,
-                            const at::Tensor& attn, at::Tensor& part, at::Tensor& lse, at::Tensor& merge_counters,
-                            const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+                            at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
+                            const at::Tensor& qkv, const at::Tensor& attn, at::Tensor& part, at::Tensor& lse,
+                            at::Tensor& merge_counters, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                            int64_t head_dim) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   check(L >= 1 && static_cast<int64_t>(v_caches.size()) == L, "one k and one v cache per layer");
+  block_shift_of(k_caches[0], v_caches[0]);  // (4-D: its sizes are read below)
+  check_block_table(block_table, k_caches[0]);
   check(static_cast<int64_t>(qweights.size()) == 4 * L && scales.size() == qweights.size() &&
             (zeros.empty() || zeros.size() == qweights.size()) && static_cast<int64_t>(norms.size()) == 2 * L,
         "four weights (and their scales, zeros) and two norms per layer");
@@ -232,13 +268,16 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
     s.norm[1] = norms[2 * l + 1].data_ptr();
     const at::Tensor& kc = k_caches[l];
     const at::Tensor& vc = v_caches[l];
-    check(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.strides() == vc.strides() && kc.stride(3) == 1 &&
-              kc.size(1) == kv_heads && kc.size(3) == head_dim && kc.scalar_type() == qkv.scalar_type() &&
-              kc.strides() == k_caches[0].strides(),
-          "every layer's caches: [slots, kv_heads, positions, head_dim] of the activation dtype, alike");
+    const int shift = block_shift_of(kc, vc);
+    check(kc.size(1) == kv_heads && kc.size(3) == head_dim && kc.scalar_type() == qkv.scalar_type() &&
+              kc.sizes() == k_caches[0].sizes() && kc.device() == block_table.device() &&
+              reinterpret_cast<uintptr_t>(kc.data_ptr()) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(vc.data_ptr()) % 16 == 0,
+          "every layer's caches: [blocks, kv_heads, block_size, head_dim] of the activation dtype, alike, "
+          "16-byte aligned (the roles copy 16-byte units)");
     // (slots, lengths, positions and flags: set by the kernel for each launch)
-    s.attention = decode_attention(qkv, qkv.numel(), kc, vc, cos, sin, part, lse, merge_counters, attn.data_ptr(), 1,
-                                   heads, head_dim);
+    s.attention = decode_attention(qkv, qkv.numel(), kc, vc, block_table, shift, cos, sin, part, lse, merge_counters,
+                                   attn.data_ptr(), 1, heads, head_dim);
   }
   const int64_t bytes = L * static_cast<int64_t>(sizeof(woq::StepLayer));
   at::Tensor table = at::empty({bytes}, qkv.options().dtype(at::kByte));
@@ -250,10 +289,10 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
 
 // One batch-1 decode step through every layer of `plan` (decode_step_plan): h [hidden]
 // (the token's embedding) becomes the residual stream after the last layer, in place; the
-// layers' caches get the token's k and v at `positions[0]` of slot `slots[0]`, attention
-// reads `lengths[0]` positions. counters: int32 zeros (left zero). stamps (optional,
-// [layers x stages + 1, SMs]): each block's %globaltimer at the end of each (layer, stage),
-// then the start (DecodeStepArgs::stamps).
+// layers' caches get the token's k and v at `positions[0]` of block-table row `slots[0]`
+// (the plan's table), attention reads `lengths[0]` positions. counters: int32 zeros (left
+// zero). stamps (optional, [layers x stages + 1, SMs]): each block's %globaltimer at the
+// end of each (layer, stage), then the start (DecodeStepArgs::stamps).
 void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
                  const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
                  at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t kv_heads,
@@ -494,8 +533,8 @@ TORCH_LIBRARY(woq, m) {
       "Tensor(a!) out) -> ()");
   m.def(
       "decode_step_plan(Tensor[] qweights, Tensor[] scales, Tensor[] zeros, Tensor[] norms, Tensor[] k_caches, "
-      "Tensor[] v_caches, Tensor qkv, Tensor attn, Tensor(a!) part, Tensor(b!) lse, Tensor(c!) merge_counters, "
-      "Tensor cos, Tensor sin, int heads, int head_dim) -> Tensor");
+      "Tensor[] v_caches, Tensor block_table, Tensor qkv, Tensor attn, Tensor(a!) part, Tensor(b!) lse, "
+      "Tensor(c!) merge_counters, Tensor cos, Tensor sin, int heads, int head_dim) -> Tensor");
   m.def(
       "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "

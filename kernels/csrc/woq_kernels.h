@@ -80,21 +80,28 @@ constexpr GemmTileConfig kGemmTileConfigs[kGemmConfigs] = {
 constexpr int kGemmGroupSizes[] = {64, 128};
 constexpr int kGemmGroupCount = 2;
 
-// A decode attention over a KV cache, one query token per sequence, computed by roles
+// A decode attention over a paged KV cache, one query token per sequence, computed by roles
 // (attention.cuh): each role is one block's share of the live tokens of one (sequence, KV
 // head). Limits: up to kAttentionMaxGroup query heads per KV head (rows 0..7 of an mma's A,
 // rows 8..15 zero), query heads x head_dim of a KV head up to kAttentionMaxGroupDims (q and
 // the new k and v in registers), kAttentionMaxSplits shares per (sequence, KV head).
+// The cache is a pool of blocks of block_size positions; a sequence names its row of the
+// block table, and position t of row r is row t % block_size of block
+// block_table[r * blocks_per_row + t / block_size]. Entries a row has not been given point
+// at a scratch block, so every position of a row maps to some block of the pool.
 constexpr int kAttentionMaxGroup = 8;
 constexpr int kAttentionMaxGroupDims = 2048;
 constexpr int kAttentionMaxSplits = 16;
 struct DecodeAttention {
   const void* qkv;            // [batch, (heads + 2 kv_heads) head_dim] the qkv projection's rows
   long long qkv_stride;       // elements between rows
-  void* k_cache;              // [slots, kv_heads, positions, head_dim], rows contiguous
-  void* v_cache;              // same strides as k_cache
-  long long cache_slot_stride, cache_head_stride, cache_pos_stride;  // elements
-  const long long* slots;     // [batch] each sequence's cache slot
+  void* k_cache;              // [blocks, kv_heads, block_size, head_dim], contiguous
+  void* v_cache;              // same shape as k_cache
+  long long cache_block_stride, cache_head_stride, cache_pos_stride;  // elements
+  const int* block_table;     // [rows, blocks_per_row] int32: each row's blocks, in position order
+  int blocks_per_row;
+  int block_shift;            // log2 block_size (a power of two)
+  const long long* slots;     // [batch] each sequence's block-table row
   const long long* lengths;   // [batch] live positions, the new one included
   const long long* positions; // [batch] the new token's position (RoPE row, cache row)
   const float* cos;           // [max positions, head_dim] RoPE tables
@@ -132,8 +139,9 @@ constexpr int kStepLinears = 4;  // qkv, o, gate/up (rows interleaved for SwiGLU
 struct StepLayer {
   StepWeight linear[kStepLinears];
   const void* norm[2];             // input and post-attention RMSNorm weights [hidden]
-  DecodeAttention attention;       // the layer's cache, the shared qkv/part/lse/out buffers;
-                                   // slots, lengths, positions and flags are set per launch
+  DecodeAttention attention;       // the layer's cache, the block table (every layer's), the shared
+                                   // qkv/part/lse/out buffers; slots, lengths, positions and flags
+                                   // are set per launch
 };
 struct DecodeStepArgs {
   const StepLayer* layers;  // device array [n_layers]
@@ -145,7 +153,8 @@ struct DecodeStepArgs {
   void* qkv;                // [(heads + 2 kv_heads) head_dim] = the layers' attention.qkv
   void* attn;               // [hidden] = the layers' attention.out
   void* act;                // [inter] silu(gate) * up
-  const long long* slots;   // [1] the sequence's slot, live length (its new token included), position
+  const long long* slots;   // [1] the sequence's block-table row, live length (its new token
+                            // included), position
   const long long* lengths;
   const long long* positions;
   int* counters;            // >= decode_step_counters(n_layers) int32 zeros, left zero
