@@ -6,7 +6,7 @@
 # machine: benchmarks/ab_files.sh)
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
-#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling dashboard tune
+#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged dashboard tune
 #   results:    docs (run here, not on the GPU machine: copies the fetched results over
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 WOQ_CACHE=${WOQ_CACHE:-/tmp/woq-cache} HF_HUB_OFFLINE=
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -57,15 +57,17 @@ for stage in "$@"; do
     aot)  # the ahead-of-time build the Docker image uses (here for the GPU at hand only)
       run aot bash -c "WOQ_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 $PY -m pip install -q --no-deps --no-build-isolation -e . && ls kernels/_C*.so && WOQ_CACHE=/tmp/empty-cache $PY -c 'from woq.kernels import build, ops; from woq.kernels.options import RuntimeOptions; import glob; assert build.load(RuntimeOptions()); assert not glob.glob(\"/tmp/empty-cache/torch_extensions/*\"); assert ops.wgmma_configs_available(), \"no sm_90a code in the AOT library\"; print(\"AOT library loaded, no JIT build, wgmma configurations available\")' && WOQ_CACHE=/tmp/empty-cache $PY -m pytest -q -x -m 'gpu and not slow' tests/test_gpu_kernels.py" ;;
     tune) run tune bash -c "$PY benchmarks/tune_shapes.py ${TUNE_ARGS:-} && cp $WOQ_CACHE/tuning/*.json $OUT/" ;;
-    serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-batch-size 64 --max-seq-len 1024 --log-level warning" \
+    serving) run serving $PY benchmarks/serving.py --spawn "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --served-model-name smollm2 --quant int4 --max-num-seqs 64 --max-seq-len 1024 --log-level warning" \
                --concurrency 1,4,16,64 --requests-per-client 5 --offline --out "$OUT" --name "${SERVING_NAME:-serving_h100_smollm2_int4}" ;;
     startup)  # needs the default model (its tokenizer): run after `model`
       run startup $PY benchmarks/startup.py --random-config llama3-8b --workdir /tmp/llama3-8b --device cuda --runs ${STARTUP_RUNS:-1} --out "$OUT" --name startup_h100_llama3-8b_int4 ;;
     overhead) run overhead $PY benchmarks/metrics_overhead.py --rounds ${OVERHEAD_ROUNDS:-8} --out "$OUT" ;;
     inplace) run inplace $PY benchmarks/gemv_in_place.py --out "$OUT" ;;
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
+    budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
+    paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)
-      run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-batch-size 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png" ;;
+      run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-num-seqs 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png" ;;
     e2e) run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     racecheck)  # shared-memory hazards and barrier misuse in the mixed GEMM (ring barriers: mbarriers, cp.async)

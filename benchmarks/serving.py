@@ -50,25 +50,38 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, out_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    stamps, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+class StreamError(Exception):
+    """A streamed request that failed: its HTTP status or the error chunk's message."""
+
+
+async def stream_chunks(client: httpx.AsyncClient, url: str, body: dict):
+    """The JSON chunks of a streamed OpenAI response (``StreamError`` on a failure)."""
+    async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return {"error": f"HTTP {r.status_code}"}
+            raise StreamError(f"HTTP {r.status_code}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return {"error": chunk["error"]["message"]}
+                raise StreamError(chunk["error"]["message"])
+            yield chunk
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, out_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, tokens = [], 0
+    try:
+        async for chunk in stream_chunks(client, url + "/v1/completions", body):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and chunk["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
+    except StreamError as exc:
+        return {"error": str(exc)}
     end = time.perf_counter()
     if not stamps:
         return {"error": "no tokens"}

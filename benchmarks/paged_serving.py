@@ -1,0 +1,254 @@
+"""Serving workloads of the paged KV cache, against servers of other trees or settings.
+
+Each ``--server NAME=ARGS`` (``ARGS``: ``woq serve`` arguments) is started in turn, given
+every workload, and stopped; all streamed over HTTP on loopback. Results are merged into
+the output's JSON, so that a server of another source tree (the code before a change,
+installed in between) can be run by a second invocation on the same machine:
+
+* ``c1``: 128-token prompts, 128 out, one client (batch-1 inter-token latency);
+* ``p515_c16`` / ``p515_c64``: 515-token prompts, 128 out, 16 / 64 clients;
+* ``p6150_c16``: 6,150-token prompts, 256 out, 16 clients;
+* ``mixed_c128`` / ``mixed_c256``: prompts of 100 to 4,000 tokens (uniform, seeded), 128
+  out, 128 / 256 clients;
+* ``chat``: 32 conversations of 8 turns at once, each turn's prompt the whole history
+  after a 1,000-token system prompt all share, 64 tokens out a turn; TTFT of the first
+  turn and of the later turns (whose history an earlier request prefilled).
+
+Prompts of different requests differ from their first token (no prefix is shared but the
+chat's). Writes JSON, a markdown table and a PNG (tokens/s and ITL p99 against concurrency).
+
+    python benchmarks/paged_serving.py --server "before=--model M --max-batch-size 64"   # (old tree)
+    python benchmarks/paged_serving.py --server "after=--model M" --server "no-prefix=--model M --no-prefix-caching"
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, write_json  # noqa: E402
+from serving import StreamError, free_port, level_stats, one_request, pct, prompt_of, stream_chunks  # noqa: E402
+
+WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), output tokens)
+    "c1": (1, 8, (128, 128), 128),
+    "p515_c16": (16, 48, (515, 515), 128),
+    "p515_c64": (64, 128, (515, 515), 128),
+    "p6150_c16": (16, 32, (6150, 6150), 256),
+    "mixed_c128": (128, 256, (100, 4000), 128),
+    "mixed_c256": (256, 256, (100, 4000), 128),
+}
+
+
+def start(name: str, args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(f"/tmp/paged_serving_{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "woq", "serve", "--port", str(port), *args.split()],
+                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(2400):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {name} exited during start-up: /tmp/paged_serving_{name}.log")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"server {name} did not start")
+
+
+async def workload(url: str, model: str, clients: int, requests: int, lengths: tuple[int, int], out: int) -> dict:
+    rng = random.Random(0)
+    todo = [(i, rng.randint(*lengths)) for i in range(requests)]
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        async def worker():
+            while todo:
+                i, n = todo.pop(0)
+                try:
+                    results.append(await one_request(client, url, model, prompt_of(n, i), out))
+                except httpx.HTTPError as exc:
+                    results.append({"error": repr(exc)})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    errors = sorted({r["error"] for r in results if "error" in r})
+    return {"clients": clients, "requests": requests, "errors": len(results) - len(ok), "error_kinds": errors[:3],
+            **level_stats(ok, wall)}
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], out: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": out, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    t0 = time.perf_counter()
+    first, text = None, []
+    try:
+        async for chunk in stream_chunks(client, url + "/v1/chat/completions", body):
+            delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if delta:
+                first = first or time.perf_counter()
+                text.append(delta)
+    except StreamError as exc:
+        return {"error": str(exc)}
+    if first is None:
+        return {"error": "no tokens"}
+    return {"ttft": first - t0, "text": "".join(text)}
+
+
+async def chat(url: str, model: str, conversations: int = 32, turns: int = 8, out: int = 64) -> dict:
+    system = prompt_of(1000, 10_000)  # (one system prompt for every conversation)
+    ttft: dict[int, list[float]] = {t: [] for t in range(turns)}
+    errors: list[str] = []
+    limits = httpx.Limits(max_connections=conversations, max_keepalive_connections=conversations)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        async def conversation(c: int):
+            messages = [{"role": "system", "content": system}]
+            for t in range(turns):
+                messages.append({"role": "user", "content": f"Turn {t} of chat {c}: " + prompt_of(40, 100 * c + t)})
+                r = await chat_turn(client, url, model, messages, out)
+                if "error" in r:
+                    errors.append(r["error"])
+                    return
+                ttft[t].append(r["ttft"])
+                messages.append({"role": "assistant", "content": r["text"]})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(c) for c in range(conversations)))
+        wall = time.perf_counter() - t0
+    later = [x for t in range(1, turns) for x in ttft[t]]
+    return {"conversations": conversations, "turns": turns, "errors": len(errors), "error_kinds": sorted(set(errors))[:3],
+            "wall_s": wall, "ttft_first_turn_p50_ms": 1e3 * pct(ttft[0], 0.5),
+            "ttft_later_turns_p50_ms": 1e3 * pct(later, 0.5), "ttft_later_turns_p99_ms": 1e3 * pct(later, 0.99),
+            "ttft_by_turn_p50_ms": [1e3 * pct(ttft[t], 0.5) for t in range(turns)]}
+
+
+def metrics_text(url: str) -> str:
+    try:
+        return httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return ""
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, server in result["servers"].items():
+        rows = [(w["clients"], w) for k, w in server["workloads"].items() if k.startswith(("p515", "mixed", "c1"))
+                and "clients" in w]
+        rows.sort(key=lambda x: x[0])
+        if not rows:
+            continue
+        a.plot([c for c, _ in rows], [w["output_tok_per_s"] for _, w in rows], marker="o", label=name)
+        b.plot([c for c, _ in rows], [w["itl_p99_ms"] for _, w in rows], marker="o", label=name)
+    for ax, title in ((a, "output tokens/s"), (b, "inter-token latency p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['gpu']}: prompts of 128 tokens at 1 client, 515 at 16 and 64, 100-4,000 at 128 and 256",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(result: dict) -> str:
+    names = list(result["servers"])
+    rows = []
+    for w in list(WORKLOADS):
+        for n in names:
+            r = result["servers"][n]["workloads"].get(w)
+            if r is None:
+                continue
+            rows.append([w, n, f"{r['output_tok_per_s']:.0f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
+                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", str(r["errors"])])
+    text = [f"GPU: {result['gpu']}. Streamed over HTTP on loopback; servers: "
+            + "; ".join(f"`{n}`: `{result['servers'][n]['args']}`" for n in names) + ".\n",
+            markdown_table(["workload", "server", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "errors"],
+                           rows)]
+    chats = [(n, result["servers"][n]["workloads"].get("chat")) for n in names]
+    chats = [(n, c) for n, c in chats if c]
+    if chats:
+        text.append("\nMulti-turn chat: 32 conversations x 8 turns at once, a 1,000-token shared system prompt, "
+                    "64 tokens a turn.\n")
+        text.append(markdown_table(["server", "TTFT turn 1 p50 ms", "TTFT turns 2-8 p50 / p99 ms", "errors"],
+                                   [[n, f"{c['ttft_first_turn_p50_ms']:.0f}",
+                                     f"{c['ttft_later_turns_p50_ms']:.0f} / {c['ttft_later_turns_p99_ms']:.0f}",
+                                     str(c["errors"])] for n, c in chats]))
+    counters = [[n, *(str(result["servers"][n]["metrics"].get(k)) for k in ("preemptions", "hit_ratio"))]
+                for n in names]
+    text.append("\n" + markdown_table(["server", "preemptions", "prefix-cache hit ratio (tokens)"], counters))
+    return "\n".join(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", action="append", required=True, help="NAME[@TREE]=woq serve arguments")
+    ap.add_argument("--workloads", default=",".join([*WORKLOADS, "chat"]))
+    ap.add_argument("--model-name", default="bench")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--name", default="paged_serving")
+    args = ap.parse_args()
+    import torch
+
+    path = args.out / f"{args.name}.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result.setdefault("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    result.setdefault("servers", {})
+    chosen = args.workloads.split(",")
+    for spec in args.server:
+        name, serve_args = spec.split("=", 1)
+        serve_args += f" --served-model-name {args.model_name}"
+        t0 = time.perf_counter()
+        proc, url = start(name, serve_args)
+        entry = result["servers"][name] = {"args": serve_args, "start_s": time.perf_counter() - t0, "workloads": {}}
+        try:
+            for w in chosen:
+                t1 = time.perf_counter()
+                if w == "chat":
+                    r = asyncio.run(chat(url, args.model_name))
+                else:
+                    r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w]))
+                entry["workloads"][w] = r
+                print(f"[{name}] {w} ({time.perf_counter() - t1:.0f} s): {json.dumps(r)[:400]}", flush=True)
+            text = metrics_text(url)
+            q = metric(text, "woq_prefix_cache_query_tokens_total")
+            entry["metrics"] = {"preemptions": metric(text, "woq_preemptions_total"),
+                                "hit_ratio": None if not q else round(metric(text, "woq_prefix_cache_hit_tokens_total") / q,
+                                                                      3)}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        write_json(path, result)  # (after each server: a later failure keeps these)
+    (args.out / f"{args.name}.md").write_text(summary(result) + "\n")
+    plot(result, args.out / f"{args.name}.png")
+    print(summary(result))
+
+
+if __name__ == "__main__":
+    main()
