@@ -1,0 +1,135 @@
+"""Tensor-parallel shards of quantized linear weights, in the logical format.
+
+A rank of a TP group holds, of each decoder layer:
+
+* **column-parallel** weights, split along N (output rows): qkv by heads (the KV heads
+  split too, or, with fewer KV heads than ranks, each rank keeping the KV head its query
+  heads use), gate/up by intermediate rows (each rank's gate rows and up rows, so that the
+  SwiGLU interleave of ``kernels/format.py`` is built per shard and the fused epilogue
+  still pairs a gate row with its up row);
+* **row-parallel** weights, split along K (input columns): o and down. Each rank's input is
+  its column-parallel neighbour's output, so the split follows the input's natural order,
+  and the partial outputs are summed (all-reduce). A shard's boundaries must fall on group
+  boundaries (a group's scale covers K elements of one rank); per-channel weights split
+  anywhere (the row's one scale goes to every shard).
+
+Act-order (GPTQ ``g_idx``) imports hold contiguous groups over permuted input columns and
+the permutation (``ImportedLinear.in_perm``, ``models/importers.py``). A rank's input
+columns are then scattered over the groups: its shard takes, group by group, the permuted
+columns whose original index is its own, and pads each group's run to the group size with
+codes equal to their zero point. A padded column dequantizes to exactly 0, so it adds
+nothing to the output whatever the input value it gathers; the shard's K grows by the
+padding (at most one partial group per group a rank touches).
+
+Every shard holds the very codes, scales and zero points of the full weight (no
+requantization), so the shards' partial products add up to the full layer's exactly in
+exact arithmetic: ``tests/test_sharding.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..kernels.format import QuantizedWeight, pack_codes
+from .importers import ImportedLinear
+
+
+class ShardError(ValueError):
+    """A weight that cannot be split this way (the message says why)."""
+
+
+def rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """The weight's output rows ``index`` (a long tensor), in that order."""
+    return replace(qw, packed=qw.packed[index], scales=qw.scales[index],
+                   zeros=None if qw.zeros is None else qw.zeros[index], out_features=len(index))
+
+
+def _even_share(n: int, rank: int, tp: int, what: str) -> range:
+    if n % tp:
+        raise ShardError(f"{what} ({n}) does not split over {tp} ranks")
+    share = n // tp
+    return range(rank * share, (rank + 1) * share)
+
+
+def column_shard(qw: QuantizedWeight, rank: int, tp: int) -> QuantizedWeight:
+    """Rank ``rank``'s equal share of the output rows."""
+    return rows(qw, torch.tensor(_even_share(qw.out_features, rank, tp, "output rows")))
+
+
+def qkv_heads(heads: int, kv_heads: int, rank: int, tp: int) -> tuple[range, range]:
+    """The query heads and the KV heads rank ``rank`` computes: an equal share of each, or,
+    with fewer KV heads than ranks, the one KV head its query heads read (replicated)."""
+    q = _even_share(heads, rank, tp, "attention heads")
+    if kv_heads >= tp:
+        return q, _even_share(kv_heads, rank, tp, "KV heads")
+    if tp % kv_heads:
+        raise ShardError(f"{kv_heads} KV heads cannot be replicated evenly over {tp} ranks")
+    kv = rank * kv_heads // tp
+    return q, range(kv, kv + 1)
+
+
+def qkv_shard(qw: QuantizedWeight, heads: int, kv_heads: int, head_dim: int, rank: int, tp: int) -> QuantizedWeight:
+    """Rank ``rank``'s rows of the fused ``[q; k; v]`` weight: its query heads, then its KV
+    heads' k rows, then their v rows (the order a rank's attention splits them in)."""
+    q, kv = qkv_heads(heads, kv_heads, rank, tp)
+
+    def head_rows(first_head: int, hs: range) -> list[int]:
+        return [(first_head + h) * head_dim + d for h in hs for d in range(head_dim)]
+
+    index = head_rows(0, q) + head_rows(heads, kv) + head_rows(heads + kv_heads, kv)
+    return rows(qw, torch.tensor(index))
+
+
+def gate_up_shard(qw: QuantizedWeight, rank: int, tp: int) -> QuantizedWeight:
+    """Rank ``rank``'s rows of the fused ``[gate; up]`` weight (not interleaved): its share
+    of the gate rows, then the same share of the up rows."""
+    inter = qw.out_features // 2
+    share = _even_share(inter, rank, tp, "intermediate rows")
+    return rows(qw, torch.tensor(list(share) + [inter + r for r in share]))
+
+
+def _columns(qw: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             group_size: int) -> QuantizedWeight:
+    K = codes.shape[1]
+    if qw.bits == 4 and K % 2:
+        raise ShardError(f"an int4 shard needs an even number of input columns, not {K}")
+    return QuantizedWeight(pack_codes(codes, qw.bits), scales, zeros, qw.bits, group_size, K, qw.out_features)
+
+
+def row_shard(linear: ImportedLinear, rank: int, tp: int) -> ImportedLinear:
+    """Rank ``rank``'s input columns of the weight: an equal share of K in the input's order
+    (act-order weights: module docstring). Its ``in_perm`` indexes the rank's own input."""
+    qw = linear.weight
+    K, G = qw.in_features, qw.group_size
+    own = _even_share(K, rank, tp, "input columns")
+    codes = qw.codes()
+    if qw.per_channel:  # one scale per row, whatever the columns (in the input's order)
+        if linear.in_perm is not None:
+            codes = codes[:, torch.argsort(linear.in_perm.long())]
+        return ImportedLinear(_columns(qw, codes[:, own.start:own.stop], qw.scales, qw.zeros, len(own)))
+    if linear.in_perm is None:
+        if len(own) % G:
+            raise ShardError(f"a shard of {len(own)} input columns cuts groups of {G}: {K} columns split over "
+                             f"{tp} ranks must be a multiple of {tp * G}")
+        g = slice(own.start // G, own.stop // G)
+        zeros = None if qw.zeros is None else qw.zeros[:, g]
+        return ImportedLinear(_columns(qw, codes[:, own.start:own.stop], qw.scales[:, g], zeros, G))
+    # Act-order: column j of the weight multiplies input column perm[j].
+    perm = linear.in_perm.long()
+    mine = (perm >= own.start) & (perm < own.stop)
+    zero_points = qw.zero_points()
+    cols, local, groups = [], [], []
+    for g in range(qw.num_groups):
+        j = torch.nonzero(mine[g * G:(g + 1) * G]).flatten() + g * G
+        if len(j) == 0:
+            continue
+        pad = G - len(j)
+        # padded columns: the row's zero point (dequantizes to 0), gathering input column 0
+        cols.append(torch.cat([codes[:, j], zero_points[:, g:g + 1].expand(-1, pad)], 1))
+        local.append(torch.cat([perm[j] - own.start, torch.zeros(pad, dtype=torch.long)]))
+        groups.append(g)
+    index = torch.tensor(groups)
+    zeros = None if qw.zeros is None else qw.zeros[:, index]
+    shard = _columns(qw, torch.cat(cols, 1), qw.scales[:, index], zeros, G)
+    return ImportedLinear(shard, torch.cat(local))
