@@ -16,6 +16,7 @@ from .quant_linear import DenseLinear, WeightOnlyLinear
 
 if TYPE_CHECKING:
     from .importers import ImportedLinear
+    from .sharding import TensorParallel
 
 QuantMode = Literal["int8", "int4", "none"]
 
@@ -101,6 +102,7 @@ def build_model(
     progress: bool = True,
     prequantized: dict | None = None,
     options: RuntimeOptions | None = None,
+    tp: "TensorParallel | None" = None,
 ) -> CausalLM:
     """Assemble the model from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``, ...).
 
@@ -108,9 +110,11 @@ def build_model(
     fused ones (``...self_attn.qkv_proj``: a woq checkpoint) or parts (``...q_proj``: a
     GPTQ/AWQ import); those layers are used as they are, ``quant`` applies to the rest.
     Tensors are consumed (popped) as layers are built, so peak memory stays near one copy.
-    Each linear layer's kernels are chosen once, at the end (``bind_kernels``).
+    Each linear layer's kernels are chosen once, at the end (``bind_kernels``). With ``tp``,
+    the model is that rank's shard (``models/sharding.py``): every layer is quantized or
+    imported whole, then split, and the model's config holds the rank's shapes.
     """
-    from .importers import CheckpointError
+    from .importers import CheckpointError, ImportedLinear
 
     prequantized = dict(prequantized or {})
     device = torch.device(device)
@@ -140,19 +144,29 @@ def build_model(
         bias = take(fused + ".bias", required=False)
         if bias is None:
             bias = _cat(take(p + ".bias", required=False) for p in parts)
-        if imported is not None:
-            qw = imported.weight
-            if (qw.out_features, qw.in_features) != shapes[kind]:
-                raise CheckpointError(f"{fused}: quantized weight is {qw.out_features}x{qw.in_features}, the model "
-                                      f"config needs {shapes[kind][0]}x{shapes[kind][1]}")
-            qw = qw.to(device)
-            perm = None if imported.in_perm is None else imported.in_perm.to(device)
-            return WeightOnlyLinear(qw, None if bias is None else bias.to(device=device, dtype=dtype), kind,
-                                    cache_dequantized=device.type == "cpu", in_perm=perm)
-        w = torch.cat([take(p + ".weight") for p in parts], 0)
-        if tuple(w.shape) != shapes[kind]:
-            raise CheckpointError(f"{fused}: weight is {tuple(w.shape)}, the model config needs {shapes[kind]}")
-        return make(w, bias, kind)
+        if imported is None:
+            w = torch.cat([take(p + ".weight") for p in parts], 0)
+            if tuple(w.shape) != shapes[kind]:
+                raise CheckpointError(f"{fused}: weight is {tuple(w.shape)}, the model config needs {shapes[kind]}")
+            layer = make(w, bias, kind)
+            if tp is None or not isinstance(layer, WeightOnlyLinear):
+                if tp is not None:  # dense: split the floats
+                    w, _, bias = tp.shard(kind, cfg, w, None, bias)
+                    layer = make(w, bias, kind)
+                return layer
+            imported = ImportedLinear(layer.qweight, None)
+            bias = None if layer.bias is None else layer.bias.data
+        qw = imported.weight
+        if (qw.out_features, qw.in_features) != shapes[kind]:
+            raise CheckpointError(f"{fused}: quantized weight is {qw.out_features}x{qw.in_features}, the model "
+                                  f"config needs {shapes[kind][0]}x{shapes[kind][1]}")
+        perm = imported.in_perm
+        if tp is not None:
+            qw, perm, bias = tp.shard(kind, cfg, qw, perm, bias)
+        qw = qw.to(device)
+        perm = None if perm is None else perm.to(device)
+        return WeightOnlyLinear(qw, None if bias is None else bias.to(device=device, dtype=dtype), kind,
+                                cache_dequantized=device.type == "cpu", in_perm=perm)
 
     layers = []
     for i in progress_of(range(cfg.num_layers), f"building layers ({quant.describe()})", progress):
@@ -176,7 +190,8 @@ def build_model(
     leftover = [k for k in state_dict if not k.endswith("rotary_emb.inv_freq")] + list(prequantized)
     if leftover:
         raise CheckpointError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
-    model = CausalLM(cfg, embed, layers, final_norm, lm_head, rope).eval()
+    model = CausalLM(cfg if tp is None else tp.local_config(cfg), embed, layers, final_norm, lm_head, rope).eval()
+    model.tp = tp
     bind_kernels(model, options or RuntimeOptions(), progress)
     return model
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -40,11 +41,17 @@ def _fused_module():
 @dataclass(frozen=True)
 class Pass:
     """What every layer of one forward pass shares: the attention chosen for the pass's kind,
-    the fused-kernel module (None: torch ops) and whether its kernels launch programmatically."""
+    the fused-kernel module (None: torch ops), whether its kernels launch programmatically,
+    and what sums a row-parallel layer's partial output over a tensor-parallel group
+    (None: one rank, nothing to sum)."""
 
     attention: object
     fused: object
     programmatic: bool
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def summed(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.reduce is None else self.reduce(y)
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +88,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
         qkv = self.qkv(x)
         out = p.attention(self.layer_idx, qkv.view(-1, qkv.shape[-1]))
-        return self.o(out.view(*x.shape[:-1], -1))
+        return p.summed(self.o(out.view(*x.shape[:-1], -1)))
 
 
 class MLP(nn.Module):
@@ -89,8 +96,8 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up, self.down = gate_up, down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up(x, Epilogue.SWIGLU))
+    def forward(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
+        return p.summed(self.down(self.gate_up(x, Epilogue.SWIGLU)))
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +116,7 @@ class DecoderLayer(nn.Module):
         ``add_forward`` (or the final norm) forms; ``residual`` None means ``x`` is the stream."""
         h, residual = self.input_norm.add_forward(x, residual, p)
         h, residual = self.post_norm.add_forward(self.attn(h, p), residual, p)
-        return self.mlp(h), residual
+        return self.mlp(h, p), residual
 
 
 class CausalLM(nn.Module):
@@ -127,6 +134,9 @@ class CausalLM(nn.Module):
         self.rope = rope
         self.heads = Heads(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.options = RuntimeOptions()
+        # A tensor-parallel rank's shard (models/sharding.py, set by the builder): cfg then
+        # holds the rank's heads and intermediate rows; None: the whole model.
+        self.tp = None
         self.kernel_timing: KernelTiming | None = None
 
     @property
@@ -159,7 +169,9 @@ class CausalLM(nn.Module):
     def _pass(self, batch: Batch, cache: KVCache | None, x: torch.Tensor) -> Pass:
         fused = _fused_module() if x.is_cuda and self.options.fused_ops else None
         programmatic = self.options.programmatic_launch
-        return Pass(attention_for(batch, self.heads, self.rope, cache, fused, programmatic), fused, programmatic)
+        reduce = self.tp.all_reduce if self.tp is not None and self.tp.size > 1 else None
+        return Pass(attention_for(batch, self.heads, self.rope, cache, fused, programmatic), fused, programmatic,
+                    reduce)
 
     def layer_output(self, layer: DecoderLayer, x: torch.Tensor, batch: Causal) -> torch.Tensor:
         """One decoder layer's output hidden states for its input hidden states ``x`` (GPTQ

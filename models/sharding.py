@@ -23,15 +23,20 @@ padding (at most one partial group per group a rank touches).
 
 Every shard holds the very codes, scales and zero points of the full weight (no
 requantization), so the shards' partial products add up to the full layer's exactly in
-exact arithmetic: ``tests/test_sharding.py``.
+exact arithmetic: ``tests/test_sharding.py``. ``TensorParallel`` is a rank's place in its
+group: the builder splits each layer with it (a layer is quantized or imported whole,
+then split), the model's config takes the rank's shapes, and the forward sums o's and
+down's outputs over the group (``Pass.summed`` in ``models/llama.py``); the embedding and
+the LM head stay whole on every rank (``tests/test_tensor_parallel.py``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..kernels.format import QuantizedWeight, pack_codes
+from .config import ArchConfig
 from .importers import ImportedLinear
 
 
@@ -69,7 +74,7 @@ def qkv_heads(heads: int, kv_heads: int, rank: int, tp: int) -> tuple[range, ran
     return q, range(kv, kv + 1)
 
 
-def qkv_shard(qw: QuantizedWeight, heads: int, kv_heads: int, head_dim: int, rank: int, tp: int) -> QuantizedWeight:
+def qkv_rows(heads: int, kv_heads: int, head_dim: int, rank: int, tp: int) -> torch.Tensor:
     """Rank ``rank``'s rows of the fused ``[q; k; v]`` weight: its query heads, then its KV
     heads' k rows, then their v rows (the order a rank's attention splits them in)."""
     q, kv = qkv_heads(heads, kv_heads, rank, tp)
@@ -77,16 +82,22 @@ def qkv_shard(qw: QuantizedWeight, heads: int, kv_heads: int, head_dim: int, ran
     def head_rows(first_head: int, hs: range) -> list[int]:
         return [(first_head + h) * head_dim + d for h in hs for d in range(head_dim)]
 
-    index = head_rows(0, q) + head_rows(heads, kv) + head_rows(heads + kv_heads, kv)
-    return rows(qw, torch.tensor(index))
+    return torch.tensor(head_rows(0, q) + head_rows(heads, kv) + head_rows(heads + kv_heads, kv))
+
+
+def gate_up_rows(inter: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of the fused ``[gate; up]`` weight (not interleaved): its share
+    of the gate rows, then the same share of the up rows."""
+    share = _even_share(inter, rank, tp, "intermediate rows")
+    return torch.tensor(list(share) + [inter + r for r in share])
+
+
+def qkv_shard(qw: QuantizedWeight, heads: int, kv_heads: int, head_dim: int, rank: int, tp: int) -> QuantizedWeight:
+    return rows(qw, qkv_rows(heads, kv_heads, head_dim, rank, tp))
 
 
 def gate_up_shard(qw: QuantizedWeight, rank: int, tp: int) -> QuantizedWeight:
-    """Rank ``rank``'s rows of the fused ``[gate; up]`` weight (not interleaved): its share
-    of the gate rows, then the same share of the up rows."""
-    inter = qw.out_features // 2
-    share = _even_share(inter, rank, tp, "intermediate rows")
-    return rows(qw, torch.tensor(list(share) + [inter + r for r in share]))
+    return rows(qw, gate_up_rows(qw.out_features // 2, rank, tp))
 
 
 def _columns(qw: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -133,3 +144,52 @@ def row_shard(linear: ImportedLinear, rank: int, tp: int) -> ImportedLinear:
     zeros = None if qw.zeros is None else qw.zeros[:, index]
     shard = _columns(qw, torch.cat(cols, 1), qw.scales[:, index], zeros, G)
     return ImportedLinear(shard, torch.cat(local))
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: ``rank`` of ``size`` ranks of the
+    ``torch.distributed`` process ``group`` (None: the default group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    def local_config(self, cfg: ArchConfig) -> ArchConfig:
+        """The per-rank shapes: its query heads, the KV heads they read, its intermediate rows."""
+        q, kv = qkv_heads(cfg.num_heads, cfg.num_kv_heads, self.rank, self.size)
+        inter = _even_share(cfg.intermediate_size, self.rank, self.size, "intermediate rows")
+        return replace(cfg, num_heads=len(q), num_kv_heads=len(kv), intermediate_size=len(inter))
+
+    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial outputs over the group, in place."""
+        import torch.distributed as dist
+
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def shard(self, kind: str, cfg: ArchConfig, weight: QuantizedWeight | torch.Tensor,
+              in_perm: torch.Tensor | None, bias: torch.Tensor | None):
+        """This rank's ``(weight, in_perm, bias)`` of a layer of ``kind`` (qkv, o, gate_up,
+        down; the LM head is kept whole), quantized or dense. A row-parallel layer's bias
+        is kept by rank 0 only: the all-reduce adds it once."""
+        if kind == "lm_head":
+            return weight, in_perm, bias
+        if kind == "qkv":
+            index = qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.rank, self.size)
+        elif kind == "gate_up":
+            index = gate_up_rows(cfg.intermediate_size, self.rank, self.size)
+        elif kind in ("o", "down"):
+            bias = bias if self.rank == 0 else None
+            if isinstance(weight, torch.Tensor):
+                K = weight.shape[1]
+                own = _even_share(K, self.rank, self.size, "input columns")
+                return weight[:, own.start:own.stop].contiguous(), None, bias
+            shard = row_shard(ImportedLinear(weight, in_perm), self.rank, self.size)
+            return shard.weight, shard.in_perm, bias
+        else:
+            raise ShardError(f"no tensor-parallel split for a {kind} layer")
+        bias = None if bias is None else bias[index.to(bias.device)]
+        if isinstance(weight, torch.Tensor):
+            return weight[index.to(weight.device)].contiguous(), in_perm, bias
+        return rows(weight, index.to(weight.packed.device)), in_perm, bias
