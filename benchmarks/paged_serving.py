@@ -36,7 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, write_json  # noqa: E402
-from serving import StreamError, free_port, level_stats, one_request, pct, prompt_of, stream_chunks  # noqa: E402
+from serving import StreamError, free_port, level_stats, pct, prompt_of, send_all, stream_chunks  # noqa: E402
 
 WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), output tokens)
     "c1": (1, 8, (128, 128), 128),
@@ -68,21 +68,8 @@ def start(name: str, args: str) -> tuple[subprocess.Popen, str]:
 
 async def workload(url: str, model: str, clients: int, requests: int, lengths: tuple[int, int], out: int) -> dict:
     rng = random.Random(0)
-    todo = [(i, rng.randint(*lengths)) for i in range(requests)]
-    results: list[dict] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
-        async def worker():
-            while todo:
-                i, n = todo.pop(0)
-                try:
-                    results.append(await one_request(client, url, model, prompt_of(n, i), out))
-                except httpx.HTTPError as exc:
-                    results.append({"error": repr(exc)})
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        wall = time.perf_counter() - t0
+    prompts = [prompt_of(rng.randint(*lengths), i) for i in range(requests)]
+    results, wall = await send_all(url, model, clients, prompts, out, timeout=900)
     ok = [r for r in results if "error" not in r]
     errors = sorted({r["error"] for r in results if "error" in r})
     return {"clients": clients, "requests": requests, "errors": len(results) - len(ok), "error_kinds": errors[:3],

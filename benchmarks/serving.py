@@ -89,24 +89,30 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return {"ttft": stamps[0] - t0, "itl": itl, "tokens": tokens, "latency": end - t0}
 
 
-async def run_level(url: str, model: str, concurrency: int, requests: int, prompt_tokens: int, out_tokens: int) -> dict:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
+async def send_all(url: str, model: str, clients: int, prompts: list[str], out_tokens: int,
+                   timeout: float = 600) -> tuple[list[dict], float]:
+    """Stream a completion of each prompt, ``clients`` at a time: each request's result
+    (``one_request``) and the wall time of them all."""
+    todo = list(prompts)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def worker():
-            while not queue.empty():
-                i = queue.get_nowait()
+            while todo:
+                prompt = todo.pop(0)
                 try:
-                    results.append(await one_request(client, url, model, prompt_of(prompt_tokens, i), out_tokens))
+                    results.append(await one_request(client, url, model, prompt, out_tokens))
                 except httpx.HTTPError as exc:
                     results.append({"error": repr(exc)})
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return results, time.perf_counter() - t0
+
+
+async def run_level(url: str, model: str, concurrency: int, requests: int, prompt_tokens: int, out_tokens: int) -> dict:
+    prompts = [prompt_of(prompt_tokens, i) for i in range(requests)]
+    results, wall = await send_all(url, model, concurrency, prompts, out_tokens)
     ok = [r for r in results if "error" not in r]
     return {"concurrency": concurrency, "requests": requests, "errors": len(results) - len(ok),
             "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, **level_stats(ok, wall)}

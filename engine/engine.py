@@ -76,9 +76,9 @@ from .sampling import SamplingParams, greedy
 log = logging.getLogger("woq.engine")
 
 # Prompt tokens prefilled between two decode steps: a running stream waits for one such
-# prefill at most, so this bounds its stall. An eager prefill forward of an 8B model costs
-# ~20 ms of launches whatever its size up to ~512 tokens, and its tokens per ms level off
-# at ~2,048 (docs/bench/step_budget.md, docs/design/kv_cache.md "Token budget").
+# prefill at most, so this bounds its stall. Below this a prefill forward's launch cost,
+# not its size, sets the stall; above it the stall grows with no gain in tokens per ms
+# (the measured curve: docs/design/kv_cache.md, "Prefill budget").
 DEFAULT_PREFILL_TOKENS = 2048
 
 

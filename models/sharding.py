@@ -57,11 +57,6 @@ def _even_share(n: int, rank: int, tp: int, what: str) -> range:
     return range(rank * share, (rank + 1) * share)
 
 
-def column_shard(qw: QuantizedWeight, rank: int, tp: int) -> QuantizedWeight:
-    """Rank ``rank``'s equal share of the output rows."""
-    return rows(qw, torch.tensor(_even_share(qw.out_features, rank, tp, "output rows")))
-
-
 def qkv_heads(heads: int, kv_heads: int, rank: int, tp: int) -> tuple[range, range]:
     """The query heads and the KV heads rank ``rank`` computes: an equal share of each, or,
     with fewer KV heads than ranks, the one KV head its query heads read (replicated)."""
@@ -90,14 +85,6 @@ def gate_up_rows(inter: int, rank: int, tp: int) -> torch.Tensor:
     of the gate rows, then the same share of the up rows."""
     share = _even_share(inter, rank, tp, "intermediate rows")
     return torch.tensor(list(share) + [inter + r for r in share])
-
-
-def qkv_shard(qw: QuantizedWeight, heads: int, kv_heads: int, head_dim: int, rank: int, tp: int) -> QuantizedWeight:
-    return rows(qw, qkv_rows(heads, kv_heads, head_dim, rank, tp))
-
-
-def gate_up_shard(qw: QuantizedWeight, rank: int, tp: int) -> QuantizedWeight:
-    return rows(qw, gate_up_rows(qw.out_features // 2, rank, tp))
 
 
 def _columns(qw: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

@@ -7,7 +7,7 @@ import torch
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.reference import dequantize
 from woq.models.importers import ImportedLinear
-from woq.models.sharding import ShardError, column_shard, gate_up_shard, qkv_heads, qkv_shard, row_shard
+from woq.models.sharding import ShardError, gate_up_rows, qkv_heads, qkv_rows, row_shard, rows
 
 SPECS = [QuantSpec(4, 32, False), QuantSpec(4, 32, True), QuantSpec(8, 64, False), QuantSpec(4, None, False),
          QuantSpec(8, None, True)]
@@ -40,7 +40,8 @@ def _full_product(linear: ImportedLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_column_shards_are_the_full_weights_rows(spec, tp):
     qw = _weight(96, 128, spec)
-    shards = [column_shard(qw, r, tp) for r in range(tp)]
+    share = qw.out_features // tp
+    shards = [rows(qw, torch.arange(r * share, (r + 1) * share)) for r in range(tp)]
     assert torch.equal(torch.cat([s.packed for s in shards]), qw.packed)
     assert torch.equal(torch.cat([s.scales for s in shards]), qw.scales)
     assert torch.equal(torch.cat([_deq(s) for s in shards]), _deq(qw))
@@ -56,7 +57,7 @@ def test_qkv_shards_hold_their_heads_and_the_kv_heads_those_read(heads, kv_heads
     for r in range(tp):
         q, kv = qkv_heads(heads, kv_heads, r, tp)
         assert all(h // group in kv for h in q)  # (its query heads read only its KV heads)
-        got = _deq(qkv_shard(qw, heads, kv_heads, D, r, tp))
+        got = _deq(rows(qw, qkv_rows(heads, kv_heads, D, r, tp)))
         want = torch.cat([q_rows.view(heads, D, -1)[list(q)].reshape(-1, 64),
                           k_rows.view(kv_heads, D, -1)[list(kv)].reshape(-1, 64),
                           v_rows.view(kv_heads, D, -1)[list(kv)].reshape(-1, 64)])
@@ -64,11 +65,10 @@ def test_qkv_shards_hold_their_heads_and_the_kv_heads_those_read(heads, kv_heads
 
 
 def test_qkv_shards_refuse_uneven_heads():
-    qw = _weight((6 + 2 * 3) * 16, 64, QuantSpec(4, 32, False))
     with pytest.raises(ShardError, match="3 KV heads cannot be replicated evenly over 4"):
-        qkv_shard(qw, 12, 3, 16, 0, 4)
+        qkv_rows(12, 3, 16, 0, 4)
     with pytest.raises(ShardError, match="attention heads"):
-        qkv_shard(qw, 6, 3, 16, 0, 4)
+        qkv_rows(6, 3, 16, 0, 4)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -77,7 +77,7 @@ def test_gate_up_shards_pair_each_gate_row_with_its_up_row(tp):
     qw = _weight(2 * inter, 96, QuantSpec(4, 32, False))
     gate, up = _deq(qw).split(inter)
     for r in range(tp):
-        shard = _deq(gate_up_shard(qw, r, tp))
+        shard = _deq(rows(qw, gate_up_rows(inter, r, tp)))
         share = slice(r * inter // tp, (r + 1) * inter // tp)
         assert torch.equal(shard, torch.cat([gate[share], up[share]])), r
 
