@@ -1,12 +1,14 @@
-"""How long a prefill of T tokens holds the GPU, against a decode step: the curve the
-engine's prefill token budget (``engine.DEFAULT_PREFILL_TOKENS``) is chosen from.
+"""How long one engine step holds the GPU against the tokens in it: the curve the engine's
+step token budget (``engine.DEFAULT_PREFILL_TOKENS``) is chosen from.
 
-A running stream waits, at most, for one budgeted prefill between two of its decode steps,
-so its inter-token latency p99 is about a decode step plus the prefill of the budget
-(chunked: a chunk of a long prompt after a cached earlier part). Measured on a
-Llama-3-8B-shaped int4 g128 model (random weights): the packed prefill forward of one
-chunk of T tokens that follows 1,024 cached positions, and the decode step (CUDA graph
-replay) at batches 1 to 128; medians of CUDA-event timings.
+A step is one packed forward of the running sequences' decode tokens and prompt chunks
+(``Engine._mixed_step``), or, with no prompt to prefill, a decode step. A running stream
+waits one step between two tokens, so its inter-token latency under load is the time of a
+budgeted step. Measured on a Llama-3-8B-shaped int4 g128 model (random weights): B decode
+tokens (B = 0, 16, 64, each after 1,024 cached positions) and one chunk of T prompt
+tokens after 1,024 cached positions, as a packed-graph replay (up to the graphs' 512
+tokens; host preparation included, as the engine pays it) and as the eager forward; and
+the decode step (CUDA graph replay) at batches 1 to 128; medians of CUDA-event timings.
 
     python benchmarks/step_budget.py --out docs/bench
 """
@@ -27,9 +29,11 @@ from woq.engine.engine import Engine  # noqa: E402
 from woq.models.batches import Prefill  # noqa: E402
 from woq.models.builder import QuantConfig, build_model  # noqa: E402
 
-TOKENS = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 2048, 4096]
+TOKENS = [16, 64, 128, 256, 384, 448, 512, 1024, 2048]
+DECODING = [0, 16, 64]  # decode tokens in the step beside the chunk
 BATCHES = [1, 16, 64, 128]
-PAST = 1024  # cached positions before the timed chunk
+PAST = 1024  # cached positions before every step's tokens
+GRAPH_TOKENS = 512
 
 
 def timed(fn, repeats: int = 7) -> float:
@@ -53,8 +57,8 @@ def run() -> dict:
     model = build_model(config, state, QuantConfig("int4", 128), torch.float16, "cuda", context, progress=False)
     del state
     torch.cuda.empty_cache()
-    engine = Engine(model, None, set(), max_num_seqs=max(BATCHES), max_seq_len=context, max_prefill_tokens=max(TOKENS),
-                    prefill_graphs=False)
+    engine = Engine(model, None, set(), max_num_seqs=max(BATCHES), max_seq_len=context,
+                    max_prefill_tokens=GRAPH_TOKENS)
     cache = engine.cache
     row = 0
     cache.assign(row, 0, list(range(1, 1 + cache.blocks_per_row)))
@@ -64,14 +68,19 @@ def run() -> dict:
     for r in range(1, max(BATCHES)):
         cache.assign(r, 0, list(range(first + (r - 1) * per_row, first + r * per_row)))
     gen = torch.Generator().manual_seed(0)
-    prefill = {}
+    graph, eager = {}, {}
     with torch.inference_mode():
         past = torch.randint(0, config.vocab_size, (1, PAST), generator=gen).cuda()
         model(past, Prefill.pack([PAST], [row], "cuda"), cache, last_only=True)
-        for t in TOKENS:
-            ids = torch.randint(0, config.vocab_size, (1, t), generator=gen).cuda()
-            batch = Prefill.pack([t], [row], "cuda", [PAST])
-            prefill[t] = timed(lambda: model(ids, batch, cache, last_only=True))
+        for b in DECODING:
+            for t in TOKENS:
+                lens, rows, starts = [1] * b + [t], list(range(1, b + 1)) + [row], [PAST] * (b + 1)
+                tokens = torch.randint(0, config.vocab_size, (b + t,), generator=gen).tolist()
+                ids = torch.tensor([tokens], device="cuda")
+                batch = Prefill.pack(lens, rows, "cuda", starts)
+                eager[f"{b}+{t}"] = timed(lambda: model(ids, batch, cache, last_only=True))
+                if engine.packed_graphs.fits(b + t, b + 1):
+                    graph[f"{b}+{t}"] = timed(lambda: engine.packed_graphs.run(tokens, lens, rows, starts))
         decode = {}
         for b in BATCHES:
             ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
@@ -79,16 +88,21 @@ def run() -> dict:
             slots = torch.arange(b, device="cuda")
             decode[b] = timed(lambda: engine.graphs.run(ids, positions, slots))
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "past": PAST,
-            "prefill_ms": prefill, "decode_ms": decode}
+            "graph_ms": graph, "eager_ms": eager, "decode_ms": decode}
 
 
 def summary(r: dict) -> str:
-    rows = [[t, f"{ms:.2f}", f"{int(t) / ms:.1f}"] for t, ms in r["prefill_ms"].items()]
+    rows = []
+    for key, ms in r["eager_ms"].items():
+        b, t = key.split("+")
+        g = r["graph_ms"].get(key)
+        rows.append([b, t, f"{g:.2f}" if g is not None else "-", f"{ms:.2f}"])
     dec = [[b, f"{ms:.2f}"] for b, ms in r["decode_ms"].items()]
-    return (f"GPU: {r['gpu']}, torch {r['torch']}. 8B int4 g128 (random weights), fp16. Prefill of one chunk of T "
-            f"tokens after {r['past']} cached positions (packed forward, no graph); median of 7, CUDA events.\n\n"
-            + markdown_table(["T tokens", "prefill ms", "tokens/ms"], rows) + "\n\nDecode step (graph replay):\n\n"
-            + markdown_table(["batch", "step ms"], dec) + "\n")
+    return (f"GPU: {r['gpu']}, torch {r['torch']}. 8B int4 g128 (random weights), fp16. One step: B decode tokens "
+            f"and a chunk of T prompt tokens, all after {r['past']} cached positions; packed-graph replay (host "
+            "preparation included) and eager forward; median of 7, CUDA events.\n\n"
+            + markdown_table(["B decode", "T prompt", "graph ms", "eager ms"], rows)
+            + "\n\nDecode step (graph replay):\n\n" + markdown_table(["batch", "step ms"], dec) + "\n")
 
 
 def plot(r: dict, path: Path) -> None:
@@ -97,17 +111,21 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ts = [int(t) for t in r["prefill_ms"]]
-    ax.plot(ts, list(r["prefill_ms"].values()), marker="o", label="prefill chunk")
-    for b, ms in r["decode_ms"].items():
-        ax.axhline(ms, ls="--", lw=0.8, label=f"decode step, batch {b}", color=f"C{1 + list(r['decode_ms']).index(b)}")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, b in enumerate(DECODING):
+        for kind, style in (("graph_ms", "-"), ("eager_ms", ":")):
+            pts = [(int(k.split("+")[1]), ms) for k, ms in r[kind].items() if int(k.split("+")[0]) == b]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", ms=3, color=f"C{i}",
+                        label=f"B={b} decode + T prompt, {kind.split('_')[0]}")
+    for j, (b, ms) in enumerate(r["decode_ms"].items()):
+        ax.axhline(ms, ls="--", lw=0.7, color=f"C{4 + j}", label=f"decode step only, batch {b}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("prefill tokens in the step")
-    ax.set_ylabel("ms")
-    ax.set_title(f"{r['gpu']}: 8B int4, prefill chunk vs decode step", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_xlabel("prompt tokens in the step (T)")
+    ax.set_ylabel("step ms")
+    ax.set_title(f"{r['gpu']}: 8B int4, one engine step", fontsize=9)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

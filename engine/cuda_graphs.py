@@ -8,12 +8,12 @@ blocks assigned since the capture. Batches are padded to the next captured size 
 4, 8, ...); padding rows decode a dummy token in a scratch row that no sequence owns
 (every entry the scratch block: ``models/kv_cache.py``).
 
-A short prefill is host-bound the same way (a 128-token prompt of a small model spends
-far more host time launching its kernels than the GPU runs them: docs/design/engine.md).
-``PrefillGraphs`` captures the prefill of one whole prompt per padded token count (16,
-32, ..., up to ``PREFILL_GRAPH_TOKENS``): the prompt is padded with token 0 at the
-following positions of its own row, which causal attention makes invisible to the
-prompt's tokens (``models.batches.PaddedPrompt``).
+A packed forward of a few hundred tokens is host-bound the same way (a 128-token prompt
+of a small model spends far more host time launching its kernels than the GPU runs them:
+docs/design/engine.md). ``PackedGraphs`` captures a packed forward per padded token
+count (``prefill_buckets``, up to ``PACKED_GRAPH_TOKENS``) whose chunks -- how many, how long,
+where -- are device values (``models.batches.Prefill``): one replay prefills several
+prompts' chunks, or mixes them with the running sequences' decode tokens.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.observe import Captured, KernelTiming
-from ..models.batches import Decode, PaddedPrompt
+from ..models.batches import TILE_TOKENS, Decode, Prefill, query_tiles
 from ..models.kv_cache import KVCache
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
@@ -157,34 +157,42 @@ class DecodeGraphs:
         return next(s for s in self.buckets if s >= B)
 
 
-# The longest prompt a prefill graph takes: past a few hundred tokens a prefill's kernels
-# outlast its launches, and each graph's memory pool holds its activations for good.
-PREFILL_GRAPH_TOKENS = 512
+# The most tokens a packed graph takes: past a few hundred tokens a packed forward's
+# kernels outlast its launches, and each graph's memory pool holds its activations for good.
+PACKED_GRAPH_TOKENS = 512
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Token counts with a prefill graph: 16, 32, ... up to ``max_tokens`` (itself included)."""
+    """Token counts with a packed graph: 16, 32, 64, 128, then every 64 up to ``max_tokens``
+    (itself included). Past 128 tokens a step's time grows with its tokens (its GEMMs are
+    compute-bound), so a step padded to the next power of two would pay for up to twice
+    its tokens (docs/bench/step_budget.md)."""
     sizes, t = [], 16
     while t < max_tokens:
         sizes.append(t)
-        t *= 2
+        t = t * 2 if t < 128 else t + 64
     return sizes + [max_tokens] if max_tokens >= 1 else []
 
 
-class PrefillGraphs:
-    """One graph per padded token count, each prefilling one whole prompt into one row
-    and giving the logits of its last token."""
+class PackedGraphs:
+    """One graph per padded token count T, each a packed forward (``models.batches.Prefill``)
+    of any chunks of up to T tokens in all and at most ``max_chunks`` of them -- prompt
+    chunks, and in a mixed step the running sequences' decode tokens -- giving the logits
+    of each chunk's last token. Padding rows write token 0 at position 0 of the scratch
+    row; padding query tiles hold 0 tokens; padding chunks' logits are not read."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, max_tokens: int = PREFILL_GRAPH_TOKENS,
-                 scratch_slot: int = 0):
+    def __init__(self, model: CausalLM, cache: KVCache, max_tokens: int, max_chunks: int, scratch_slot: int):
         self.model, self.cache = model, cache
         self.buckets = prefill_buckets(min(max_tokens, cache.max_seq_len))
+        self.max_chunks = max_chunks
+        self.scratch_slot = scratch_slot
         dev = model.device
         n = self.buckets[-1]
         self.ids = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.positions = torch.arange(n, device=dev)[None]
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=dev)
-        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.last = torch.zeros(self._chunks(n), dtype=torch.long, device=dev)
+        self.tiles = torch.zeros(self._tiles(n), 4, dtype=torch.int32, device=dev)
         self.graphs: dict[int, Graph] = {}
         self.replays = 0
 
@@ -192,26 +200,55 @@ class PrefillGraphs:
     def max_tokens(self) -> int:
         return self.buckets[-1]
 
+    def _chunks(self, t: int) -> int:
+        return min(t, self.max_chunks)
+
+    def _tiles(self, t: int) -> int:
+        """Query tiles of chunks of t tokens in all: one per TILE_TOKENS, and one more a chunk at most."""
+        return t // TILE_TOKENS + self._chunks(t)
+
     def _forward(self, t: int) -> torch.Tensor:
-        batch = PaddedPrompt(self.positions[:, :t], self.slots[:t], self.last)
+        batch = Prefill(self.positions[:, :t], self.slots[:t], self.last[:self._chunks(t)],
+                        self.tiles[:self._tiles(t)], ())
         return self.model(self.ids[:, :t], batch, self.cache, last_only=True)
 
     def capture(self) -> None:
         """Capture every token count, largest first (the smaller graphs reuse its memory pool).
-        The captures write the first positions of row ``scratch_slot``, which no sequence holds."""
+        The captures write position 0 of row ``scratch_slot``, which no sequence holds."""
         self.graphs = capture_graphs(self._forward, self.buckets, self.model.kernel_timing)
 
-    def run(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
-        """Logits ``[1, V]`` of the last token of ``prompt_ids`` (1 to ``max_tokens`` of them),
-        its k and v written to positions ``[0, len)`` of row ``slot``."""
-        n = len(prompt_ids)
-        if not 1 <= n <= self.max_tokens:
-            raise ValueError(f"a prefill graph takes 1 to {self.max_tokens} tokens, got {n}")
-        t = next(b for b in self.buckets if b >= n)
-        self.ids[0, :n].copy_(torch.tensor(prompt_ids, dtype=torch.long), non_blocking=True)
-        self.ids[0, n:t] = 0
-        self.slots[:t] = slot
-        self.last.fill_(n - 1)
+    def fits(self, tokens: int, chunks: int) -> bool:
+        return tokens <= self.max_tokens and chunks <= self._chunks(self._bucket(tokens))
+
+    def _bucket(self, tokens: int) -> int:
+        return next((b for b in self.buckets if b >= tokens), self.buckets[-1])
+
+    def run(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int]) -> torch.Tensor:
+        """Logits ``[chunks, V]`` of the last token of each chunk: chunk i is ``lens[i]``
+        of ``ids`` (in order), at positions ``starts[i]...`` of block-table row ``slots[i]``
+        (``fits``: at most ``max_tokens`` in all)."""
+        n, c = len(ids), len(lens)
+        if not self.fits(n, c):
+            raise ValueError(f"a packed graph takes up to {self.max_tokens} tokens in {self.max_chunks} chunks, "
+                             f"got {n} in {c}")
+        t = self._bucket(n)
+        batch = Prefill.pack(lens, slots, "cpu", starts, tiled=False)
+        tiles = query_tiles(list(batch.chunks), TILE_TOKENS)  # (every chunk: a graph has no SDPA calls)
+        dev = self.ids.device
+        # (small copies from pageable host memory, each queued before the replay)
+        self.ids[0, :n].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[0, :n].copy_(batch.positions[0], non_blocking=True)
+        self.slots[:n].copy_(batch.slots, non_blocking=True)
+        if n < t:
+            self.ids[0, n:t] = 0
+            self.positions[0, n:t] = 0
+            self.slots[n:t] = self.scratch_slot
+        self.last[:c].copy_(batch.last_index, non_blocking=True)
+        self.last[c:self._chunks(t)] = 0  # (an earlier replay's rows may lie past this bucket's)
+        w = self._tiles(t)
+        padded = torch.zeros(w, 4, dtype=torch.int32)
+        padded[:len(tiles)] = torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
+        self.tiles[:w].copy_(padded.to(dev, non_blocking=True))
         out = self.graphs[t].replay()
         self.replays += 1
-        return out
+        return out[:c]

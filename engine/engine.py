@@ -2,18 +2,19 @@
 
 One background thread owns the model and the KV cache and loops:
 
-1. admit waiting requests while KV blocks are free and prefill the newcomers together (their
-   prompts packed into one forward, M = the sum of their lengths, so that each weight is
-   read once for all of them and the host launches one forward, not one per request; on
-   CUDA, newcomers of a few hundred tokens in all instead replay the prefill graph of each
-   prompt's padded length, ``cuda_graphs.PrefillGraphs``, as such a forward is bound by its
-   launches), then sample their first tokens; prefill tokens per iteration are bounded
-   (``max_prefill_tokens``) so that running decodes are not stalled for long: a prompt that
-   does not fit is prefilled in chunks over the next iterations (chunked prefill), decode
-   steps in between;
-2. run one decode step for every running sequence together (one forward, M = batch; on
-   CUDA a replay of the graph captured for the padded batch size, ``cuda_graphs.py``,
-   whose timed twin keeps the kernel metrics' latencies flowing: ``kernels/observe.py``);
+1. admit waiting requests while KV blocks are free and prefill their prompts together, in
+   chunks packed into one forward (M = the tokens in it, so that each weight is read once
+   for all of them and the host launches one forward, not one per request; on CUDA up to a
+   few hundred tokens a replay of the packed graph of the padded token count,
+   ``cuda_graphs.PackedGraphs``, as such a forward is bound by its launches); the tokens of
+   a step are bounded (``max_prefill_tokens``): a prompt that does not fit is prefilled in
+   chunks over the next iterations (chunked prefill). While sequences run, their decode
+   tokens go into the same forward, each a chunk of one (``_mixed_step``): a running
+   stream then waits one budgeted step between two tokens, not a prefill and a step;
+2. with nothing to prefill, run one decode step for every running sequence together (one
+   forward, M = batch; on CUDA a replay of the graph captured for the padded batch size,
+   ``cuda_graphs.py``, whose timed twin keeps the kernel metrics' latencies flowing:
+   ``kernels/observe.py``);
 3. sample every row in one pass on the device (only the new ids come back to the host),
    hand each request its new text through its sink, and free the blocks of finished or
    cancelled requests.
@@ -75,11 +76,12 @@ from .sampling import SamplingParams, greedy
 
 log = logging.getLogger("woq.engine")
 
-# Prompt tokens prefilled between two decode steps: a running stream waits for one such
-# prefill at most, so this bounds its stall. Below this a prefill forward's launch cost,
-# not its size, sets the stall; above it the stall grows with no gain in tokens per ms
-# (the measured curve: docs/design/kv_cache.md, "Prefill budget").
-DEFAULT_PREFILL_TOKENS = 2048
+# Tokens of one step (decode tokens and prompt chunks): a running stream waits one such step
+# between two tokens, so this bounds its stall. 512 is the largest packed graph: a step up
+# to it costs its GPU time (~20 ms for 64 decode + 448 prompt tokens of an 8B int4 model on
+# an H100), a larger one is eager and host-bound on top (the measured curve and the
+# budgets tried: docs/design/kv_cache.md).
+DEFAULT_PREFILL_TOKENS = 512
 
 
 class QueueFullError(RuntimeError):
@@ -265,16 +267,16 @@ class Engine:
         self.history: TokenHistory | None = None  # generated ids per slot, once a request has penalties
         self.grammars = GrammarMatchers(tokenizer, cfg.vocab_size, self.eos) if tokenizer is not None else None
         self.decode = DecodeRunner(model, self.cache)
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.packed_graphs = None
         if on_cuda and cuda_graphs:
-            from .cuda_graphs import PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
+            from .cuda_graphs import PACKED_GRAPH_TOKENS, DecodeGraphs, PackedGraphs
 
             self.graphs = DecodeGraphs(self.decode, max_num_seqs, scratch_slot=max_num_seqs)
             self.graphs.capture()
-            if prefill_graphs:
-                self.prefill_graphs = PrefillGraphs(model, self.cache, min(PREFILL_GRAPH_TOKENS, max_prefill_tokens),
-                                                    scratch_slot=max_num_seqs)
-                self.prefill_graphs.capture()
+            if prefill_graphs and model.options.fused_ops:  # (a graph's packed attention is the chunk kernel)
+                self.packed_graphs = PackedGraphs(model, self.cache, min(PACKED_GRAPH_TOKENS, max_prefill_tokens),
+                                                  max_num_seqs, scratch_slot=max_num_seqs)
+                self.packed_graphs.capture()
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -413,11 +415,21 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     break
-                chunks = self._prefill_chunks()
+                # With sequences running (and no step queued ahead for them) and prompts to
+                # prefill, the decode tokens ride in the prefill's forward: one forward a
+                # step, within the token budget. The running sequences get their next
+                # positions' blocks before newcomers are admitted.
+                decoding = []
+                if self.running and self._ahead is None and (self.prefilling or self.waiting):
+                    decoding = self._make_room([s for s in self.running if not s.cancelled])
+                chunks = self._prefill_chunks(len(decoding))
             try:
-                prefill_tokens = self._prefill(chunks) if chunks else 0
-                if self.running:
-                    self._decode_step(prefill_tokens)
+                if chunks and decoding:
+                    self._mixed_step(decoding, chunks)
+                else:
+                    prefill_tokens = self._prefill(chunks) if chunks else 0
+                    if self.running:
+                        self._decode_step(prefill_tokens)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
                 self._ahead = None
@@ -434,12 +446,15 @@ class Engine:
         for sink, ev in events:
             sink(ev)
 
-    def _prefill_chunks(self) -> list[tuple[_Sequence, int, int]]:
-        """This iteration's prefill work within the token budget, as (sequence, first
-        position, tokens): first the rest of contexts begun earlier, then waiting requests
-        admitted now (a row and their context's blocks free; a cached prefix is not
-        prefilled again); the last one taken may get only a chunk of its context."""
-        chunks, budget = [], self.max_prefill_tokens
+    def _prefill_chunks(self, decoding: int = 0) -> list[tuple[_Sequence, int, int]]:
+        """This iteration's prefill work within the token budget less ``decoding`` tokens
+        (a mixed step's decode tokens; a quarter of the budget is left for prefill however
+        many decode, so that prompts are not starved), as
+        (sequence, first position, tokens): first the rest of contexts begun earlier, then
+        waiting requests admitted now (a row and their context's blocks free; a cached
+        prefix is not prefilled again); the last one taken may get only a chunk of its
+        context."""
+        chunks, budget = [], max(self.max_prefill_tokens - decoding, self.max_prefill_tokens // 4, 1)
         for seq in self.prefilling:
             if budget == 0:
                 break
@@ -483,24 +498,59 @@ class Engine:
         for seq in [s for s in self.running + self.prefilling if s.cancelled]:
             self._finish(seq, "abort")
 
+    def _packed_forward(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int]) -> torch.Tensor:
+        """Logits ``[chunks, V]`` of each chunk's last token, from one packed forward of the
+        chunks (``lens[i]`` of ``ids`` at positions ``starts[i]...`` of row ``slots[i]``): a
+        graph replay where one fits, else the eager forward."""
+        graphs = self.packed_graphs
+        if graphs is not None and graphs.fits(len(ids), len(lens)):
+            return graphs.run(ids, lens, slots, starts)
+        dev = self.model.device
+        batch = Prefill.pack(lens, slots, dev, starts)
+        return self.model(torch.tensor([ids], device=dev), batch, self.cache, last_only=True)
+
     def _prefill(self, chunks: list[tuple[_Sequence, int, int]]) -> int:
-        """Prefill ``chunks`` -- whole contexts of a few hundred tokens in all as graph
-        replays, one per context, else in one packed forward; the sequences whose context
-        is then complete start running: with their first token, or, resumed after a
-        preemption, with the token they had. Returns the tokens prefilled."""
-        graphs = self.prefill_graphs
+        """Prefill ``chunks`` in one packed forward and start the sequences whose context is
+        then complete (``_prefilled``) with their first tokens. Returns the tokens prefilled."""
         contexts = [s.context() for s, _, _ in chunks]
         self.kv.flush()
-        if graphs is not None and sum(n for _, _, n in chunks) <= graphs.max_tokens and all(
-                p == 0 and n == len(c) for (_, p, n), c in zip(chunks, contexts)):
-            # (each replay's logits are copied out before the next replay overwrites them)
-            logits = torch.cat([graphs.run(c, s.slot).clone() for (s, _, _), c in zip(chunks, contexts)])
-        else:
-            dev = self.model.device
-            ids = torch.tensor([[t for (_, p, n), c in zip(chunks, contexts) for t in c[p:p + n]]], device=dev)
-            batch = Prefill.pack([n for _, _, n in chunks], [s.slot for s, _, _ in chunks], dev,
-                                 [p for _, p, _ in chunks])
-            logits = self.model(ids, batch, self.cache, last_only=True)
+        logits = self._packed_forward(*self._chunk_inputs(chunks, contexts))
+        first, rows = self._prefilled(chunks, contexts)
+        if first:
+            self.kv.flush()
+            self._emit_tokens(first, logits[rows], first)
+        return sum(n for _, _, n in chunks)
+
+    def _mixed_step(self, seqs: list[_Sequence], chunks: list[tuple[_Sequence, int, int]]) -> None:
+        """One forward for the decode tokens of running ``seqs`` (each a chunk of one, at its
+        next position, whose block it has) and ``chunks``; then one sampling pass for
+        ``seqs`` and the sequences whose context the chunks completed (their first tokens)."""
+        self.kv.flush()
+        contexts = [s.context() for s, _, _ in chunks]
+        ids, lens, slots, starts = self._chunk_inputs(chunks, contexts)
+        logits = self._packed_forward([s.generated[-1] for s in seqs] + ids, [1] * len(seqs) + lens,
+                                      [s.slot for s in seqs] + slots, [s.next_position for s in seqs] + starts)
+        first, rows = self._prefilled(chunks, contexts)
+        self.kv.flush()
+        self.steps += 1
+        if self.observer:
+            self.observer.on_step(len(seqs), sum(n for _, _, n in chunks))
+        decoded = len(seqs)
+        self._emit_tokens(seqs + first, logits[list(range(decoded)) + [decoded + r for r in rows]], first)
+
+    @staticmethod
+    def _chunk_inputs(chunks: list[tuple[_Sequence, int, int]],
+                      contexts: list[list[int]]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The packed forward's token ids, chunk lengths, rows and first positions."""
+        ids = [t for (_, p, n), c in zip(chunks, contexts) for t in c[p:p + n]]
+        return ids, [n for _, _, n in chunks], [s.slot for s, _, _ in chunks], [p for _, p, _ in chunks]
+
+    def _prefilled(self, chunks: list[tuple[_Sequence, int, int]],
+                   contexts: list[list[int]]) -> tuple[list[_Sequence], list[int]]:
+        """Book ``chunks`` as prefilled; the sequences whose context is then complete start
+        running: with their first token (returned, with the index of the chunk whose logits
+        give it: a request's further choices share its chunk's), or, resumed after a
+        preemption, with the token they had."""
         first, rows = [], []
         for i, ((seq, p, n), context) in enumerate(zip(chunks, contexts)):
             seq.prefilled = p + n
@@ -527,10 +577,7 @@ class Engine:
                     self.running.append(sibling)
                     first.append(sibling)
                     rows.append(i)
-        if first:
-            self.kv.flush()
-            self._emit_tokens(first, logits[rows])
-        return sum(n for _, _, n in chunks)
+        return first, rows
 
     def _decode_step(self, prefill_tokens: int) -> None:
         seqs = [s for s in self.running if not s.cancelled]
@@ -656,10 +703,11 @@ class Engine:
             ready.record()
         return _Launched(seqs, tokens, host, ready, sampling, graph, logprobs)
 
-    def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        """Sample the prefilled sequences' first tokens and accept them."""
+    def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, started: list[_Sequence]) -> None:
+        """Sample a token for each of ``seqs`` from its row of ``logits`` and accept them;
+        ``started``: those of them sampling their first token."""
         sampling = self._batch_sampling(seqs)
-        for seq in seqs:
+        for seq in started:
             if seq.params.repetition_penalty != 1.0:  # (the repetition penalty counts the prompt too)
                 self.history.start(seq.slot, seq.prompt_ids)
         step = self._queue_tokens(seqs, logits, sampling, graph=False)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from .batches import Batch, Causal, PaddedPrompt, Prefill
+from .batches import TILE_TOKENS, Batch, Causal, Prefill
 from .kv_cache import KVCache
 
 # Prefill attention never takes cuDNN's SDPA, the default on an H100: cuDNN builds an
@@ -105,11 +105,13 @@ class CausalAttention(_Attention):
 
 
 class PrefillAttention(_Attention):
-    """Packed prompt chunks. Every token's rotated k and v go to its row's blocks first (on
-    CUDA RoPE and the write are one kernel for all tokens); a chunk of n tokens from
-    position p then sees positions ``[0, p + n)`` of its row (its prompt's earlier chunks,
-    or blocks of a cached prefix, are there already), gathered from the blocks into one
-    contiguous run, causally aligned to the end: one SDPA call per chunk."""
+    """Packed chunks (``Prefill``). Every token's rotated k and v go to its row's blocks
+    first (on CUDA RoPE and the write are one kernel for all tokens); a chunk of n tokens
+    from position p then sees positions ``[0, p + n)`` of its row (its sequence's earlier
+    chunks, or blocks of a cached prefix, are there already), causally aligned to the end.
+    The batch's query tiles go to the chunk kernel in one launch (CUDA,
+    ``kernels/chunk_attention.py``); every other chunk is one SDPA call over its keys
+    gathered from the blocks into one contiguous run."""
 
 
     def context(self):
@@ -117,34 +119,28 @@ class PrefillAttention(_Attention):
 
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         b = self.batch
-        H, D = self.h.heads, self.h.head_dim
-        q = self._rope_and_cache(layer, qkv, b.positions.view(-1), b.slots).transpose(0, 1)  # [H, T, D]
-        outs, start = [], 0
-        for n, slot, p in zip(b.prompt_lens, b.prompt_slots, b.prompt_starts):
+        T, H, D = qkv.shape[0], self.h.heads, self.h.head_dim
+        q = self._rope_and_cache(layer, qkv, b.positions.view(-1), b.slots)  # [T, H, D]
+        tiled = b.tiles is not None and self.fused is not None
+        out = q.new_empty(T, H, D)
+        if tiled:
+            from ..kernels.chunk_attention import chunk_attention
+
+            chunk_attention(q, self.cache.k[layer], self.cache.v[layer], self.cache.block_table, b.tiles,
+                            TILE_TOKENS, out, programmatic=self.programmatic)
+        elif not b.chunks:
+            raise ValueError("a packed pass without host chunks needs the chunk kernel (CUDA, fused kernels)")
+        qt = q.transpose(0, 1)  # [H, T, D]
+        for c in b.chunks:
+            if tiled and c.tokens < b.dense_from:
+                continue  # (the kernel's)
+            n, p = c.tokens, c.start
             causal = {"is_causal": True} if p == 0 else {"attn_mask": causal_lower_right(n, p + n)}
-            k, v = self.cache.read(layer, slot, p + n)
-            out = F.scaled_dot_product_attention(q[None, :, start:start + n], k, v, enable_gqa=H != self.h.kv_heads,
-                                                 **causal)
-            outs.append(out[0].transpose(0, 1).reshape(n, H * D))
-            start += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-class PaddedPromptAttention(_Attention):
-    """One whole prompt padded to T tokens, every value on the device (a CUDA graph captures
-    it): its keys and values are read back from its row's blocks, positions ``[0, T)``."""
-
-
-    def context(self):
-        return sdpa_kernel(_PREFILL_BACKENDS)
-
-    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        T = qkv.shape[0]
-        H, D = self.h.heads, self.h.head_dim
-        q = self._rope_and_cache(layer, qkv, self.batch.positions.view(T), self.batch.slots).transpose(0, 1)
-        k, v = self.cache.read(layer, self.batch.slots[:1], T)
-        out = F.scaled_dot_product_attention(q[None], k, v, is_causal=True, enable_gqa=H != self.h.kv_heads)
-        return out[0].transpose(0, 1).reshape(T, H * D)
+            k, v = self.cache.read(layer, c.slot, p + n)
+            o = F.scaled_dot_product_attention(qt[None, :, c.row:c.row + n], k, v, enable_gqa=H != self.h.kv_heads,
+                                               **causal)
+            out[c.row:c.row + n] = o[0].transpose(0, 1)
+        return out.view(T, H * D)
 
 
 class FusedDecodeAttention(_Attention):
@@ -198,8 +194,6 @@ def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | Non
         raise ValueError(f"a {type(batch).__name__} pass needs a KV cache")
     elif isinstance(batch, Prefill):
         kind = PrefillAttention
-    elif isinstance(batch, PaddedPrompt):
-        kind = PaddedPromptAttention
     else:
         kind = FusedDecodeAttention if fused is not None else TorchDecodeAttention
     return kind(batch, heads, rope, cache, fused, programmatic)

@@ -3,17 +3,19 @@ tokens sit (positions, cache slots) and which rows end a sequence; the attention
 reads and writes the KV cache for it is chosen from its kind (``models/attention.py``).
 
 * ``Causal``: tokens attending to themselves only, no cache (scoring, calibration);
-* ``Prefill``: prompt chunks packed into one row (M = the sum of their lengths), each
-  written to its slot from its first position; a long prompt comes in chunks;
+* ``Prefill``: chunks of several sequences packed into one row (M = the sum of their
+  lengths), each written to its slot from its first position: prompt chunks (a long
+  prompt comes in several), and in a step that mixes prefill with decode, each running
+  sequence's new token as a chunk of one. Its query tiles (``query_tiles``) are device
+  values, so a CUDA graph captures a packed forward of up to T tokens and replays it for
+  any chunks that fit (padding rows write to the scratch row, padding tiles do nothing);
 * ``Decode``: one token per sequence; ``lengths`` (positions to attend to, on the device)
-  makes the step independent of host values, so a CUDA graph can capture it;
-* ``PaddedPrompt``: one whole prompt padded to T tokens, the prefill a CUDA graph captures
-  per T; attention is causal, so the padding rows after the prompt change nothing before
-  them, and their k and v land past the prompt, where decode steps overwrite them first.
+  makes the step independent of host values, so a CUDA graph can capture it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,31 +29,67 @@ class Causal:
         return h[:, -1]
 
 
+class Chunk(NamedTuple):
+    """One sequence's tokens in a packed row: rows ``[row, row + tokens)`` of the row, at
+    positions ``[start, start + tokens)`` of block-table row ``slot``."""
+
+    row: int
+    tokens: int
+    slot: int
+    start: int
+
+
+# Query tokens per tile of the chunk-attention kernel (``kernels/chunk_attention.py``):
+# 16 rows per KV head already give its ``tl.dot`` 64 rows with 4 query heads per KV head,
+# and a decode token's tile (one token) wastes the fewest rows at the smallest tile.
+TILE_TOKENS = 16
+
+# Chunks this long or longer are attended by SDPA (flash attention) in an eager forward:
+# its larger tiles read each key fewer times than the chunk kernel's query tiles of 16.
+DENSE_FROM = 256
+
+
+def query_tiles(chunks: list[Chunk], tile: int) -> list[tuple[int, int, int, int]]:
+    """The chunk-attention kernel's work (``kernels/chunk_attention.py``): each chunk cut
+    into tiles of up to ``tile`` tokens, as (first row, tokens, first position, slot)."""
+    return [(c.row + i, min(tile, c.tokens - i), c.start + i, c.slot)
+            for c in chunks for i in range(0, c.tokens, tile)]
+
+
 @dataclass(frozen=True)
 class Prefill:
-    positions: torch.Tensor  # [1, T]: every token's position in its prompt
-    slots: torch.Tensor  # [T]: every token's cache slot
-    prompt_lens: tuple[int, ...]  # each chunk's tokens
-    prompt_slots: tuple[int, ...]  # each chunk's slot
-    prompt_starts: tuple[int, ...]  # each chunk's first position (0: a whole prompt)
+    positions: torch.Tensor  # [1, T]: every token's position in its sequence
+    slots: torch.Tensor  # [T]: every token's block-table row
+    last_index: torch.Tensor  # [chunks]: each chunk's last row (on the device)
+    # The query tiles of the chunks the chunk kernel attends (int32 [W, 4], on the device;
+    # a tile of 0 tokens is padding), or None; the other chunks take SDPA.
+    tiles: torch.Tensor | None
+    chunks: tuple[Chunk, ...]  # every chunk, host values (empty in a captured graph: all tiled)
+    dense_from: int = DENSE_FROM  # with tiles: the chunks this long or longer take SDPA
 
     @classmethod
     def pack(cls, prompt_lens: list[int], prompt_slots: list[int], device: torch.device | str,
-             prompt_starts: list[int] | None = None) -> Prefill:
-        """The packed prefill of prompt chunks of ``prompt_lens`` tokens into ``prompt_slots``
-        from positions ``prompt_starts`` (default 0: whole prompts)."""
+             prompt_starts: list[int] | None = None, tiled: bool | None = None,
+             dense_from: int = DENSE_FROM) -> Prefill:
+        """The packed prefill of chunks of ``prompt_lens`` tokens into ``prompt_slots`` from
+        positions ``prompt_starts`` (default 0: whole prompts). ``tiled`` (default: on
+        CUDA): chunks shorter than ``dense_from`` go to the chunk kernel."""
         starts = list(prompt_starts or [0] * len(prompt_lens))
         lens = torch.tensor(prompt_lens)
         offsets = torch.cumsum(lens, 0) - lens  # where each chunk begins in the packed row
         positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(offsets - torch.tensor(starts), lens)
         slots = torch.repeat_interleave(torch.tensor(prompt_slots), lens)
-        return cls(positions[None].to(device), slots.to(device), tuple(prompt_lens), tuple(prompt_slots),
-                   tuple(starts))
+        chunks = tuple(Chunk(int(o), n, s, p) for o, n, s, p in zip(offsets, prompt_lens, prompt_slots, starts))
+        tiles = None
+        if torch.device(device).type == "cuda" if tiled is None else tiled:
+            work = query_tiles([c for c in chunks if c.tokens < dense_from], TILE_TOKENS)
+            tiles = torch.tensor(work, dtype=torch.int32).view(-1, 4).to(device)
+        return cls(positions[None].to(device), slots.to(device), (offsets + lens - 1).to(device), tiles, chunks,
+                   dense_from)
 
     def last_rows(self, h: torch.Tensor) -> torch.Tensor:
         """Each chunk's last hidden state: ``[1, T, C]`` -> ``[chunks, C]``."""
-        ends = torch.tensor(self.prompt_lens).cumsum(0) - 1
-        return h[0, ends.to(h.device)]
+        return h[0].index_select(0, self.last_index)
 
 
 @dataclass(frozen=True)
@@ -68,14 +106,4 @@ class Decode:
         return h[:, -1]
 
 
-@dataclass(frozen=True)
-class PaddedPrompt:
-    positions: torch.Tensor  # [1, T]: 0..T-1
-    slots: torch.Tensor  # [T]: the prompt's slot
-    last_index: torch.Tensor  # [1]: the row of the prompt's last real token (on the device)
-
-    def last_rows(self, h: torch.Tensor) -> torch.Tensor:
-        return h[0].index_select(0, self.last_index)
-
-
-Batch = Causal | Prefill | Decode | PaddedPrompt
+Batch = Causal | Prefill | Decode

@@ -87,14 +87,15 @@ class ServeSettings(ModelSettings):
     block_size: Literal[8, 16, 32, 64] = Field(16, description="positions per KV cache block")
     prefix_caching: bool = Field(True, description="reuse the cached KV blocks of a prompt's prefix across requests")
     max_queue: int = Field(64, ge=0, description="requests waiting for KV blocks before new ones get 429")
-    max_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens prefilled between two decode steps "
-                                           "(longer prompts go in chunks), which bounds a running stream's stall "
-                                           "(default: the engine's, measured: docs/design/engine.md)")
+    max_prefill_tokens: int | None = Field(None, ge=1, description="tokens of one step: the running sequences' decode "
+                                           "tokens and prompt chunks (longer prompts go in chunks), which bounds a "
+                                           "running stream's stall (default: the engine's, measured: "
+                                           "docs/design/engine.md)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics "
                                      "(under CUDA graphs: one replay in N runs the graph's timed twin)")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")
-    prefill_graphs: bool = Field(True, description="with --cuda-graphs: replay prefills of whole prompts up to "
-                                 "512 tokens in all through CUDA graphs too")
+    prefill_graphs: bool = Field(True, description="with --cuda-graphs: replay packed prefill and mixed steps of up "
+                                 "to 512 tokens through CUDA graphs too")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted (413 beyond)")
     request_timeout: float = Field(600.0, gt=0, description="seconds a request may take, queueing included (504)")

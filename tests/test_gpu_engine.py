@@ -27,35 +27,52 @@ def _chat(tok, text):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def test_prefill_graphs_give_the_eager_prefill(smollm2_gpu):
-    """A whole prompt replayed through the prefill graph of its padded length gives the
-    eager prefill's last-token logits (same argmax) and the same k and v in its slot."""
-    from woq.engine.cuda_graphs import PrefillGraphs
+def test_packed_graphs_give_the_eager_packed_forward(smollm2_gpu):
+    """A packed forward replayed through the graph of its padded token count -- whole
+    prompts, and a mixed step: decode tokens after cached prompts beside a new prompt and a
+    prompt's next chunk -- gives the eager forward's last-token logits (same argmax) and
+    the same k and v in each row."""
+    from woq.engine.cuda_graphs import PackedGraphs
     from woq.models.kv_cache import KVCache
 
     model, cfg = smollm2_gpu.model, smollm2_gpu.model.cfg
-    caches = [KVCache(cfg.num_layers, 3, cfg.num_kv_heads, 512, cfg.head_dim, model.dtype, "cuda") for _ in range(2)]
-    graphs = PrefillGraphs(model, caches[0])
+    caches = [KVCache(cfg.num_layers, 5, cfg.num_kv_heads, 512, cfg.head_dim, model.dtype, "cuda") for _ in range(2)]
+    graphs = PackedGraphs(model, caches[0], 512, max_chunks=4, scratch_slot=4)
     graphs.capture()
-    assert graphs.buckets == [16, 32, 64, 128, 256, 512]
+    assert graphs.buckets == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
     g = torch.Generator().manual_seed(0)
-    for n in (1, 7, 16, 17, 100, 300, 512):
-        prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
-        slot = n % 3
-        ours = graphs.run(prompt.tolist(), slot).clone()
-        eager = model(prompt[None].cuda(), Prefill.pack([n], [slot], "cuda"), caches[1], last_only=True)
-        assert ours.argmax(-1).item() == eager.argmax(-1).item(), n
-        assert (ours - eager).abs().max() < 2e-2 * eager.abs().max(), n
-        for i, kv in enumerate(("k", "v")):  # (each layer's positions [0, n) of the slot, through its table)
-            a, b = (torch.stack([c.read(layer, slot, n)[i] for layer in range(cfg.num_layers)]) for c in caches)
-            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max(), (n, kv)
-    with pytest.raises(ValueError, match="1 to 512 tokens"):
-        graphs.run(list(range(513)), 0)
+
+    def ids(n):
+        return torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+
+    # (lens, rows, first positions): each row's positions before its chunk are written by an earlier case
+    cases = [([7, 100, 1], [0, 1, 2], [0, 0, 0]), ([300], [3], [0]),
+             ([1, 1, 40, 1], [0, 1, 2, 3], [7, 100, 1, 300]),  # a mixed step
+             ([1, 1, 170], [0, 1, 2], [8, 101, 41]), ([512], [0], [0]),
+             ([5], [3], [300])]  # (fewer chunks than an earlier replay, in a smaller graph)
+    for lens, rows, starts in cases:
+        tokens = ids(sum(lens))
+        ours = graphs.run(tokens, lens, rows, starts).clone()
+        # (the eager forward with the graphs' attention: the chunk kernel for every chunk)
+        eager = model(torch.tensor([tokens], device="cuda"), Prefill.pack(lens, rows, "cuda", starts, dense_from=1 << 30),
+                      caches[1], last_only=True)
+        assert (ours.argmax(-1) == eager.argmax(-1)).all(), lens
+        assert (ours - eager).abs().max() < 2e-2 * eager.abs().max(), lens
+        for row, n in {r: p + n for r, p, n in zip(rows, starts, lens)}.items():
+            for i, kv in enumerate(("k", "v")):  # (each layer's positions [0, n) of the row, through its table)
+                a, b = (torch.stack([c.read(layer, row, n)[i] for layer in range(cfg.num_layers)]) for c in caches)
+                assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max(), (lens, row, kv)
+    assert graphs.replays == len(cases)
+    with pytest.raises(ValueError, match="up to 512 tokens"):
+        graphs.run(list(range(513)), [513], [0], [0])
+    with pytest.raises(ValueError, match="in 4 chunks"):
+        graphs.run(list(range(5)), [1] * 5, [0, 1, 2, 3, 0], [0] * 5)
 
 
-def test_engine_prefill_graphs(smollm2_gpu):
-    """The engine prefills short whole prompts through the prefill graphs -- alone, and
-    several arrivals as one replay each -- and their first tokens are the eager prefill's."""
+def test_engine_packed_graphs(smollm2_gpu):
+    """The engine prefills prompts through the packed graphs -- several arrivals in one
+    replay, and a prompt that arrives while others decode in the same replay as their
+    decode tokens -- and each first token is the eager prefill's."""
     from woq.models.kv_cache import KVCache
 
     lm = smollm2_gpu
@@ -64,20 +81,22 @@ def test_engine_prefill_graphs(smollm2_gpu):
                     lm.model.dtype, "cuda")
     eager_first = [lm.model(torch.tensor([p], device="cuda"), Prefill.pack([len(p)], [0], "cuda"), cache,
                             last_only=True).argmax(-1).item() for p in prompts]
-    # (no prefix caching: the prompts share the chat template's opening, and a prompt that
-    # starts from cached blocks is prefilled in a packed forward, not a graph)
+    # (no prefix caching: the prompts share the chat template's opening, and a newcomer would
+    # wait an iteration for the block another is prefilling; here all three go in one replay)
     eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=4, max_seq_len=512, prefix_caching=False)
     out = [[] for _ in prompts]
     done = threading.Semaphore(0)
     for i, p in enumerate(prompts[:3]):  # three queued before the engine starts: one iteration's arrivals
-        eng.submit(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        eng.submit(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
                    lambda ev, i=i: (out[i].extend(ev.token_ids), ev.finish_reason and done.release()))
     eng.start()
     try:
+        while len(out[0]) < 2:  # (decoding)
+            threading.Event().wait(0.01)
+        first = eng.generate(prompts[3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).token_ids
         for _ in range(3):
             assert done.acquire(timeout=60)
-        first = eng.generate(prompts[3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).token_ids
-        assert eng.prefill_graphs.replays == 4
+        assert eng.packed_graphs.replays == 2
     finally:
         eng.shutdown()
     assert [o[0] for o in out[:3]] + [first[0]] == eager_first
@@ -94,8 +113,8 @@ def test_graph_replays_give_the_eager_tokens_with_requests_joining_and_leaving(s
         # schedule: 8 prompts prefilled together, then newcomers prefilled and joining the
         # running batch as sequences finish (prefill rounding depends on which prompts are
         # packed together; the comparison is about graph replays vs eager decode steps).
-        # (prefills eager in both: a prefill graph runs a prompt alone at its padded length,
-        # whose rounding differs from a packed forward's; test_engine_prefill_graphs covers it)
+        # (packed forwards eager in both: a graph's chunk kernel attends to long prompts that
+        # the eager forward gives SDPA, whose rounding differs; test_engine_packed_graphs covers it)
         eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=8, max_seq_len=512, cuda_graphs=graphs,
                      prefill_graphs=False)
         out = [[] for _ in prompts]

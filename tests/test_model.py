@@ -89,28 +89,25 @@ def test_packed_prefill_then_decode_match_transformers(tiny):
         assert (step[i] - theirs[-1]).abs().max() < 1e-4 * scale
 
 
-@pytest.mark.parametrize("n", [11, 16])
-def test_padded_prompt_prefill_then_decode_match_transformers(tiny, n):
-    """One prompt padded to 16 tokens (as a prefill graph runs it) gives its last real
-    token's logits, and the decode step after it those of prompt + token: the padding's
-    k and v, written past the prompt in its slot, are never seen."""
-    from woq.models.batches import Decode, PaddedPrompt
+def test_mixed_packed_forward_matches_transformers(tiny):
+    """A packed forward that mixes two running sequences' next tokens (chunks of one, after
+    their cached prompts) with a new prompt gives each chunk's last-token logits as HF
+    computes each sequence alone: a mixed step of the engine."""
+    from woq.models.batches import Prefill
     from woq.models.kv_cache import KVCache
 
     path, ref = tiny
     lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
     model, cfg = lm.model, lm.model.cfg
-    prompt, nxt = _ids(1, n, seed=20 + n)[0], _ids(1, 1, seed=5)
-    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
-    cache.k.normal_(), cache.v.normal_()  # what an earlier sequence left in the slot
-    padded = torch.cat([prompt, _ids(1, 16 - n, seed=6)[0]])[None]
-    batch = PaddedPrompt(torch.arange(16)[None], torch.full((16,), 1), torch.tensor([n - 1]))
-    ours = model(padded, batch, cache, last_only=True)
-    step = model(nxt, Decode.at(torch.tensor([[n]]), torch.tensor([1])), cache, last_only=True)
-    theirs = ref(torch.cat([prompt, nxt[0]])[None]).logits[0]
-    scale = theirs.abs().max()
-    assert (ours[0] - theirs[-2]).abs().max() < 1e-4 * scale
-    assert (step[0] - theirs[-1]).abs().max() < 1e-4 * scale
+    a, b, c = (_ids(1, n, seed=30 + n)[0] for n in (9, 17, 12))
+    cache = KVCache(cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
+    model(torch.cat([a, b])[None], Prefill.pack([9, 17], [0, 1], "cpu"), cache, last_only=True)
+    na, nb = _ids(1, 1, seed=7)[0], _ids(1, 1, seed=8)[0]
+    ours = model(torch.cat([na, c, nb])[None], Prefill.pack([1, 12, 1], [0, 2, 1], "cpu", [9, 0, 17]), cache,
+                 last_only=True)
+    for i, seq in enumerate([torch.cat([a, na]), c, torch.cat([b, nb])]):
+        theirs = ref(seq[None]).logits[0, -1]
+        assert (ours[i] - theirs).abs().max() < 1e-4 * theirs.abs().max()
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -152,9 +149,10 @@ def test_smollm2_matches_transformers(smollm2_dir):
 
 
 def test_chunked_prefill_engine_matches_transformers(tiny):
-    """With a prefill budget of 5 tokens, a 23-token prompt is prefilled in 5 chunks over 5
+    """With a step budget of 5 tokens, a 23-token prompt is prefilled in chunks over several
     engine iterations (each chunk attending to the earlier chunks' cached keys), while a
-    second request decodes in between; both completions are HF's greedy tokens."""
+    second request decodes in the same forwards (its token and a chunk of 4); both
+    completions are HF's greedy tokens."""
     path, ref = tiny
     lm = load_model(str(path), QuantConfig("none"), device="cpu", max_seq_len=256, progress=False)
     long, short = _ids(1, 23, seed=5), _ids(1, 4, seed=6)

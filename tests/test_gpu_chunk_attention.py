@@ -1,0 +1,60 @@
+"""The chunk-attention kernel (``kernels/chunk_attention.py``) against fp64: packed chunks
+of several sequences -- decode tokens, whole prompts, chunks after a cached prefix --
+over shuffled block tables (skipped without a GPU)."""
+import pytest
+import torch
+from test_gpu_fused import DTYPES, PAGED_ROWS, gather_fp64, paged_case
+
+from woq.models.batches import TILE_TOKENS, Chunk, query_tiles
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# (tokens, first position) of one chunk per row of PAGED_ROWS: decode tokens deep in a
+# sequence and at its start, a whole prompt, chunks after a cached prefix that start inside
+# a block, on a block boundary, and one of many tiles
+CHUNKS = [(1, 299), (37, 0), (1, 0), (17, 16), (16, 100), (200, 700)]
+
+
+def causal_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Queries ``[n, H, D]`` at positions ``start...`` over keys/values ``[Hkv, start + n, D]``,
+    each seeing the positions up to its own (GQA), in fp64: ``[n, H, D]``."""
+    n, H, D = q.shape
+    group = H // k.shape[0]
+    kk, vv = (t.double().repeat_interleave(group, 0) for t in (k, v))  # [H, L, D]
+    s = q.double().transpose(0, 1) @ kk.transpose(1, 2) / D ** 0.5  # [H, n, L]
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] <= start + torch.arange(n, device=q.device)[:, None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return (p @ vv).transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim, dtype, block_size):
+    """Every packed row attends to exactly its sequence's positions up to its own, read
+    through a shuffled table (NaN everywhere else in the pool); rows no tile covers and
+    padding tiles (0 tokens) leave the output alone; a programmatic launch gives the same."""
+    from woq.kernels.chunk_attention import chunk_attention
+
+    cache = paged_case(kv_heads, dim, dtype, block_size, [p + n for n, p in CHUNKS], heads + dim + block_size)
+    offsets = torch.tensor([0] + [n for n, _ in CHUNKS]).cumsum(0).tolist()
+    chunks = [Chunk(o, n, r, p) for o, (n, p), r in zip(offsets, CHUNKS, PAGED_ROWS)]
+    T = offsets[-1]
+    tiles = query_tiles(chunks, TILE_TOKENS) + [(T, 0, 0, 0)] * 3  # (and padding)
+    tiles = torch.tensor(tiles, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    q = torch.randn(T + 2, heads, dim, device="cuda", generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    k, v, table = cache.k[0], cache.v[0], cache.block_table
+    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out)
+    assert torch.isnan(out[T:]).all()  # (not covered)
+    for c in chunks:
+        n = c.start + c.tokens
+        ref = causal_fp64(q[c.row:c.row + c.tokens], gather_fp64(k, table, c.slot, n), gather_fp64(v, table, c.slot, n),
+                          c.start)
+        got = out[c.row:c.row + c.tokens].double()
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < (3e-3 if dtype == torch.float16 else 2e-2), (c, err)
+    again = torch.full_like(q, float("nan"))
+    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, again, programmatic=True)
+    assert torch.equal(again[:T], out[:T])
