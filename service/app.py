@@ -248,14 +248,19 @@ async def _next_event(queue: asyncio.Queue, gone: asyncio.Task | None, deadline:
     _TimedOut past the deadline."""
     if not queue.empty():  # while streaming, an event is often already there
         return queue.get_nowait()
+    if gone is None:  # (the common case, a stream: no task and no wait set per token)
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
+                return await queue.get()
+        except TimeoutError:
+            raise _TimedOut from None
     get = asyncio.ensure_future(queue.get())
-    waits = {get} if gone is None else {get, gone}
-    done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+    done, _ = await asyncio.wait({get, gone}, timeout=max(0.0, deadline - time.monotonic()),
                                  return_when=asyncio.FIRST_COMPLETED)
     if get in done:
         return get.result()
     get.cancel()
-    if gone is not None and gone in done:
+    if gone in done:
         return None
     raise _TimedOut
 

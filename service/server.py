@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -145,7 +146,16 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)  # (uvicorn re-raises the signal once stopped: exit status 128 + signal)
 
 
+# How long a Python thread may hold the GIL while another waits for it (CPython's default:
+# 5 ms). The engine thread and the event loop share the GIL: back from waiting on the
+# GPU, the engine thread must get it to launch the next step, and with the default a busy
+# event loop (streaming a batch's tokens) can keep it for 5 ms each time -- a step's worth
+# of GPU idling (docs/design/serving.md, "The GIL between the engine and the event loop").
+GIL_SWITCH_SECONDS = 0.0002
+
+
 def serve(settings: ServeSettings) -> None:
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     setup_logging(settings.log_level, settings.log_format)
     sock = listen(settings.host, settings.port)
     loaded = load(settings)
