@@ -73,6 +73,7 @@ from .detokenizer import TextStream
 from .grammar import GrammarMatchers
 from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
 from .sampling import SamplingParams, greedy
+from .tensor_parallel import Leader
 
 log = logging.getLogger("woq.engine")
 
@@ -230,11 +231,15 @@ class Engine:
         kv_cache_gib: float = 1.0,
         block_size: int = 16,
         prefix_caching: bool = True,
+        mirror: Leader | None = None,
     ):
         """``max_num_seqs``: sequences running at once (default 256 on CUDA, 64 elsewhere);
         the KV pool: on CUDA ``gpu_memory_fraction`` of the GPU (``kv_blocks_for_budget``),
         elsewhere ``kv_cache_gib``; never more blocks than ``max_num_seqs`` sequences of
-        ``max_seq_len`` positions could hold."""
+        ``max_seq_len`` positions could hold. ``mirror``: on rank 0 of a tensor-parallel
+        group, what announces each model call to the other ranks (``tensor_parallel.py``)."""
+        if mirror is not None:
+            model = mirror.lead(model)
         self.model = model
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
@@ -260,6 +265,8 @@ class Engine:
         # Block 0 and one more row: the scratch block, and the graphs' padding rows' row (every entry block 0).
         self.cache = KVCache(cfg.num_layers, max_num_seqs + 1, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim,
                              model.dtype, model.device, block_size=block_size, num_blocks=1 + min(blocks, most))
+        if mirror is not None:
+            self.cache = mirror.attach(self.cache)
         salt = f"{cfg}|{model.dtype}".encode()  # (the pool serves this model only: its config names it)
         self.kv = KVSpace(self.cache, BlockPool(self.cache.num_blocks, block_size, prefix_caching, salt), max_num_seqs)
         self.preemptions = 0

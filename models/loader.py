@@ -25,6 +25,7 @@ from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
 from .importers import import_quantized, quantization_config
 from .llama import CausalLM
+from .sharding import TensorParallel
 
 log = logging.getLogger("woq.models")
 
@@ -144,7 +145,11 @@ def load_model(
     max_seq_len: int | None = None,
     progress: bool = True,
     options: RuntimeOptions | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
+    """The model ``model`` (a name, directory or GGUF file) built for ``device``, quantized
+    as ``quant`` asks (read from the quantized-model cache where it was quantized before);
+    with ``tp``, this rank's shard of it (a shard is not stored in the cache)."""
     t0 = time.perf_counter()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = dtype or default_dtype(device)
@@ -161,8 +166,8 @@ def load_model(
     limit = ArchConfig.from_hf(config).context_limit
     max_seq_len = min(max_seq_len or limit, limit)
     built = build_model(config, state, quant, dtype, device, max_seq_len, progress=progress, prequantized=quantized,
-                        options=options)
-    if cached is not None and directory != cached and not quantized:
+                        options=options, tp=tp)
+    if cached is not None and directory != cached and not quantized and tp is None:
         quant_cache.store(built, config, tokenizer, cached, model, quant)
     if is_woq_checkpoint(directory):  # served under its source model's name, described as stored
         meta = read_metadata(directory)

@@ -87,6 +87,9 @@ class ServeSettings(ModelSettings):
     block_size: Literal[8, 16, 32, 64] = Field(16, description="positions per KV cache block")
     prefix_caching: bool = Field(True, description="reuse the cached KV blocks of a prompt's prefix across requests")
     max_queue: int = Field(64, ge=0, description="requests waiting for KV blocks before new ones get 429")
+    tensor_parallel_size: int = Field(1, ge=1, description="split the model over N processes (one GPU each on CUDA: "
+                                      "NCCL; gloo on CPU); rank 0 serves HTTP. Started here, or by torchrun "
+                                      "(RANK, WORLD_SIZE, MASTER_ADDR/PORT set)")
     max_prefill_tokens: int | None = Field(None, ge=1, description="tokens of one step: the running sequences' decode "
                                            "tokens and prompt chunks (longer prompts go in chunks), which bounds a "
                                            "running stream's stall (default: the engine's, measured: "

@@ -11,6 +11,7 @@ import torch
 import uvicorn
 
 from ..engine.engine import Engine
+from ..engine.tensor_parallel import follow
 from ..kernels.build import source_hash
 from ..kernels.observe import KernelTiming
 from ..kernels.timing import copy_bandwidth
@@ -20,6 +21,7 @@ from .config import ModelSettings, ServeSettings
 from .http_guard import HttpGuard, h11_protocol
 from .logs import setup_logging
 from .metrics import Metrics
+from .ranks import Ranks, start_ranks
 
 log = logging.getLogger("woq.service")
 
@@ -44,12 +46,15 @@ def eos_token_ids(loaded: LoadedModel) -> set[int]:
     return ids
 
 
-def load(settings: ModelSettings, progress: bool = True) -> LoadedModel:
-    return load_model(settings.model, settings.quant_config(), settings.torch_dtype(), settings.device,
-                      settings.max_seq_len, progress=progress, options=settings.runtime_options())
+def load(settings: ModelSettings, progress: bool = True, ranks: Ranks | None = None) -> LoadedModel:
+    """The model ``settings`` name; with ``ranks``, this rank's shard of it on its device."""
+    device, tp = (settings.device, None) if ranks is None else (ranks.device, ranks.tp)
+    return load_model(settings.model, settings.quant_config(), settings.torch_dtype(), device,
+                      settings.max_seq_len, progress=progress, options=settings.runtime_options(), tp=tp)
 
 
-def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> ServerState:
+def build_state(settings: ServeSettings, loaded: LoadedModel | None = None, ranks: Ranks | None = None) -> ServerState:
+    """The server's engine, metrics and settings (``ranks``: rank 0 of a tensor-parallel group)."""
     loaded = loaded or load(settings)
     if settings.chat_template is not None:
         try:
@@ -68,9 +73,11 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None) -> S
     budget = {"max_prefill_tokens": settings.max_prefill_tokens} if settings.max_prefill_tokens else {}
     engine = Engine(model, loaded.tokenizer, eos_token_ids(loaded), max_num_seqs=settings.max_num_seqs,
                     max_queue=settings.max_queue, max_seq_len=settings.max_seq_len, observer=metrics,
-                    cuda_graphs=settings.cuda_graphs, prefill_graphs=settings.prefill_graphs,
+                    # (graphs replay on one rank: the others follow announced eager calls)
+                    cuda_graphs=settings.cuda_graphs and ranks is None, prefill_graphs=settings.prefill_graphs,
                     gpu_memory_fraction=settings.gpu_memory_fraction, kv_cache_gib=settings.kv_cache_gib,
-                    block_size=settings.block_size, prefix_caching=settings.prefix_caching, **budget).start()
+                    block_size=settings.block_size, prefix_caching=settings.prefix_caching,
+                    mirror=None if ranks is None else ranks.leader, **budget).start()
     metrics.bind_engine(engine)
     return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
                        api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
@@ -157,11 +164,25 @@ GIL_SWITCH_SECONDS = 0.0002
 def serve(settings: ServeSettings) -> None:
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     setup_logging(settings.log_level, settings.log_format)
-    sock = listen(settings.host, settings.port)
-    loaded = load(settings)
-    log.info("loaded %s (%s) on %s in %.1f s%s", loaded.name, loaded.quantization, loaded.model.device,
-             loaded.load_seconds, ", from the quantized-model cache" if loaded.from_cache else "")
-    state = build_state(settings, loaded)
+    follower = settings.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0"  # (started by a launcher)
+    sock = None if follower else listen(settings.host, settings.port)
+    ranks = start_ranks(settings) if settings.tensor_parallel_size > 1 else None
+    if ranks is not None and ranks.rank > 0:  # (HTTP and the engine are rank 0's)
+        try:
+            follow(load(settings, progress=False, ranks=ranks).model)
+        finally:
+            ranks.close()
+        return
+    try:
+        loaded = load(settings, ranks=ranks)
+        log.info("loaded %s (%s) on %s in %.1f s%s", loaded.name, loaded.quantization, loaded.model.device,
+                 loaded.load_seconds, ", from the quantized-model cache" if loaded.from_cache else "")
+        state = build_state(settings, loaded, ranks)
+    except BaseException:
+        if ranks is not None:
+            for child in ranks.children:
+                child.kill()
+        raise
     app = HttpGuard(create_app(state), state, settings.body_timeout)
     # h11 always (uvicorn's default unless httptools is installed): the header timeout is
     # built on its connection class
@@ -172,3 +193,5 @@ def serve(settings: ServeSettings) -> None:
         DrainingServer(config, state, settings.drain_timeout).run(sockets=[sock])
     finally:
         state.engine.shutdown()
+        if ranks is not None:
+            ranks.close()

@@ -1,6 +1,8 @@
 """Tensor parallelism on the CPU: a tiny int4 Llama split over 2 and 4 processes (gloo)
 picks the whole model's next tokens, with logits within fp32 rounding of its own (the
 all-reduce sums the row-parallel partial products in another order)."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,3 +63,85 @@ def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size):
         assert tokens == want_tokens, rank
         assert torch.allclose(logits, want_logits, atol=1e-4, rtol=1e-4), (logits - want_logits).abs().max()
     assert (want_logits.diff(dim=0).abs().amax(-1) > 100 * 1e-4).all()  # (every step's logits move: a real check)
+
+
+def _complete_all(url: str, prompts: list[list[int]], lengths: list[int]) -> list[str]:
+    """Greedy completions of ``prompts`` (token ids) sent at once, each ``lengths[i]`` tokens long."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == lengths[i]
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, smollm2_dir):
+    """``woq serve --tensor-parallel-size 2`` (rank 0 serving HTTP and starting rank 1, gloo)
+    completes requests that join and leave the batch at different steps -- prefill mixed
+    with decode, the ranks following every step -- with the completions of one process."""
+    import shutil
+
+    from conftest import LiveServer
+
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, ckpt / f)
+    prompts = [PROMPT, FED, PROMPT[::-1] + FED[:3]]
+    lengths = [32, 9, 20]
+    args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
+            "--max-seq-len", "64", "--dtype", "float32", "--cache", str(tmp_path / "cache")]
+    texts = {}
+    for size in (1, 2):
+        server = LiveServer(*args, "--tensor-parallel-size", str(size))
+        try:
+            texts[size] = _complete_all(server.url, prompts, lengths)
+            if size == 2:
+                assert "rank 1 of 2 joined (gloo)" in server.output()
+        finally:
+            server.stop()
+        if size == 2:
+            assert server.proc.returncode == 0 or server.proc.returncode == -15  # (SIGTERM: drained, ranks stopped)
+    assert texts[2] == texts[1] and all(texts[1])
+
+
+def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
+    """4 query heads over 3 ranks: one line naming the problem, exit status 2, and the ranks
+    it started gone."""
+    import shutil
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    ckpt = tiny_hf_checkpoint(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, ckpt / f)
+    out = subprocess.run([sys.executable, "-m", "woq", "serve", "--model", str(ckpt), "--quant", "int4", "--port", "0",
+                          "--tensor-parallel-size", "3", "--cache", str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("woq: error:")]
+    assert errors and all("head" in line for line in errors), out.stderr
+    assert "Traceback" not in out.stderr
+
+    def ranks_left() -> list[str]:  # (any process still running this command, orphaned or not)
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(ckpt).encode() in cmdline.read_bytes():
+                    found.append(cmdline.parent.name)
+            except OSError:
+                pass
+        return found
+
+    for _ in range(50):
+        if not ranks_left():
+            break
+        time.sleep(0.1)
+    assert not ranks_left()

@@ -171,9 +171,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from woq.models.importers import CheckpointError
     from woq.models.loader import DeviceError, ModelSourceError
+    from woq.models.sharding import ShardError
     from woq.service.server import PortInUseError
 
-    return ValidationError, SettingsError, CheckpointError, DeviceError, ModelSourceError, PortInUseError
+    return ValidationError, SettingsError, CheckpointError, DeviceError, ModelSourceError, PortInUseError, ShardError
 
 
 def app(argv: list[str] | None = None) -> None:
