@@ -145,3 +145,30 @@ def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
             break
         time.sleep(0.1)
     assert not ranks_left()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_serve_tensor_parallel_on_two_gpus(tmp_path, smollm2_dir):
+    """The same over NCCL, one GPU a rank, fp16 (eager steps on both servers: the
+    single-GPU server's graphs would round differently)."""
+    import shutil
+
+    from conftest import LiveServer
+
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                              num_key_value_heads=4)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, ckpt / f)
+    prompts, lengths = [PROMPT, FED, PROMPT[::-1] + FED[:3]], [32, 9, 20]
+    args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
+            "--max-seq-len", "64", "--dtype", "float16", "--no-cuda-graphs", "--cache", str(tmp_path / "cache")]
+    texts = {}
+    for size in (1, 2):
+        server = LiveServer(*args, "--tensor-parallel-size", str(size))
+        try:
+            texts[size] = _complete_all(server.url, prompts, lengths)
+            assert (size == 2) == ("rank 1 of 2 joined (nccl)" in server.output())
+        finally:
+            server.stop()
+    assert texts[2] == texts[1] and all(texts[1])
