@@ -79,9 +79,8 @@ log = logging.getLogger("woq.engine")
 
 # Tokens of one step (decode tokens and prompt chunks): a running stream waits one such step
 # between two tokens, so this bounds its stall. 512 is the largest packed graph: a step up
-# to it costs its GPU time (~20 ms for 64 decode + 448 prompt tokens of an 8B int4 model on
-# an H100), a larger one is eager and host-bound on top (the measured curve and the
-# budgets tried: docs/design/kv_cache.md).
+# to it costs its GPU time, a larger one is eager and host-bound on top (the measured curve
+# and the budgets tried: docs/design/kv_cache.md).
 DEFAULT_PREFILL_TOKENS = 512
 
 

@@ -23,7 +23,7 @@ Why not split the keys as ``decode_attention`` does: the chunks of a mixed step 
 numbers (a running batch of decode tokens, prompt tiles), which fill the GPU without
 splits. Why not flash attention per chunk: one call per chunk and layer is host time that
 a step of 64 sequences cannot afford, and a graph cannot loop over a varying list. Long
-chunks of an eager prefill (``DENSE_FROM`` tokens or more) still take SDPA, whose larger
+chunks of an eager prefill (``models.batches.DENSE_FROM`` tokens or more) still take SDPA, whose larger
 tiles read each key fewer times.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+
 
 @triton.jit
 def _chunk_attention_kernel(
