@@ -24,6 +24,7 @@ from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
 from .importers import import_quantized, quantization_config
+from .lazy_tensors import LazyTensors
 from .llama import CausalLM
 from .sharding import TensorParallel
 
@@ -66,9 +67,9 @@ def resolve_source(model: str, cache: Path | None = None) -> tuple[Path, str | N
     )
 
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def read_safetensors(directory: Path) -> LazyTensors:
+    """The tensors of ``directory``'s safetensors files (its index's, or every one), read as
+    the builder takes them."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -76,15 +77,13 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"no *.safetensors weights in {directory}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(directory / f))
-    return state
+    return LazyTensors([directory / f for f in files])
 
 
 def read_checkpoint(directory: Path, gguf_file: str | None):
-    """HF config, tokenizer, state dict (HF tensor names) and the already quantized linears
-    (a woq checkpoint's, or a GPTQ/AWQ checkpoint's imported) from local files."""
+    """HF config, tokenizer, state dict (HF tensor names; from safetensors files a
+    ``LazyTensors``, read as the builder takes each tensor) and the already quantized
+    linears (a woq checkpoint's, or a GPTQ/AWQ checkpoint's imported) from local files."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(local_files_only=True)
@@ -113,7 +112,7 @@ def read_checkpoint(directory: Path, gguf_file: str | None):
         if qc is not None:
             quantized = import_quantized(state, qc, config)
             log.info("imported a %s checkpoint (%d quantized linears)", qc.get("quant_method"), len(quantized))
-    return config, tokenizer, dict(state), quantized
+    return config, tokenizer, state, quantized
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

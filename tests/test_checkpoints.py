@@ -58,6 +58,26 @@ def _ids(seed=0):
     return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
+def test_safetensors_are_read_as_the_builder_takes_them(tiny):
+    """Opening a checkpoint reads no tensor; building the model reads each once, in the
+    order the layers take them (never the whole weight up front)."""
+    from woq.models.builder import build_model
+    from woq.models.lazy_tensors import LazyTensors
+
+    config, _, state, _ = read_checkpoint(tiny, None)
+    assert isinstance(state, LazyTensors) and state.bytes_read == 0 and len(state) > 0
+    stored = load_file(str(tiny / "model.safetensors"))
+    order = []
+    pop = state.pop
+    state.pop = lambda name, *d: (order.append(name), pop(name, *d))[1]  # (this object's own pop: observed)
+    build_model(config, state, QuantConfig("int4", 64, False), torch.float32, "cpu", 128, progress=False)
+    assert len(state) == 0 and state.bytes_read == sum(t.numel() * t.element_size() for t in stored.values())
+    taken = [n for n in order if n in stored]
+    assert sorted(taken) == sorted(stored)  # each once
+    first_of_layer_1 = min(i for i, n in enumerate(taken) if n.startswith("model.layers.1."))
+    assert all(not n.startswith("model.layers.0.") for n in taken[first_of_layer_1:])  # layer by layer
+
+
 def test_woq_checkpoint_loads_the_same_model_without_requantizing(tiny, tmp_path):
     quant = QuantConfig("int4", 64, False)
     direct = load_model(str(tiny), quant, device="cpu", max_seq_len=128, progress=False)

@@ -1,0 +1,47 @@
+"""The tensors of a checkpoint's safetensors files, each read when a layer takes it.
+
+Reading every tensor up front holds a model's whole weight in host memory before its first
+layer is built -- some 16 GB for an 8B fp16 checkpoint, 140 GB for a 70B one, and that in
+every tensor-parallel rank. The builder takes a layer's tensors (``pop``), quantizes or
+shards them and lets them go, so read on demand the host holds about one layer at a time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class LazyTensors:
+    """A name -> tensor mapping over safetensors files, for the builder: ``pop`` reads the
+    tensor from its file (a tensor is taken once); ``in``, iteration and ``len`` cover the
+    tensors not taken yet; ``bytes_read`` is what has been read so far."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+        self.bytes_read = 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def pop(self, name: str, *default):
+        handle = self._where.pop(name, None)
+        if handle is None:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        t: torch.Tensor = handle.get_tensor(name)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
