@@ -6,7 +6,8 @@
 # machine: benchmarks/ab_files.sh)
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
-#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged dashboard tune
+#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged engineload
+#               dashboard tune
 #   results:    docs (run here, not on the GPU machine: copies the fetched results over
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1 WOQ_CACHE=${WOQ_CACHE:-/tmp/woq-cache} HF_HUB_OFFLINE=
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget engine_load"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -65,6 +66,7 @@ for stage in "$@"; do
     inplace) run inplace $PY benchmarks/gemv_in_place.py --out "$OUT" ;;
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
+    engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)
       run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-num-seqs 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png" ;;
