@@ -65,17 +65,21 @@ def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size):
     assert (want_logits.diff(dim=0).abs().amax(-1) > 100 * 1e-4).all()  # (every step's logits move: a real check)
 
 
-def _complete_all(url: str, prompts: list[list[int]], lengths: list[int]) -> list[str]:
-    """Greedy completions of ``prompts`` (token ids) sent at once, each ``lengths[i]`` tokens long."""
+def _complete_all(url: str, prompts: list[list[int]], lengths: list[int], pair: bool = True) -> list[str]:
+    """Completions of ``prompts`` (token ids) sent at once, each ``lengths[i]`` tokens long:
+    greedy, but with ``pair`` the first request's two seeded samples (``n`` = 2: the second
+    choice starts from a copy of the prompt's last, partly filled block)."""
     import httpx
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> str:
         body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0, "ignore_eos": True}
+        if pair and i == 0:
+            body |= {"n": 2, "temperature": 0.8, "seed": 7}
         r = httpx.post(url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == lengths[i]
-        return r.json()["choices"][0]["text"]
+        assert r.json()["usage"]["completion_tokens"] == lengths[i] * len(r.json()["choices"])
+        return " | ".join(c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"]))
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -84,7 +88,8 @@ def _complete_all(url: str, prompts: list[list[int]], lengths: list[int]) -> lis
 def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, smollm2_dir):
     """``woq serve --tensor-parallel-size 2`` (rank 0 serving HTTP and starting rank 1, gloo)
     completes requests that join and leave the batch at different steps -- prefill mixed
-    with decode, the ranks following every step -- with the completions of one process."""
+    with decode, two choices of one prompt (a block copy), the ranks following every step
+    -- with the completions of one process."""
     import shutil
 
     from conftest import LiveServer
@@ -167,7 +172,7 @@ def test_serve_tensor_parallel_on_two_gpus(tmp_path, smollm2_dir):
     for size in (1, 2):
         server = LiveServer(*args, "--tensor-parallel-size", str(size))
         try:
-            texts[size] = _complete_all(server.url, prompts, lengths)
+            texts[size] = _complete_all(server.url, prompts, lengths, pair=False)
             assert (size == 2) == ("rank 1 of 2 joined (nccl)" in server.output())
         finally:
             server.stop()
