@@ -252,7 +252,10 @@ class Engine:
         per_block = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * block_size
         most = max_num_seqs * -(-self.max_seq_len // block_size)  # every sequence at full length
         if on_cuda:
-            blocks, summary = kv_blocks_for_budget(model, gpu_memory_fraction, block_size, max_prefill_tokens)
+            # (the largest step: the budget, or every sequence's decode token and the quarter
+            # of the budget left to prompts, ``_prefill_chunks``)
+            step = max(max_prefill_tokens, max_num_seqs + max_prefill_tokens // 4)
+            blocks, summary = kv_blocks_for_budget(model, gpu_memory_fraction, block_size, step)
         else:
             blocks, summary = int(kv_cache_gib * (1 << 30) // per_block), f"{kv_cache_gib:g} GiB"
         self.longest = min(blocks, most) * block_size  # the most positions one sequence can hold
