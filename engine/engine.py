@@ -39,7 +39,7 @@ next launch with the GPU idle.
 
 KV memory is paged (``models/kv_cache.py``, ``kv_space.py``): blocks of ``block_size``
 positions from one pool, which on CUDA takes ``gpu_memory_fraction`` of the GPU less what
-is in use and the measured peak of a full prefill (``kv_blocks_for_budget``). A sequence
+is in use and the measured peak of the largest step (``kv_blocks_for_budget``). A sequence
 holds a row of the block table (its ``slot``) and the blocks its positions need, taken as
 it grows. Requests are admitted while a row and the blocks of their prompt are free, up to
 ``max_num_seqs`` running; beyond that they wait in a bounded queue, and beyond that
