@@ -235,7 +235,8 @@ class PackedGraphs:
         batch = Prefill.pack(lens, slots, "cpu", starts, tiled=False)
         tiles = query_tiles(list(batch.chunks), TILE_TOKENS)  # (every chunk: a graph has no SDPA calls)
         dev = self.ids.device
-        # (small copies from pageable host memory, each queued before the replay)
+        # (small copies from pageable host memory: each waits for the GPU's queued work, which
+        # before a packed step is at most a decode step queued ahead)
         self.ids[0, :n].copy_(torch.tensor(ids), non_blocking=True)
         self.positions[0, :n].copy_(batch.positions[0], non_blocking=True)
         self.slots[:n].copy_(batch.slots, non_blocking=True)
@@ -246,8 +247,7 @@ class PackedGraphs:
         self.last[:c].copy_(batch.last_index, non_blocking=True)
         self.last[c:self._chunks(t)] = 0  # (an earlier replay's rows may lie past this bucket's)
         w = self._tiles(t)
-        padded = torch.zeros(w, 4, dtype=torch.int32)
-        padded[:len(tiles)] = torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
+        padded = torch.tensor(tiles + [(0, 0, 0, 0)] * (w - len(tiles)), dtype=torch.int32)  # (0 tokens: padding)
         self.tiles[:w].copy_(padded.to(dev, non_blocking=True))
         out = self.graphs[t].replay()
         self.replays += 1

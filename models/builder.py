@@ -56,6 +56,11 @@ class QuantConfig:
 LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", str], nn.Module]
 
 
+def stays_dense(quant: QuantConfig, kind: str) -> bool:
+    """Whether ``quant`` leaves a layer of ``kind`` in floating point."""
+    return quant.spec() is None or (kind == "lm_head" and not quant.quantize_lm_head)
+
+
 def linear_factory(quant: QuantConfig, dtype: torch.dtype, device: torch.device) -> LinearFactory:
     """A function making the linear layer for (weight, bias, layer kind), quantized or not."""
     spec = quant.spec()
@@ -63,7 +68,7 @@ def linear_factory(quant: QuantConfig, dtype: torch.dtype, device: torch.device)
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> nn.Module:
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
-        if spec is None or (kind == "lm_head" and not quant.quantize_lm_head):
+        if stays_dense(quant, kind):
             return DenseLinear(weight.to(device=device, dtype=dtype), bias, kind)
         # Quantize the checkpoint's own values (in fp32, on the target device: fast on a
         # GPU), so that CPU and GPU runs hold the same codes; the dense copy is dropped.
@@ -148,11 +153,11 @@ def build_model(
             w = torch.cat([take(p + ".weight") for p in parts], 0)
             if tuple(w.shape) != shapes[kind]:
                 raise CheckpointError(f"{fused}: weight is {tuple(w.shape)}, the model config needs {shapes[kind]}")
+            dense = stays_dense(quant, kind)
+            if tp is not None and dense:  # (split the floats; a quantized layer is split below)
+                w, _, bias = tp.shard(kind, cfg, w, None, bias)
             layer = make(w, bias, kind)
-            if tp is None or not isinstance(layer, WeightOnlyLinear):
-                if tp is not None:  # dense: split the floats
-                    w, _, bias = tp.shard(kind, cfg, w, None, bias)
-                    layer = make(w, bias, kind)
+            if tp is None or dense:
                 return layer
             imported = ImportedLinear(layer.qweight, None)
             bias = None if layer.bias is None else layer.bias.data

@@ -70,10 +70,6 @@ class KVCache:
         if blocks:
             self.block_table[row, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
-    def release(self, row: int) -> None:
-        """Point every entry of ``row`` back at the scratch block."""
-        self.block_table[row].zero_()
-
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s keys and values (every layer) into block ``dst``."""
         self.k[:, dst] = self.k[:, src]

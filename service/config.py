@@ -82,7 +82,8 @@ class ServeSettings(ModelSettings):
     max_num_seqs: int | None = Field(None, ge=1, le=1024, description="sequences running at once (default: 256 "
                                      "on CUDA, 64 on CPU)")
     gpu_memory_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory for weights + KV cache: the "
-                                       "KV pool takes what is left after the weights and a measured prefill peak")
+                                       "KV pool takes what is left after the weights and the measured peak of the "
+                                       "largest step")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (GiB)")
     block_size: Literal[8, 16, 32, 64] = Field(16, description="positions per KV cache block")
     prefix_caching: bool = Field(True, description="reuse the cached KV blocks of a prompt's prefix across requests")

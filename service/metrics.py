@@ -51,8 +51,8 @@ class Metrics:
         self.generation_tokens = Counter("woq_generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("woq_requests_running", "Requests holding KV blocks (prefilling or decoding)", registry=r)
         self.waiting = Gauge("woq_requests_waiting", "Requests queued for KV blocks", registry=r)
-        self.batch_size = Histogram("woq_batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS, registry=r)
-        self.prefill_tokens = Counter("woq_prefill_tokens", "Prompt tokens prefilled between decode steps", registry=r)
+        self.batch_size = Histogram("woq_batch_size", "Sequences decoded per step", buckets=BATCH_BUCKETS, registry=r)
+        self.prefill_tokens = Counter("woq_prefill_tokens", "Prompt tokens prefilled", registry=r)
         self.preemptions = Counter("woq_preemptions", "Sequences preempted for KV blocks (recomputed later)",
                                    registry=r)
         labels = ["path", "layer", "bits", "m_bucket"]

@@ -136,30 +136,17 @@ def _served(server: LiveServer) -> float:
     return metric_value(text, "woq_requests_total", endpoint="/v1/chat/completions", status="200")
 
 
-def _stream(url: str, body: dict, arrivals: list[float], opened: threading.Event | None = None) -> None:
-    """POST a streamed request; the arrival time of each SSE chunk."""
+def _stream(url: str, body: dict, opened: threading.Event) -> None:
+    """POST a streamed request; ``opened`` is set at its first chunk."""
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                arrivals.append(time.monotonic())
-                if opened is not None:
-                    opened.set()
+            if line.startswith("data: "):
+                opened.set()
 
 
 STREAM = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to a thousand."}],
           "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
-
-
-def test_nginx_streams_chunks_as_they_are_produced(nginx):
-    """A stream's chunks reach the client through the proxy spread over its generation,
-    not gathered into one response at the end."""
-    arrivals: list[float] = []
-    _stream(nginx, STREAM, arrivals)
-    tokens = arrivals[1:]  # (the first chunk, the role, leaves before the prefill)
-    span = tokens[-1] - tokens[0]
-    assert len(tokens) >= 60 and span > 0.5
-    assert tokens[-1] - tokens[len(tokens) // 2] > span / 4  # half of them well before the end
 
 
 def test_nginx_balances_by_open_requests(replicas, nginx):
@@ -169,7 +156,7 @@ def test_nginx_balances_by_open_requests(replicas, nginx):
         assert httpx.get(s.url + "/health", timeout=10).status_code == 200
     before = [_served(s) for s in replicas]
     opened = threading.Event()
-    long = threading.Thread(target=_stream, args=(nginx, STREAM, [], opened))
+    long = threading.Thread(target=_stream, args=(nginx, STREAM, opened))
     long.start()
     assert opened.wait(60)
     short = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

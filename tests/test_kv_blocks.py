@@ -6,7 +6,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -83,16 +82,6 @@ def test_hashes_are_stable_across_processes():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                 capture_output=True, text=True).stdout.strip())
     assert outs == {block_hashes(list(range(40)), 16, b"salt")[-1].hex()}
-
-
-def test_hashing_is_fast():
-    toks = list(range(4000))
-    block_hashes(toks, 16)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        block_hashes(toks, 16)
-    per_call = (time.perf_counter() - t0) / 20
-    assert per_call < 5e-3, f"{per_call * 1e3:.2f} ms to hash 4000 tokens"  # ~0.2 ms typical
 
 
 # ---------------------------------------------------------------- allocation and eviction
