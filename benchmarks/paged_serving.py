@@ -83,10 +83,10 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: l
     first, text = None, []
     try:
         async for chunk in stream_chunks(client, url + "/v1/chat/completions", body):
-            delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-            if delta:
+            delta = chunk["choices"][0]["delta"] if chunk["choices"] else {"role": None}
+            if "role" not in delta:  # (a chunk per token after the role's: its content maybe empty)
                 first = first or time.perf_counter()
-                text.append(delta)
+                text.append(delta.get("content") or "")
     except StreamError as exc:
         return {"error": str(exc)}
     if first is None:

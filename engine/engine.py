@@ -286,6 +286,10 @@ class Engine:
                 self.packed_graphs = PackedGraphs(model, self.cache, min(PACKED_GRAPH_TOKENS, max_prefill_tokens),
                                                   max_num_seqs, scratch_slot=max_num_seqs)
                 self.packed_graphs.capture()
+        if on_cuda:
+            # Greedy sampling's argmax (Triton, kernels/argmax.py) runs outside the graphs, on
+            # fp32 logits: compile it now rather than in the first request's first token.
+            greedy(torch.zeros(1, cfg.vocab_size, device=model.device))
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []

@@ -358,7 +358,10 @@ async def _stream(state: ServerState, sub: _Submitted, chunk: Render, first: lis
                 open_choices.discard(i)
                 completion_tokens += ev.completion_tokens
             finished = not open_choices
-            if ev.text or ev.logprobs or ev.finish_reason is not None:
+            # A chunk per generated token, its text empty while the token is held back (a
+            # character's bytes incomplete, a possible stop string's start), as vLLM streams:
+            # clients see each token's arrival, and their inter-token latency is per token.
+            if ev.text or ev.token_ids or ev.logprobs or ev.finish_reason is not None:
                 yield _sse(chunk(i, ev))
             if finished and usage_chunk is not None:
                 yield _sse(usage_chunk(Usage.of(sub.prompt_tokens, completion_tokens)))

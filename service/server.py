@@ -1,6 +1,7 @@
 """Wiring: load the model, start the engine, attach metrics, run uvicorn."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -161,6 +162,17 @@ class DrainingServer(uvicorn.Server):
 GIL_SWITCH_SECONDS = 0.0002
 
 
+def freeze_heap() -> None:
+    """Move every object alive after start-up (the model's modules, torch, transformers,
+    the tokenizer: hundreds of thousands) out of the garbage collector's reach. A full
+    collection otherwise walks them all while every thread of the process waits, the
+    engine's between two steps included, and streaming's garbage triggers one every so
+    often: a stall of every stream (docs/design/serving.md, "Garbage collection"). Frozen,
+    a full collection walks only what was made since; that is collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(settings: ServeSettings) -> None:
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
     setup_logging(settings.log_level, settings.log_format)
@@ -169,7 +181,9 @@ def serve(settings: ServeSettings) -> None:
     ranks = start_ranks(settings) if settings.tensor_parallel_size > 1 else None
     if ranks is not None and ranks.rank > 0:  # (HTTP and the engine are rank 0's)
         try:
-            follow(load(settings, progress=False, ranks=ranks).model)
+            model = load(settings, progress=False, ranks=ranks).model
+            freeze_heap()  # (a follower's pause stalls every rank's step)
+            follow(model)
         finally:
             ranks.close()
         return
@@ -184,6 +198,7 @@ def serve(settings: ServeSettings) -> None:
                 child.kill()
         raise
     app = HttpGuard(create_app(state), state, settings.body_timeout)
+    freeze_heap()
     # h11 always (uvicorn's default unless httptools is installed): the header timeout is
     # built on its connection class
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,

@@ -191,3 +191,21 @@ def test_several_prompts_give_each_their_choices(client, smollm2_dir):
         for ch in chunk.choices:
             texts[ch.index] += ch.text
     assert texts == [r.choices[0].text.removeprefix(prompts[0]), r.choices[2].text.removeprefix(prompts[1])]
+
+
+def test_a_stream_sends_a_chunk_per_token_held_back_text_included(client):
+    """Every generated token arrives in a chunk of its own: one whose text the possible
+    start of a stop string holds back (" the" before " the qqqq") comes with empty text,
+    and the next chunk carries it. The count is the usage's completion tokens, and the
+    texts join to the non-streamed completion's."""
+    kw = dict(model=MODEL, prompt="The history of the city of Paris", max_tokens=32, temperature=0,
+              stop=[" the qqqq"], extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    stream = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    texts, usage = [], None
+    for chunk in stream:
+        texts += [ch.text for ch in chunk.choices]
+        usage = chunk.usage or usage
+    assert len(texts) == usage.completion_tokens == whole.usage.completion_tokens == 32
+    assert "".join(texts) == whole.choices[0].text
+    assert "" in texts[:-1] and " the" in whole.choices[0].text  # (a token was held back)
