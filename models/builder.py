@@ -183,7 +183,11 @@ def build_model(
                   linear(m + "down_proj", [m + "down_proj"], "down"))
         layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
 
-    embed_w = take("model.embed_tokens.weight").to(device=device, dtype=dtype)
+    embed_w = take("model.embed_tokens.weight")
+    vocab_share = tp.vocab_rows(cfg.vocab_size) if tp is not None else None
+    if vocab_share is not None:  # (the rank's rows; a tied LM head is made of them too)
+        embed_w = embed_w[vocab_share.start:vocab_share.stop].clone()
+    embed_w = embed_w.to(device=device, dtype=dtype)
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
     if "lm_head" in prequantized or "lm_head.weight" in state_dict or not cfg.tie_word_embeddings:
         lm_head = linear("lm_head", ["lm_head"], "lm_head")
@@ -196,7 +200,7 @@ def build_model(
     if leftover:
         raise CheckpointError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
     model = CausalLM(cfg if tp is None else tp.local_config(cfg), embed, layers, final_norm, lm_head, rope).eval()
-    model.tp = tp
+    model.tp, model.vocab_share = tp, vocab_share
     bind_kernels(model, options or RuntimeOptions(), progress)
     return model
 

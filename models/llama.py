@@ -137,6 +137,9 @@ class CausalLM(nn.Module):
         # A tensor-parallel rank's shard (models/sharding.py, set by the builder): cfg then
         # holds the rank's heads and intermediate rows; None: the whole model.
         self.tp = None
+        # With ``tp``, the rank's rows of the embedding and the LM head (vocab-parallel:
+        # models/sharding.py); None: the whole vocabulary.
+        self.vocab_share: range | None = None
         self.kernel_timing: KernelTiming | None = None
 
     @property
@@ -173,6 +176,22 @@ class CausalLM(nn.Module):
         return Pass(attention_for(batch, self.heads, self.rope, cache, fused, programmatic), fused, programmatic,
                     reduce)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; vocab-parallel, each rank looks up the tokens it holds
+        and zeros for the rest, and the all-reduce sums in the holder's row."""
+        share = self.vocab_share
+        if share is None:
+            return self.embed(input_ids)
+        local = input_ids - share.start
+        held = (local >= 0) & (local < len(share))
+        x = self.embed(local.clamp(0, len(share) - 1)).masked_fill_(~held.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the whole vocabulary (vocab-parallel: every rank's rows gathered)."""
+        logits = self.lm_head.logits(h)
+        return logits if self.vocab_share is None else self.tp.all_gather_last(logits)
+
     def layer_output(self, layer: DecoderLayer, x: torch.Tensor, batch: Causal) -> torch.Tensor:
         """One decoder layer's output hidden states for its input hidden states ``x`` (GPTQ
         calibrates layer by layer)."""
@@ -180,7 +199,7 @@ class CausalLM(nn.Module):
         return out + residual
 
     def hidden_states(self, input_ids: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None
+        x, residual = self._embed(input_ids), None
         p = self._pass(batch, cache, x)
         with p.attention.context():
             for layer in self.layers:
@@ -198,7 +217,7 @@ class CausalLM(nn.Module):
         h = self.hidden_states(input_ids, batch, cache)
         if last_only:
             h = batch.last_rows(h)
-        return self.lm_head.logits(h)
+        return self._logits(h)
 
     # -- the persistent batch-1 decode step ------------------------------------------------
     def wants_persistent_decode(self) -> bool:
@@ -233,7 +252,7 @@ class CausalLM(nn.Module):
     def decode_persistent(self, step, input_ids: torch.Tensor, batch: Decode) -> torch.Tensor:
         """Logits ``[1, V]`` of a one-sequence decode step with every decoder layer in the
         persistent kernel ``step`` (``persistent_step``); launch-only, a CUDA graph captures it."""
-        x = self.embed(input_ids)
+        x = self._embed(input_ids)
 
         def launch(stamps: torch.Tensor | None) -> None:
             step(x.view(-1), batch.positions.view(1), batch.slots, batch.lengths, stamps)
@@ -249,4 +268,4 @@ class CausalLM(nn.Module):
             self.kernel_timing.stages(stages, len(self.layers), launch, step.stamps)
         p = Pass(None, _fused_module(), self.options.programmatic_launch)
         h = self.norm.add_forward(x, None, p)[0]  # (x is the residual stream now)
-        return self.lm_head.logits(h[:, -1])
+        return self._logits(h[:, -1])

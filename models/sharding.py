@@ -26,8 +26,12 @@ requantization), so the shards' partial products add up to the full layer's exac
 exact arithmetic: ``tests/test_sharding.py``. ``TensorParallel`` is a rank's place in its
 group: the builder splits each layer with it (a layer is quantized or imported whole,
 then split), the model's config takes the rank's shapes, and the forward sums o's and
-down's outputs over the group (``Pass.summed`` in ``models/llama.py``); the embedding and
-the LM head stay whole on every rank (``tests/test_tensor_parallel.py``).
+down's outputs over the group (``Pass.summed`` in ``models/llama.py``). The embedding and
+the LM head are **vocab-parallel** where the vocabulary splits evenly: each rank holds its
+share of their rows; a token's embedding comes from the rank holding it (the others add
+zeros to the all-reduce), and each rank's logits of its rows are gathered into the whole
+vocabulary's on every rank (sampling reads them all). Otherwise both stay whole on every
+rank (``tests/test_tensor_parallel.py``).
 """
 from __future__ import annotations
 
@@ -148,6 +152,22 @@ class TensorParallel:
         inter = _even_share(cfg.intermediate_size, self.rank, self.size, "intermediate rows")
         return replace(cfg, num_heads=len(q), num_kv_heads=len(kv), intermediate_size=len(inter))
 
+    def vocab_rows(self, vocab: int) -> range | None:
+        """This rank's share of the vocabulary (its rows of the embedding and the LM head);
+        None where the vocabulary does not split evenly: both stay whole on every rank."""
+        if self.size == 1 or vocab % self.size:
+            return None
+        return _even_share(vocab, self.rank, self.size, "vocabulary")
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` side by side along the last dimension, in rank order (the LM
+        head's logits of each rank's vocabulary rows: the whole vocabulary's)."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel layer's partial outputs over the group, in place."""
         import torch.distributed as dist
@@ -158,11 +178,14 @@ class TensorParallel:
     def shard(self, kind: str, cfg: ArchConfig, weight: QuantizedWeight | torch.Tensor,
               in_perm: torch.Tensor | None, bias: torch.Tensor | None):
         """This rank's ``(weight, in_perm, bias)`` of a layer of ``kind`` (qkv, o, gate_up,
-        down; the LM head is kept whole), quantized or dense. A row-parallel layer's bias
-        is kept by rank 0 only: the all-reduce adds it once."""
+        down, lm_head: its ``vocab_rows``, or whole), quantized or dense. A row-parallel
+        layer's bias is kept by rank 0 only: the all-reduce adds it once."""
         if kind == "lm_head":
-            return weight, in_perm, bias
-        if kind == "qkv":
+            share = self.vocab_rows(cfg.vocab_size)
+            if share is None:
+                return weight, in_perm, bias
+            index = torch.arange(share.start, share.stop)
+        elif kind == "qkv":
             index = qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.rank, self.size)
         elif kind == "gate_up":
             index = gate_up_rows(cfg.intermediate_size, self.rank, self.size)

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: a tiny int4 Llama split over 2 and 4 processes (gloo)
 picks the whole model's next tokens, with logits within fp32 rounding of its own (the
-all-reduce sums the row-parallel partial products in another order)."""
+all-reduce sums the row-parallel partial products in another order), each rank holding
+its share of the vocabulary's embedding and LM head rows (dense or int4)."""
 import time
 
 import pytest
@@ -19,12 +20,13 @@ PROMPT = [5, 17, 301, 44, 9, 120, 77]
 FED = [3, 250, 66, 410, 8, 199, 31, 500, 12, 77, 140]  # decode inputs (varied contexts, unlike a greedy loop's)
 
 
-def _build(ckpt, tp):
+def _build(ckpt, tp, quantize_lm_head=False):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     state = load_file(str(ckpt / "model.safetensors"))
-    return build_model(AutoConfig.from_pretrained(ckpt), state, QuantConfig("int4", 32), torch.float32, "cpu", 64,
+    return build_model(AutoConfig.from_pretrained(ckpt), state,
+                       QuantConfig("int4", 32, quantize_lm_head=quantize_lm_head), torch.float32, "cpu", 64,
                        progress=False, tp=tp)
 
 
@@ -42,24 +44,25 @@ def _next_tokens(model) -> tuple[list[int], torch.Tensor]:
     return logits.argmax(-1).tolist(), logits
 
 
-def _rank(rank, size, ckpt, rendezvous, out):
+def _rank(rank, size, ckpt, rendezvous, out, quantize_lm_head):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
     try:
-        model = _build(ckpt, TensorParallel(rank, size))
-        result = _next_tokens(model)
-        torch.save(result, out / f"rank{rank}.pt")
+        model = _build(ckpt, TensorParallel(rank, size), quantize_lm_head)
+        rows = (model.embed.weight.shape[0], model.lm_head.out_features)
+        torch.save((*_next_tokens(model), rows), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size):
+@pytest.mark.parametrize("size,quantize_lm_head", [(2, False), (4, False), (2, True)])
+def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head):
     # 4 heads, 2 KV heads (replicated at 4 ranks); o and down split into whole groups of 32 at 4
     ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
-    want_tokens, want_logits = _next_tokens(_build(ckpt, None))
-    mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path), nprocs=size, join=True)
+    want_tokens, want_logits = _next_tokens(_build(ckpt, None, quantize_lm_head))
+    mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head), nprocs=size, join=True)
     for rank in range(size):
-        tokens, logits = torch.load(tmp_path / f"rank{rank}.pt")
+        tokens, logits, rows = torch.load(tmp_path / f"rank{rank}.pt")
+        assert rows == (512 // size, 512 // size)  # (the tiny model's vocabulary: 512)
         assert tokens == want_tokens, rank
         assert torch.allclose(logits, want_logits, atol=1e-4, rtol=1e-4), (logits - want_logits).abs().max()
     assert (want_logits.diff(dim=0).abs().amax(-1) > 100 * 1e-4).all()  # (every step's logits move: a real check)
