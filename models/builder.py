@@ -141,6 +141,35 @@ def build_model(
               "gate_up": (2 * cfg.intermediate_size, H), "down": (H, cfg.intermediate_size),
               "lm_head": (cfg.vocab_size, H)}
 
+    def read_share(parts: list[str], kind: str) -> torch.Tensor | None:
+        """This rank's share of the dense weight made of ``parts``, reading only that share
+        from the checkpoint's files (``LazyTensors.pop_rows``); None where the whole weight
+        must be read: no files to slice, another shape than the config's (the whole read
+        names the error), or a row-parallel split that quantization needs whole (a
+        per-channel scale spans every column; a share that cuts a group)."""
+        if tp is None or not hasattr(state_dict, "pop_rows") or any(p not in state_dict for p in parts):
+            return None
+        part_shapes = [state_dict.shape(p) for p in parts]
+        if any(len(sh) != 2 for sh in part_shapes) or \
+                (sum(sh[0] for sh in part_shapes), part_shapes[0][1]) != shapes[kind]:
+            return None
+        index = tp.output_rows(kind, cfg)
+        if index is not None:  # (increasing: each part's rows in order, parts in order)
+            pieces, first = [], 0
+            for name, (n, _) in zip(parts, part_shapes):
+                mine = index[(index >= first) & (index < first + n)] - first
+                first += n
+                lo, hi = (int(mine.min()), int(mine.max()) + 1) if len(mine) else (0, 0)
+                pieces.append(state_dict.pop_rows(name, slice(lo, hi))[mine - lo])
+            return torch.cat(pieces, 0)
+        if kind not in ("o", "down") or len(parts) != 1:
+            return None
+        own = tp.input_columns(shapes[kind][1])
+        spec = None if stays_dense(quant, kind) else quant.spec()
+        if spec is not None and (spec.group_size is None or len(own) % spec.group_size):
+            return None
+        return state_dict.pop_rows(parts[0], None, slice(own.start, own.stop))
+
     def linear(fused: str, parts: list[str], kind: str) -> nn.Module:
         """The layer ``fused`` (made of HF linears ``parts``), from whichever source has it."""
         imported = prequantized.pop(fused, None)
@@ -150,6 +179,12 @@ def build_model(
         if bias is None:
             bias = _cat(take(p + ".bias", required=False) for p in parts)
         if imported is None:
+            w = read_share([p + ".weight" for p in parts], kind)
+            if w is not None:  # (this rank's share already: quantized as a whole layer's rows would be)
+                index = tp.output_rows(kind, cfg)
+                if bias is not None:
+                    bias = bias[index] if index is not None else bias if tp.rank == 0 else None
+                return make(w, bias, kind)
             w = torch.cat([take(p + ".weight") for p in parts], 0)
             if tuple(w.shape) != shapes[kind]:
                 raise CheckpointError(f"{fused}: weight is {tuple(w.shape)}, the model config needs {shapes[kind]}")
@@ -183,10 +218,14 @@ def build_model(
                   linear(m + "down_proj", [m + "down_proj"], "down"))
         layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
 
-    embed_w = take("model.embed_tokens.weight")
     vocab_share = tp.vocab_rows(cfg.vocab_size) if tp is not None else None
-    if vocab_share is not None:  # (the rank's rows; a tied LM head is made of them too)
-        embed_w = embed_w[vocab_share.start:vocab_share.stop].clone()
+    name = "model.embed_tokens.weight"
+    if vocab_share is not None and hasattr(state_dict, "pop_rows") and name in state_dict:
+        embed_w = state_dict.pop_rows(name, slice(vocab_share.start, vocab_share.stop))
+    else:
+        embed_w = take(name)
+        if vocab_share is not None:  # (the rank's rows; a tied LM head is made of them too)
+            embed_w = embed_w[vocab_share.start:vocab_share.stop].clone()
     embed_w = embed_w.to(device=device, dtype=dtype)
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
     if "lm_head" in prequantized or "lm_head.weight" in state_dict or not cfg.tie_word_embeddings:

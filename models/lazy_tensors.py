@@ -3,7 +3,8 @@
 Reading every tensor up front holds a model's whole weight in host memory before its first
 layer is built -- some 16 GB for an 8B fp16 checkpoint, 140 GB for a 70B one, and that in
 every tensor-parallel rank. The builder takes a layer's tensors (``pop``), quantizes or
-shards them and lets them go, so read on demand the host holds about one layer at a time.
+shards them and lets them go, so read on demand the host holds about one layer at a time;
+a tensor-parallel rank takes only its rows or columns of a weight (``pop_rows``).
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ class LazyTensors:
 
     def keys(self) -> list[str]:
         return list(self._where)
+
+    def shape(self, name: str) -> list[int]:
+        """A tensor's shape, read from its file's header (nothing of the data)."""
+        return list(self._where[name].get_slice(name).get_shape())
+
+    def pop_rows(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """Take the tensor as ``pop``, reading only ``rows`` x ``cols`` of it (a 2-D slice:
+        a tensor-parallel rank's share; the rest stays on disk)."""
+        handle = self._where.pop(name)
+        t: torch.Tensor = handle.get_slice(name)[rows or slice(None), cols or slice(None)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def pop(self, name: str, *default):
         handle = self._where.pop(name, None)

@@ -159,6 +159,10 @@ class TensorParallel:
             return None
         return _even_share(vocab, self.rank, self.size, "vocabulary")
 
+    def input_columns(self, K: int) -> range:
+        """This rank's input columns of a row-parallel layer (o, down) of ``K`` columns."""
+        return _even_share(K, self.rank, self.size, "input columns")
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` side by side along the last dimension, in rank order (the LM
         head's logits of each rank's vocabulary rows: the whole vocabulary's)."""
@@ -175,29 +179,32 @@ class TensorParallel:
         dist.all_reduce(y, group=self.group)
         return y
 
+    def output_rows(self, kind: str, cfg: ArchConfig) -> torch.Tensor | None:
+        """The rows of a column-parallel layer (qkv, gate_up, a vocab-parallel LM head) this
+        rank keeps, in its order (increasing); None for any other layer."""
+        if kind == "qkv":
+            return qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.rank, self.size)
+        if kind == "gate_up":
+            return gate_up_rows(cfg.intermediate_size, self.rank, self.size)
+        share = self.vocab_rows(cfg.vocab_size) if kind == "lm_head" else None
+        return None if share is None else torch.arange(share.start, share.stop)
+
     def shard(self, kind: str, cfg: ArchConfig, weight: QuantizedWeight | torch.Tensor,
               in_perm: torch.Tensor | None, bias: torch.Tensor | None):
         """This rank's ``(weight, in_perm, bias)`` of a layer of ``kind`` (qkv, o, gate_up,
         down, lm_head: its ``vocab_rows``, or whole), quantized or dense. A row-parallel
         layer's bias is kept by rank 0 only: the all-reduce adds it once."""
-        if kind == "lm_head":
-            share = self.vocab_rows(cfg.vocab_size)
-            if share is None:
-                return weight, in_perm, bias
-            index = torch.arange(share.start, share.stop)
-        elif kind == "qkv":
-            index = qkv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.rank, self.size)
-        elif kind == "gate_up":
-            index = gate_up_rows(cfg.intermediate_size, self.rank, self.size)
-        elif kind in ("o", "down"):
+        index = self.output_rows(kind, cfg)
+        if index is None and kind == "lm_head":
+            return weight, in_perm, bias
+        if index is None and kind in ("o", "down"):
             bias = bias if self.rank == 0 else None
             if isinstance(weight, torch.Tensor):
-                K = weight.shape[1]
-                own = _even_share(K, self.rank, self.size, "input columns")
+                own = self.input_columns(weight.shape[1])
                 return weight[:, own.start:own.stop].contiguous(), None, bias
             shard = row_shard(ImportedLinear(weight, in_perm), self.rank, self.size)
             return shard.weight, shard.in_perm, bias
-        else:
+        if index is None:
             raise ShardError(f"no tensor-parallel split for a {kind} layer")
         bias = None if bias is None else bias[index.to(bias.device)]
         if isinstance(weight, torch.Tensor):

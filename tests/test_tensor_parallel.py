@@ -20,14 +20,20 @@ PROMPT = [5, 17, 301, 44, 9, 120, 77]
 FED = [3, 250, 66, 410, 8, 199, 31, 500, 12, 77, 140]  # decode inputs (varied contexts, unlike a greedy loop's)
 
 
-def _build(ckpt, tp, quantize_lm_head=False):
+def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
+    """The model (``tp``: a rank's shard) and the checkpoint bytes read to build it: from the
+    file's tensors read up front, or (``lazy``) as the builder takes them, a rank reading
+    only its share of each."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    state = load_file(str(ckpt / "model.safetensors"))
-    return build_model(AutoConfig.from_pretrained(ckpt), state,
-                       QuantConfig("int4", 32, quantize_lm_head=quantize_lm_head), torch.float32, "cpu", 64,
-                       progress=False, tp=tp)
+    from woq.models.loader import read_safetensors
+
+    state = read_safetensors(ckpt) if lazy else load_file(str(ckpt / "model.safetensors"))
+    model = build_model(AutoConfig.from_pretrained(ckpt), state,
+                        QuantConfig("int4", 32, quantize_lm_head=quantize_lm_head), torch.float32, "cpu", 64,
+                        progress=False, tp=tp)
+    return model, state.bytes_read if lazy else None
 
 
 @torch.inference_mode()
@@ -44,25 +50,29 @@ def _next_tokens(model) -> tuple[list[int], torch.Tensor]:
     return logits.argmax(-1).tolist(), logits
 
 
-def _rank(rank, size, ckpt, rendezvous, out, quantize_lm_head):
+def _rank(rank, size, ckpt, rendezvous, out, quantize_lm_head, lazy):
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
     try:
-        model = _build(ckpt, TensorParallel(rank, size), quantize_lm_head)
+        model, read = _build(ckpt, TensorParallel(rank, size), quantize_lm_head, lazy)
         rows = (model.embed.weight.shape[0], model.lm_head.out_features)
-        torch.save((*_next_tokens(model), rows), out / f"rank{rank}.pt")
+        torch.save((*_next_tokens(model), rows, read), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size,quantize_lm_head", [(2, False), (4, False), (2, True)])
-def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head):
+@pytest.mark.parametrize("size,quantize_lm_head,lazy", [(2, False, False), (4, False, True), (2, True, True)])
+def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head, lazy):
     # 4 heads, 2 KV heads (replicated at 4 ranks); o and down split into whole groups of 32 at 4
     ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
-    want_tokens, want_logits = _next_tokens(_build(ckpt, None, quantize_lm_head))
-    mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head), nprocs=size, join=True)
+    whole, whole_read = _build(ckpt, None, quantize_lm_head, lazy=True)
+    want_tokens, want_logits = _next_tokens(whole)
+    mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head, lazy), nprocs=size,
+             join=True)
     for rank in range(size):
-        tokens, logits, rows = torch.load(tmp_path / f"rank{rank}.pt")
+        tokens, logits, rows, read = torch.load(tmp_path / f"rank{rank}.pt")
         assert rows == (512 // size, 512 // size)  # (the tiny model's vocabulary: 512)
+        if lazy:  # a rank reads its share: 1/size of the weights, but the norms and the replicated KV heads
+            assert read < whole_read * (1 / size + 0.1), (read, whole_read)
         assert tokens == want_tokens, rank
         assert torch.allclose(logits, want_logits, atol=1e-4, rtol=1e-4), (logits - want_logits).abs().max()
     assert (want_logits.diff(dim=0).abs().amax(-1) > 100 * 1e-4).all()  # (every step's logits move: a real check)
