@@ -25,7 +25,8 @@ Every shard holds the very codes, scales and zero points of the full weight (no
 requantization), so the shards' partial products add up to the full layer's exactly in
 exact arithmetic: ``tests/test_sharding.py``. ``TensorParallel`` is a rank's place in its
 group: the builder splits each layer with it (a layer is quantized or imported whole,
-then split), the model's config takes the rank's shapes, and the forward sums o's and
+then split; from a safetensors checkpoint of dense weights a rank reads and quantizes only
+its share, ``output_rows`` / ``input_columns``: ``models/builder.py``), the model's config takes the rank's shapes, and the forward sums o's and
 down's outputs over the group (``Pass.summed`` in ``models/llama.py``). The embedding and
 the LM head are **vocab-parallel** where the vocabulary splits evenly: each rank holds its
 share of their rows; a token's embedding comes from the rank holding it (the others add
