@@ -7,8 +7,10 @@ Before rank 0 runs a call, its ``Leader`` announces it to the group: one
 ``broadcast_object_list`` of what to run -- a forward pass (its ids and batch, moved to the
 CPU, and the block table), a block copy, the KV cache's geometry once the engine has sized
 it, or the end. Every rank thus enters the same calls in the same order, and with them the
-row-parallel layers' all-reduces (``CausalLM.tp``). Sampling needs no announcement: the LM
-head is whole on every rank, so rank 0's logits are the model's.
+row-parallel layers' all-reduces and the vocab-parallel embedding's and LM head's
+collectives (``CausalLM.tp``). Sampling needs no announcement: every rank's forward ends
+with the whole vocabulary's logits (gathered from the ranks' LM head rows, or from a whole
+head), so rank 0 samples from the model's.
 
 Not here yet: CUDA graphs and the persistent decode step across ranks (the engine runs
 eager steps under TP), and announcements as device tensors (a pickled announcement costs
