@@ -28,8 +28,11 @@ class DecodeRunner:
             self._persistent_checked = True
         return self.persistent
 
-    def __call__(self, ids: torch.Tensor, batch: Decode) -> torch.Tensor:
-        """Logits ``[B, V]`` of one decode step (``ids``: ``[B, 1]``)."""
+    def __call__(self, ids: torch.Tensor, batch: Decode, greedy: bool = False) -> torch.Tensor:
+        """Logits ``[B, V]`` of one decode step (``ids``: ``[B, 1]``); with ``greedy``, their
+        argmax ``[B]`` (the model's forward: ``CausalLM.forward``)."""
+        if greedy:
+            return self.model(ids, batch, self.cache, last_only=True, greedy=True)
         if ids.shape[0] == 1:
             step = self._persistent_step()
             if step is not None:

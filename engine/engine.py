@@ -247,6 +247,9 @@ class Engine:
         self.max_queue = max_queue
         self.max_seq_len = min(max_seq_len or model.max_seq_len, model.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
+        # a vocab-parallel model (a tensor-parallel rank's shard) picks greedy tokens itself,
+        # gathering each rank's best instead of every logit (CausalLM.forward's ``greedy``)
+        self.vocab_parallel = getattr(model, "vocab_share", None) is not None
         self.observer = observer
         cfg = model.cfg
         per_block = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * block_size
@@ -652,6 +655,8 @@ class Engine:
         graph = self.graphs is not None
         if graph:
             logits = self.graphs.run(ids, positions, slots)
+        elif self.vocab_parallel and self._plain_greedy(seqs):  # (the argmax without gathering the logits)
+            return self._queue_tokens(seqs, None, None, graph, self.decode(ids, Decode.at(positions, slots), True))
         else:
             logits = self.decode(ids, Decode.at(positions, slots))
         return self._queue_tokens(seqs, logits, self._batch_sampling(seqs), graph)
@@ -682,12 +687,17 @@ class Engine:
             return False
         return self.kv.pool.num_free >= self.kv.blocks_for(len(self.waiting[0].context()) + 1)
 
+    @staticmethod
+    def _plain_greedy(seqs: list[_Sequence]) -> bool:
+        """Whether every row's next token is its logits' argmax (no processor, no log-probabilities)."""
+        return all(s.params.greedy and not s.params.processed and s.params.logprobs is None for s in seqs)
+
     def _batch_sampling(self, seqs: list[_Sequence]) -> BatchSampling | None:
         """The rows' sampling on the device; None where every row is plain greedy (nothing
         to ship: the draw is an argmax)."""
-        p = [s.params for s in seqs]
-        if all(x.greedy and not x.processed and x.logprobs is None for x in p):
+        if self._plain_greedy(seqs):
             return None
+        p = [s.params for s in seqs]
         if self.history is None and any(x.penalized for x in p):
             self.history = TokenHistory(self.cache.num_rows, self.max_seq_len, self.model.cfg.vocab_size,
                                         self.model.device)
@@ -696,14 +706,14 @@ class Engine:
         return BatchSampling.of(p, [s.seed for s in seqs], [len(s.generated) for s in seqs], [s.slot for s in seqs],
                                 self.eos, self.model.device, masks)
 
-    def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, sampling: BatchSampling | None,
-                      graph: bool) -> _Launched:
-        """Sample ``logits`` on the device and queue the ids' (and log-probabilities') copy to
-        the host."""
+    def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor | None, sampling: BatchSampling | None,
+                      graph: bool, tokens: torch.Tensor | None = None) -> _Launched:
+        """Sample ``logits`` on the device (or take the model's greedy ``tokens``) and queue
+        the ids' (and log-probabilities') copy to the host."""
         logprobs = None
-        if sampling is None:
+        if tokens is None and sampling is None:
             tokens = greedy(logits)
-        else:
+        elif tokens is None:
             tokens, logprobs = sampling.draw(logits, self.history if sampling.needs_history else None)
         host = ready = None
         if logprobs is not None:

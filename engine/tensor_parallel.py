@@ -60,9 +60,9 @@ class Leader:
                   self.group)
         return _LeadingCache(cache, self)
 
-    def forward(self, input_ids: torch.Tensor, batch, cache, last_only: bool) -> None:
+    def forward(self, input_ids: torch.Tensor, batch, cache, last_only: bool, greedy: bool) -> None:
         table = None if cache is None else cache.block_table.cpu()
-        _announce(("forward", input_ids.cpu(), _moved(batch, "cpu"), table, last_only), self.group)
+        _announce(("forward", input_ids.cpu(), _moved(batch, "cpu"), table, last_only, greedy), self.group)
 
     def copy_block(self, src: int, dst: int) -> None:
         _announce(("copy_block", src, dst), self.group)
@@ -84,9 +84,10 @@ class _LeadingModel:
     def wants_persistent_decode(self) -> bool:
         return False  # (the persistent step has no all-reduce between its layers)
 
-    def __call__(self, input_ids: torch.Tensor, batch=None, cache=None, last_only: bool = False) -> torch.Tensor:
-        self._leader.forward(input_ids, batch, cache, last_only)
-        return self._model(input_ids, batch, cache, last_only)
+    def __call__(self, input_ids: torch.Tensor, batch=None, cache=None, last_only: bool = False,
+                 greedy: bool = False) -> torch.Tensor:
+        self._leader.forward(input_ids, batch, cache, last_only, greedy)
+        return self._model(input_ids, batch, cache, last_only, greedy)
 
 
 class _LeadingCache:
@@ -121,9 +122,9 @@ def follow(model, group=None) -> None:
         elif kind == "copy_block":
             cache.copy_block(*message[1:])
         elif kind == "forward":
-            _, input_ids, batch, table, last_only = message
+            _, input_ids, batch, table, last_only, greedy = message
             if table is not None:
                 cache.block_table.copy_(table)
-            model(input_ids.to(device), _moved(batch, device), cache if table is not None else None, last_only)
+            model(input_ids.to(device), _moved(batch, device), cache if table is not None else None, last_only, greedy)
         else:
             raise ValueError(f"unknown announcement {kind!r}")

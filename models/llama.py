@@ -192,6 +192,17 @@ class CausalLM(nn.Module):
         logits = self.lm_head.logits(h)
         return logits if self.vocab_share is None else self.tp.all_gather_last(logits)
 
+    def _greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely token (int64), the logits' first maximum as ``argmax``;
+        vocab-parallel without gathering the logits: each rank's best (value, index) is
+        gathered and the best of those taken (on a tie the first rank's: the lower index)."""
+        logits = self.lm_head.logits(h)
+        if self.vocab_share is None:
+            return logits.argmax(-1)
+        best, index = logits.max(-1, keepdim=True)
+        best, index = self.tp.all_gather_last(best), self.tp.all_gather_last(index + self.vocab_share.start)
+        return index.gather(-1, best.argmax(-1, keepdim=True)).squeeze(-1)
+
     def layer_output(self, layer: DecoderLayer, x: torch.Tensor, batch: Causal) -> torch.Tensor:
         """One decoder layer's output hidden states for its input hidden states ``x`` (GPTQ
         calibrates layer by layer)."""
@@ -208,16 +219,17 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: Batch | None = None, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, greedy: bool = False) -> torch.Tensor:
         """Logits ``[B, T, V]`` (``[B, V]`` with ``last_only``, ``[prompts, V]`` for a packed
-        prefill) in fp32. Without ``batch``: positions 0..T-1, no cache (``Causal``)."""
+        prefill) in fp32; with ``greedy``, their argmax instead (``[B, T]``, ``[B]``, ...).
+        Without ``batch``: positions 0..T-1, no cache (``Causal``)."""
         if batch is None:
             B, T = input_ids.shape
             batch = Causal(torch.arange(T, device=input_ids.device).expand(B, T))
         h = self.hidden_states(input_ids, batch, cache)
         if last_only:
             h = batch.last_rows(h)
-        return self._logits(h)
+        return self._greedy(h) if greedy else self._logits(h)
 
     # -- the persistent batch-1 decode step ------------------------------------------------
     def wants_persistent_decode(self) -> bool:

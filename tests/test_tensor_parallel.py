@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: a tiny int4 Llama split over 2 and 4 processes (gloo)
 picks the whole model's next tokens, with logits within fp32 rounding of its own (the
 all-reduce sums the row-parallel partial products in another order), each rank holding
-its share of the vocabulary's embedding and LM head rows (dense or int4)."""
+its share of the vocabulary's embedding and LM head rows (dense or int4), and picking
+greedy tokens from the ranks' best (value, index) pairs without gathering the logits."""
 import time
 
 import pytest
@@ -37,16 +38,20 @@ def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
 
 
 @torch.inference_mode()
-def _next_tokens(model) -> tuple[list[int], torch.Tensor]:
+def _next_tokens(model, greedy: bool = False) -> tuple[list[int], torch.Tensor | None]:
     """Prefill the prompt, then decode ``FED`` through the KV cache: (the argmax after each
-    step, each step's logits)."""
+    step, each step's logits); with ``greedy``, the model's own argmax (no logits)."""
     cfg = model.cfg
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
-    logits = [model(torch.tensor([PROMPT]), Prefill.pack([len(PROMPT)], [0], "cpu"), cache, last_only=True)[0]]
+    out = [model(torch.tensor([PROMPT]), Prefill.pack([len(PROMPT)], [0], "cpu"), cache, last_only=True,
+                 greedy=greedy)[0]]
     for t, token in enumerate(FED):
         pos = torch.tensor([[len(PROMPT) + t]])
-        logits.append(model(torch.tensor([[token]]), Decode.at(pos, torch.tensor([0])), cache, last_only=True)[0])
-    logits = torch.stack(logits)
+        out.append(model(torch.tensor([[token]]), Decode.at(pos, torch.tensor([0])), cache, last_only=True,
+                         greedy=greedy)[0])
+    if greedy:
+        return [int(t) for t in out], None
+    logits = torch.stack(out)
     return logits.argmax(-1).tolist(), logits
 
 
@@ -55,22 +60,27 @@ def _rank(rank, size, ckpt, rendezvous, out, quantize_lm_head, lazy):
     try:
         model, read = _build(ckpt, TensorParallel(rank, size), quantize_lm_head, lazy)
         rows = (model.embed.weight.shape[0], model.lm_head.out_features)
-        torch.save((*_next_tokens(model), rows, read), out / f"rank{rank}.pt")
+        tokens, logits = _next_tokens(model)
+        torch.save((tokens, logits, rows, read, _next_tokens(model, greedy=True)[0]), out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size,quantize_lm_head,lazy", [(2, False, False), (4, False, True), (2, True, True)])
-def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head, lazy):
-    # 4 heads, 2 KV heads (replicated at 4 ranks); o and down split into whole groups of 32 at 4
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
+@pytest.mark.parametrize("size,quantize_lm_head,lazy,tied",
+                         [(2, False, False, False), (4, False, True, False), (2, True, True, False),
+                          (2, False, True, True)])
+def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head, lazy, tied):
+    # 4 heads, 2 KV heads (replicated at 4 ranks); o and down split into whole groups of 32 at 4;
+    # a tied LM head is made of the rank's embedding rows
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128, tie_word_embeddings=tied)
     whole, whole_read = _build(ckpt, None, quantize_lm_head, lazy=True)
     want_tokens, want_logits = _next_tokens(whole)
     mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head, lazy), nprocs=size,
              join=True)
     for rank in range(size):
-        tokens, logits, rows, read = torch.load(tmp_path / f"rank{rank}.pt")
+        tokens, logits, rows, read, greedy = torch.load(tmp_path / f"rank{rank}.pt")
         assert rows == (512 // size, 512 // size)  # (the tiny model's vocabulary: 512)
+        assert greedy == want_tokens  # (each rank's best gathered, not the logits)
         if lazy:  # a rank reads its share: 1/size of the weights, but the norms and the replicated KV heads
             assert read < whole_read * (1 / size + 0.1), (read, whole_read)
         assert tokens == want_tokens, rank
@@ -119,6 +129,8 @@ def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, sm
         server = LiveServer(*args, "--tensor-parallel-size", str(size))
         try:
             texts[size] = _complete_all(server.url, prompts, lengths)
+            # (greedy only: the TP decode steps take each rank's best token, no logits gathered)
+            texts[size] += _complete_all(server.url, prompts, lengths, pair=False)
             if size == 2:
                 assert "rank 1 of 2 joined (gloo)" in server.output()
         finally:
