@@ -5,7 +5,10 @@ Closed-loop clients in this process submit greedy requests straight to an ``Engi
 tokenizer, no server) and time each token's arrival at its sink: output tokens/s, TTFT and
 ITL percentiles. Each ``--config NAME:BUDGET:MIX`` is an engine with a step token budget
 (``--max-prefill-tokens``) and decode tokens mixed into prefill forwards (1) or run as
-separate decode steps after each prefill (0).
+separate decode steps after each prefill (0). The clients start together with prompts of
+one length, so their prefills largely coincide and few streams decode while a prompt is
+prefilled: its ITL tail is not that of arrivals that drift apart, as over HTTP
+(docs/design/kv_cache.md).
 
     python benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0
 """
