@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <iterator>
 #include <string>
@@ -471,6 +472,9 @@ int64_t constant(const std::string& name) {
       {"step_max_hidden", woq::kStepMaxHidden},
       {"step_max_staged_units", woq::kStepMaxStagedUnits},
       {"step_stages", woq::kStepStages},
+      {"peer_blocks", woq::kPeerBlocks},
+      {"peer_max_ranks", woq::kPeerMaxRanks},
+      {"peer_signal_bytes", woq::kPeerSignalBytes},
   };
   for (const auto& [key, value] : table)
     if (name == key) return value;
@@ -518,6 +522,66 @@ int64_t decode_step_counters(int64_t n_layers) {
   return woq::decode_step_counters(static_cast<int>(n_layers));
 }
 
+// Peer all-reduce (peer_all_reduce.cu). An allocation of `bytes` on the current device,
+// zeroed (its signals start at epoch 0), made with cudaMalloc rather than the caching
+// allocator: CUDA IPC opens whole allocations. It lives as long as the process.
+int64_t peer_alloc(int64_t bytes) {
+  check(bytes > woq::kPeerSignalBytes, "peer_alloc: the allocation must exceed its signal area");
+  void* p = nullptr;
+  check(cudaMalloc(&p, static_cast<size_t>(bytes)) == cudaSuccess, "peer_alloc: cudaMalloc failed");
+  check(cudaMemset(p, 0, static_cast<size_t>(bytes)) == cudaSuccess, "peer_alloc: cudaMemset failed");
+  return reinterpret_cast<int64_t>(p);
+}
+
+// The CUDA IPC handle of a peer_alloc allocation, as bytes (a CPU uint8 tensor) to send to
+// the other ranks.
+at::Tensor peer_handle(int64_t ptr) {
+  cudaIpcMemHandle_t h;
+  check(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(ptr)) == cudaSuccess, "peer_handle: cudaIpcGetMemHandle failed");
+  at::Tensor out = at::empty({static_cast<int64_t>(sizeof(h))}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(out.data_ptr(), &h, sizeof(h));
+  return out;
+}
+
+// Another rank's allocation, opened in this process from its peer_handle bytes.
+int64_t peer_open(const at::Tensor& handle) {
+  cudaIpcMemHandle_t h;
+  check(!handle.is_cuda() && handle.scalar_type() == at::kByte && handle.numel() == sizeof(h) && handle.is_contiguous(),
+        "peer_open: the handle must be the CPU uint8 bytes of peer_handle");
+  std::memcpy(&h, handle.data_ptr(), sizeof(h));
+  void* p = nullptr;
+  const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+  check(e == cudaSuccess, std::string("peer_open: cudaIpcOpenMemHandle failed: ") + cudaGetErrorString(e));
+  return reinterpret_cast<int64_t>(p);
+}
+
+void peer_all_reduce(at::Tensor x, at::IntArrayRef bases, at::Tensor counters, int64_t rank,
+                     int64_t capacity) {
+  check(x.is_cuda() && x.is_contiguous(), "peer_all_reduce: x must be a contiguous CUDA tensor");
+  check(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+        "peer_all_reduce: x must be float16, bfloat16 or float32");
+  const int64_t bytes = x.numel() * x.element_size();
+  check(bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && bytes <= capacity,
+        "peer_all_reduce: x must be 16-byte aligned, a multiple of 16 bytes and at most the capacity");
+  check(bases.size() >= 1 && bases.size() <= woq::kPeerMaxRanks && rank >= 0 && rank < int64_t(bases.size()),
+        "peer_all_reduce: 1 to " + str(woq::kPeerMaxRanks) + " ranks, rank among them");
+  check(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() == woq::kPeerBlocks,
+        "peer_all_reduce: counters must be a CUDA int32 tensor of " + str(woq::kPeerBlocks) + " epochs");
+  const c10::cuda::CUDAGuard guard(x.device());
+  woq::PeerAllReduceArgs a{};
+  a.x = x.data_ptr();
+  a.bytes = bytes;
+  a.dtype = x.scalar_type() == at::kHalf ? woq::PeerDType::kFloat16
+            : x.scalar_type() == at::kBFloat16 ? woq::PeerDType::kBFloat16 : woq::PeerDType::kFloat32;
+  for (size_t r = 0; r < bases.size(); ++r) a.peers.base[r] = reinterpret_cast<void*>(bases[r]);
+  a.counters = reinterpret_cast<uint32_t*>(counters.data_ptr());
+  a.rank = static_cast<int>(rank);
+  a.world = static_cast<int>(bases.size());
+  a.capacity = capacity;
+  const cudaError_t e = woq::launch_peer_all_reduce(a, at::cuda::getCurrentCUDAStream());
+  check(e == cudaSuccess, std::string("peer_all_reduce: launch failed: ") + cudaGetErrorString(e));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(woq, m) {
@@ -549,6 +613,10 @@ TORCH_LIBRARY(woq, m) {
   m.def("k_warps(int m, int pipeline) -> int[]", &k_warps);
   m.def("gemm_groups() -> int[]", &gemm_groups);
   m.def("scratch_sizes(int n, int sms, int max_gemm_m) -> int[]", &scratch_sizes);
+  m.def("peer_alloc(int bytes) -> int", &peer_alloc);
+  m.def("peer_handle(int ptr) -> Tensor", &peer_handle);
+  m.def("peer_open(Tensor handle) -> int", &peer_open);
+  m.def("peer_all_reduce(Tensor(a!) x, int[] bases, Tensor(b!) counters, int rank, int capacity) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(woq, CUDA, m) {
@@ -558,4 +626,5 @@ TORCH_LIBRARY_IMPL(woq, CUDA, m) {
   m.impl("gemm", &gemm);
   m.impl("dequantize", &dequantize);
   m.impl("dense_gemv", &dense_gemv);
+  m.impl("peer_all_reduce", &peer_all_reduce);
 }

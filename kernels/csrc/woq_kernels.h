@@ -279,4 +279,25 @@ cudaError_t launch_gemv(const GemvArgs& args, cudaStream_t stream);
 cudaError_t launch_gemm(const GemmArgs& args, cudaStream_t stream);
 cudaError_t launch_dequant(const DequantArgs& args, cudaStream_t stream);
 
+// One-shot all-reduce over peer memory (peer_all_reduce.cu: the allocation's layout and
+// the epoch protocol). kPeerBlocks blocks run every call on every rank.
+constexpr int kPeerMaxRanks = 8;
+constexpr int kPeerBlocks = 32;
+constexpr int64_t kPeerSignalBytes = 4096;  // >= kPeerBlocks * kPeerMaxRanks * 4, keeps the data 4 KiB aligned
+static_assert(kPeerBlocks * kPeerMaxRanks * 4 <= kPeerSignalBytes, "the signals outgrow their area");
+enum class PeerDType { kFloat16, kBFloat16, kFloat32 };
+struct PeerBuffers {
+  void* base[kPeerMaxRanks];  // each rank's allocation, opened in this process (base[rank]: its own)
+};
+struct PeerAllReduceArgs {
+  void* x;             // in place: bytes % 16 == 0, 16-byte aligned
+  int64_t bytes;       // at most capacity
+  PeerDType dtype;
+  PeerBuffers peers;
+  uint32_t* counters;  // kPeerBlocks epochs, this rank's own memory, zeroed once
+  int rank, world;
+  int64_t capacity;    // bytes of each data buffer
+};
+cudaError_t launch_peer_all_reduce(const PeerAllReduceArgs& args, cudaStream_t stream);
+
 }  // namespace woq
