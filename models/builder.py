@@ -120,6 +120,7 @@ def build_model(
     imported whole, then split, and the model's config holds the rank's shapes.
     """
     from .importers import CheckpointError, ImportedLinear
+    from .sharding import row_shard
 
     prequantized = dict(prequantized or {})
     device = torch.device(device)
@@ -141,12 +142,15 @@ def build_model(
               "gate_up": (2 * cfg.intermediate_size, H), "down": (H, cfg.intermediate_size),
               "lm_head": (cfg.vocab_size, H)}
 
-    def read_share(parts: list[str], kind: str) -> torch.Tensor | None:
-        """This rank's share of the dense weight made of ``parts``, reading only that share
-        from the checkpoint's files (``LazyTensors.pop_rows``); None where the whole weight
-        must be read: no files to slice, another shape than the config's (the whole read
-        names the error), or a row-parallel split that quantization needs whole (a
-        per-channel scale spans every column; a share that cuts a group)."""
+    def read_share(parts: list[str], kind: str) -> tuple[torch.Tensor, range | None] | None:
+        """This rank's share of the dense weight made of ``parts``, ``(weight, cut)``, reading
+        only that share from the checkpoint's files (``LazyTensors.pop_rows``). ``cut`` is
+        None, or, where the rank's input columns of a quantized row-parallel layer cut a
+        group, the weight holds them widened to whole groups (quantized as the whole layer's
+        groups are) and ``cut`` is the rank's columns among them. None where the whole
+        weight must be read: no files to slice, another shape than the config's (the whole
+        read names the error), or a per-channel row-parallel layer (a row's one scale spans
+        every column)."""
         if tp is None or not hasattr(state_dict, "pop_rows") or any(p not in state_dict for p in parts):
             return None
         part_shapes = [state_dict.shape(p) for p in parts]
@@ -161,14 +165,25 @@ def build_model(
                 first += n
                 lo, hi = (int(mine.min()), int(mine.max()) + 1) if len(mine) else (0, 0)
                 pieces.append(state_dict.pop_rows(name, slice(lo, hi))[mine - lo])
-            return torch.cat(pieces, 0)
+            return torch.cat(pieces, 0), None
         if kind not in ("o", "down") or len(parts) != 1:
             return None
-        own = tp.input_columns(shapes[kind][1])
+        own = tp.input_columns(kind, cfg)
         spec = None if stays_dense(quant, kind) else quant.spec()
-        if spec is not None and (spec.group_size is None or len(own) % spec.group_size):
+        if spec is None:
+            return state_dict.pop_rows(parts[0], None, slice(own.start, own.stop)), None
+        K, G = shapes[kind][1], spec.group_size
+        if G is None or G >= K:
             return None
-        return state_dict.pop_rows(parts[0], None, slice(own.start, own.stop))
+        lo, hi = own.start // G * G, min(-(-own.stop // G) * G, K)
+        w = state_dict.pop_rows(parts[0], None, slice(lo, hi))
+        return w, None if (lo, hi) == (own.start, own.stop) else range(own.start - lo, own.stop - lo)
+
+    def quantized(qw, perm: torch.Tensor | None, bias: torch.Tensor | None, kind: str) -> WeightOnlyLinear:
+        """The layer of kind ``kind`` of quantized weight ``qw`` (input order ``perm``), on the device."""
+        perm = None if perm is None else perm.to(device)
+        return WeightOnlyLinear(qw.to(device), None if bias is None else bias.to(device=device, dtype=dtype),
+                                kind, cache_dequantized=device.type == "cpu", in_perm=perm)
 
     def linear(fused: str, parts: list[str], kind: str) -> nn.Module:
         """The layer ``fused`` (made of HF linears ``parts``), from whichever source has it."""
@@ -179,12 +194,17 @@ def build_model(
         if bias is None:
             bias = _cat(take(p + ".bias", required=False) for p in parts)
         if imported is None:
-            w = read_share([p + ".weight" for p in parts], kind)
-            if w is not None:  # (this rank's share already: quantized as a whole layer's rows would be)
+            share = read_share([p + ".weight" for p in parts], kind)
+            if share is not None:  # (this rank's share already: quantized as a whole layer's rows would be)
+                w, cut = share
                 index = tp.output_rows(kind, cfg)
                 if bias is not None:
                     bias = bias[index] if index is not None else bias if tp.rank == 0 else None
-                return make(w, bias, kind)
+                layer = make(w, bias, kind)
+                if cut is None:
+                    return layer
+                shard = row_shard(ImportedLinear(layer.qweight), cut)  # (whole groups read: the rank's columns)
+                return quantized(shard.weight, shard.in_perm, None if layer.bias is None else layer.bias.data, kind)
             w = torch.cat([take(p + ".weight") for p in parts], 0)
             if tuple(w.shape) != shapes[kind]:
                 raise CheckpointError(f"{fused}: weight is {tuple(w.shape)}, the model config needs {shapes[kind]}")
@@ -203,10 +223,7 @@ def build_model(
         perm = imported.in_perm
         if tp is not None:
             qw, perm, bias = tp.shard(kind, cfg, qw, perm, bias)
-        qw = qw.to(device)
-        perm = None if perm is None else perm.to(device)
-        return WeightOnlyLinear(qw, None if bias is None else bias.to(device=device, dtype=dtype), kind,
-                                cache_dequantized=device.type == "cpu", in_perm=perm)
+        return quantized(qw, perm, bias, kind)
 
     layers = []
     for i in progress_of(range(cfg.num_layers), f"building layers ({quant.describe()})", progress):

@@ -2,16 +2,24 @@
 
 A rank of a TP group holds, of each decoder layer:
 
-* **column-parallel** weights, split along N (output rows): qkv by heads (the KV heads
-  split too, or, with fewer KV heads than ranks, each rank keeping the KV head its query
-  heads use), gate/up by intermediate rows (each rank's gate rows and up rows, so that the
-  SwiGLU interleave of ``kernels/format.py`` is built per shard and the fused epilogue
-  still pairs a gate row with its up row);
+* **column-parallel** weights, split along N (output rows): qkv by heads, gate/up by
+  intermediate rows (an even share: each rank's gate rows and up rows, so that the SwiGLU
+  interleave of ``kernels/format.py`` is built per shard and the fused epilogue still
+  pairs a gate row with its up row). Heads split by KV group (``qkv_heads``): with at
+  least as many KV heads as ranks, each rank takes a contiguous run of KV heads, as even
+  as possible (larger runs on lower ranks), and all of their query heads; with fewer, each
+  rank keeps one KV head (replicated on the ranks sharing it), the ranks spread over the
+  KV heads as evenly as possible, and the ranks sharing a KV head split its query heads.
+  A rank's attention then reads only the KV heads it holds, whatever the split (SmolLM2's
+  9 query and 3 KV heads go over 2 or 4 ranks);
 * **row-parallel** weights, split along K (input columns): o and down. Each rank's input is
-  its column-parallel neighbour's output, so the split follows the input's natural order,
-  and the partial outputs are summed (all-reduce). A shard's boundaries must fall on group
-  boundaries (a group's scale covers K elements of one rank); per-channel weights split
-  anywhere (the row's one scale goes to every shard).
+  its column-parallel neighbour's output, so the split follows the input's natural order
+  (o: the rank's query heads' columns; down: its intermediate rows), and the partial
+  outputs are summed (all-reduce). A shard whose boundaries fall on group boundaries (a
+  group's scale covers K elements of one rank) is the weight's column slice; one that cuts
+  a group is built like an act-order shard (below) with the identity permutation: each
+  cut group's run of the rank's columns is padded to the group size. Per-channel weights
+  split anywhere (the row's one scale goes to every shard).
 
 Act-order (GPTQ ``g_idx``) imports hold contiguous groups over permuted input columns and
 the permutation (``ImportedLinear.in_perm``, ``models/importers.py``). A rank's input
@@ -26,7 +34,9 @@ requantization), so the shards' partial products add up to the full layer's exac
 exact arithmetic: ``tests/test_sharding.py``. ``TensorParallel`` is a rank's place in its
 group: the builder splits each layer with it (a layer is quantized or imported whole,
 then split; from a safetensors checkpoint of dense weights a rank reads and quantizes only
-its share, ``output_rows`` / ``input_columns``: ``models/builder.py``), the model's config takes the rank's shapes, and the forward sums o's and
+its share, ``output_rows`` / ``input_columns``, widened to whole groups where its columns
+cut one: ``models/builder.py``), the model's config
+takes the rank's shapes (which may differ between ranks), and the forward sums o's and
 down's outputs over the group (``Pass.summed`` in ``models/llama.py``). The embedding and
 the LM head are **vocab-parallel** where the vocabulary splits evenly: each rank holds its
 share of their rows; a token's embedding comes from the rank holding it (the others add
@@ -62,16 +72,40 @@ def _even_share(n: int, rank: int, tp: int, what: str) -> range:
     return range(rank * share, (rank + 1) * share)
 
 
+def _split(n: int, parts: int, i: int) -> range:
+    """Part ``i`` of ``n`` items cut into ``parts`` contiguous runs, as even as possible,
+    the larger runs first."""
+    share, extra = divmod(n, parts)
+    start = i * share + min(i, extra)
+    return range(start, start + share + (i < extra))
+
+
 def qkv_heads(heads: int, kv_heads: int, rank: int, tp: int) -> tuple[range, range]:
-    """The query heads and the KV heads rank ``rank`` computes: an equal share of each, or,
-    with fewer KV heads than ranks, the one KV head its query heads read (replicated)."""
-    q = _even_share(heads, rank, tp, "attention heads")
+    """The query heads and the KV heads rank ``rank`` computes, split by KV group (module
+    docstring): with ``kv_heads >= tp``, a contiguous run of KV heads and all their query
+    heads; otherwise the one KV head its query heads read (replicated on the ranks sharing
+    it), those ranks splitting its query heads. Even splits are equal shares of each.
+
+    Uneven runs go to the lower ranks: rank 0 then holds at least as many KV heads (and
+    query heads) as any other rank. It must: rank 0 sizes the KV cache for the group, as
+    many blocks as fit its own memory, and every rank allocates that many blocks for its
+    own KV heads (``engine/tensor_parallel.py``), so no rank's blocks may outgrow rank 0's."""
+    if kv_heads < 1 or heads % kv_heads:
+        raise ShardError(f"{heads} attention heads do not group over {kv_heads} KV heads")
+    group = heads // kv_heads
     if kv_heads >= tp:
-        return q, _even_share(kv_heads, rank, tp, "KV heads")
-    if tp % kv_heads:
-        raise ShardError(f"{kv_heads} KV heads cannot be replicated evenly over {tp} ranks")
-    kv = rank * kv_heads // tp
-    return q, range(kv, kv + 1)
+        kv = _split(kv_heads, tp, rank)
+        return range(kv.start * group, kv.stop * group), kv
+    # Fewer KV heads than ranks: KV head k is kept by the ranks _split(tp, kv_heads, k).
+    # (Every rank checks the most shared KV head, 0, so that all of them refuse alike.)
+    sharing = len(_split(tp, kv_heads, 0))
+    if group < sharing:
+        raise ShardError(f"{heads} attention heads ({kv_heads} KV heads) cannot be split over {tp} ranks: "
+                         f"{sharing} ranks would share KV head 0 and its {group} query head{'s' * (group > 1)}")
+    k = next(k for k in range(kv_heads) if rank in _split(tp, kv_heads, k))
+    ranks = _split(tp, kv_heads, k)
+    q = _split(group, len(ranks), rank - ranks.start)
+    return range(k * group + q.start, k * group + q.stop), range(k, k + 1)
 
 
 def qkv_rows(heads: int, kv_heads: int, head_dim: int, rank: int, tp: int) -> torch.Tensor:
@@ -100,26 +134,28 @@ def _columns(qw: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor, zer
     return QuantizedWeight(pack_codes(codes, qw.bits), scales, zeros, qw.bits, group_size, K, qw.out_features)
 
 
-def row_shard(linear: ImportedLinear, rank: int, tp: int) -> ImportedLinear:
-    """Rank ``rank``'s input columns of the weight: an equal share of K in the input's order
-    (act-order weights: module docstring). Its ``in_perm`` indexes the rank's own input."""
+def row_shard(linear: ImportedLinear, own: range) -> ImportedLinear:
+    """The weight's input columns ``own`` (a rank's, in the input's order): their column
+    slice where ``own`` starts and ends on group boundaries (or at K), else, as for
+    act-order weights, each touched group's run padded to the group size (module
+    docstring). Its ``in_perm`` (None for a slice) indexes the rank's own input."""
     qw = linear.weight
     K, G = qw.in_features, qw.group_size
-    own = _even_share(K, rank, tp, "input columns")
+    if not (0 <= own.start < own.stop <= K and own.step == 1):
+        raise ShardError(f"input columns {own.start}..{own.stop} are not a share of {K}")
     codes = qw.codes()
     if qw.per_channel:  # one scale per row, whatever the columns (in the input's order)
         if linear.in_perm is not None:
             codes = codes[:, torch.argsort(linear.in_perm.long())]
         return ImportedLinear(_columns(qw, codes[:, own.start:own.stop], qw.scales, qw.zeros, len(own)))
-    if linear.in_perm is None:
-        if len(own) % G:
-            raise ShardError(f"a shard of {len(own)} input columns cuts groups of {G}: {K} columns split over "
-                             f"{tp} ranks must be a multiple of {tp * G}")
-        g = slice(own.start // G, own.stop // G)
+    if linear.in_perm is None and own.start % G == 0 and (own.stop % G == 0 or own.stop == K):
+        g = slice(own.start // G, -(-own.stop // G))  # (the last group may be the weight's partial one)
         zeros = None if qw.zeros is None else qw.zeros[:, g]
         return ImportedLinear(_columns(qw, codes[:, own.start:own.stop], qw.scales[:, g], zeros, G))
-    # Act-order: column j of the weight multiplies input column perm[j].
-    perm = linear.in_perm.long()
+    # Act-order, or columns that cut a group (the identity order): column j of the weight
+    # multiplies input column perm[j]. A shard's groups are G consecutive columns each, so
+    # a run shorter than a group is padded to one: the next run stays under its own scale.
+    perm = torch.arange(K) if linear.in_perm is None else linear.in_perm.long().cpu()
     mine = (perm >= own.start) & (perm < own.stop)
     zero_points = qw.zero_points()
     cols, local, groups = [], [], []
@@ -160,9 +196,16 @@ class TensorParallel:
             return None
         return _even_share(vocab, self.rank, self.size, "vocabulary")
 
-    def input_columns(self, K: int) -> range:
-        """This rank's input columns of a row-parallel layer (o, down) of ``K`` columns."""
-        return _even_share(K, self.rank, self.size, "input columns")
+    def input_columns(self, kind: str, cfg: ArchConfig) -> range:
+        """This rank's input columns of a row-parallel layer: o's are its query heads'
+        (``qkv_heads``: an uneven split gives ranks different counts), down's its share of
+        the intermediate rows (``gate_up_rows``)."""
+        if kind == "o":
+            q, _ = qkv_heads(cfg.num_heads, cfg.num_kv_heads, self.rank, self.size)
+            return range(q.start * cfg.head_dim, q.stop * cfg.head_dim)
+        if kind == "down":
+            return _even_share(cfg.intermediate_size, self.rank, self.size, "intermediate rows")
+        raise ShardError(f"a {kind} layer is not row-parallel")
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` side by side along the last dimension, in rank order (the LM
@@ -200,10 +243,10 @@ class TensorParallel:
             return weight, in_perm, bias
         if index is None and kind in ("o", "down"):
             bias = bias if self.rank == 0 else None
+            own = self.input_columns(kind, cfg)
             if isinstance(weight, torch.Tensor):
-                own = self.input_columns(weight.shape[1])
                 return weight[:, own.start:own.stop].contiguous(), None, bias
-            shard = row_shard(ImportedLinear(weight, in_perm), self.rank, self.size)
+            shard = row_shard(ImportedLinear(weight, in_perm), own)
             return shard.weight, shard.in_perm, bias
         if index is None:
             raise ShardError(f"no tensor-parallel split for a {kind} layer")

@@ -1,8 +1,9 @@
-"""Tensor parallelism on the CPU: a tiny int4 Llama split over 2 and 4 processes (gloo)
-picks the whole model's next tokens, with logits within fp32 rounding of its own (the
-all-reduce sums the row-parallel partial products in another order), each rank holding
-its share of the vocabulary's embedding and LM head rows (dense or int4), and picking
-greedy tokens from the ranks' best (value, index) pairs without gathering the logits."""
+"""Tensor parallelism on the CPU: a tiny int4 Llama split over 2 and 4 processes (gloo),
+its heads evenly or not (SmolLM2's 9 query and 3 KV heads), picks the whole model's next
+tokens, with logits within fp32 rounding of its own (the all-reduce sums the row-parallel
+partial products in another order), each rank holding its share of the vocabulary's
+embedding and LM head rows (dense or int4), and picking greedy tokens from the ranks' best
+(value, index) pairs without gathering the logits."""
 import time
 
 import pytest
@@ -66,13 +67,10 @@ def _rank(rank, size, ckpt, rendezvous, out, quantize_lm_head, lazy):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size,quantize_lm_head,lazy,tied",
-                         [(2, False, False, False), (4, False, True, False), (2, True, True, False),
-                          (2, False, True, True)])
-def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head, lazy, tied):
-    # 4 heads, 2 KV heads (replicated at 4 ranks); o and down split into whole groups of 32 at 4;
-    # a tied LM head is made of the rank's embedding rows
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128, tie_word_embeddings=tied)
+def _check_ranks(tmp_path, ckpt, size, quantize_lm_head, lazy, read_share):
+    """Spawn ``size`` gloo ranks of ``ckpt``: each picks the whole model's tokens (its own
+    greedy ones too), with logits within fp32 rounding of its own, holding its share of the
+    vocabulary; lazily, a rank reads less than ``read_share`` of the whole model's bytes."""
     whole, whole_read = _build(ckpt, None, quantize_lm_head, lazy=True)
     want_tokens, want_logits = _next_tokens(whole)
     mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head, lazy), nprocs=size,
@@ -81,11 +79,35 @@ def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quan
         tokens, logits, rows, read, greedy = torch.load(tmp_path / f"rank{rank}.pt")
         assert rows == (512 // size, 512 // size)  # (the tiny model's vocabulary: 512)
         assert greedy == want_tokens  # (each rank's best gathered, not the logits)
-        if lazy:  # a rank reads its share: 1/size of the weights, but the norms and the replicated KV heads
-            assert read < whole_read * (1 / size + 0.1), (read, whole_read)
+        if lazy:
+            assert read < whole_read * read_share, (rank, read, whole_read)
         assert tokens == want_tokens, rank
         assert torch.allclose(logits, want_logits, atol=1e-4, rtol=1e-4), (logits - want_logits).abs().max()
     assert (want_logits.diff(dim=0).abs().amax(-1) > 100 * 1e-4).all()  # (every step's logits move: a real check)
+
+
+@pytest.mark.parametrize("size,quantize_lm_head,lazy,tied",
+                         [(2, False, False, False), (4, False, True, False), (2, True, True, False),
+                          (2, False, True, True)])
+def test_tensor_parallel_ranks_pick_the_whole_models_tokens(tmp_path, size, quantize_lm_head, lazy, tied):
+    # 4 heads, 2 KV heads (replicated at 4 ranks); o and down split into whole groups of 32 at 4;
+    # a tied LM head is made of the rank's embedding rows
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128, tie_word_embeddings=tied)
+    # (a rank reads its share: 1/size of the weights, but the norms and the replicated KV heads)
+    _check_ranks(tmp_path, ckpt, size, quantize_lm_head, lazy, 1 / size + 0.1)
+
+
+@pytest.mark.parametrize("size,lazy,read_share", [(2, True, 0.6), (4, True, 0.35), (4, False, None)])
+def test_tensor_parallel_splits_uneven_heads(tmp_path, size, lazy, read_share):
+    """SmolLM2's heads (9 query, 3 KV: head_dim 16 here) and tied embeddings. At 2 ranks,
+    rank 0 computes KV heads 0-1 and query heads 0-5, rank 1 the rest; at 4, the ranks hold
+    KV heads 0, 0, 1, 2 and query heads 0-1, 2, 3-5, 6-8, so that o's input columns (16 a
+    head) cut groups of 32 (ranks 1 and 2), as down's do (48 of 192 rows a rank): those
+    shards pad the cut groups. Lazily, a rank reads its rows and the groups its columns
+    touch (rank 0 of 2 the most: 2 of 3 KV heads)."""
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+                              intermediate_size=192, tie_word_embeddings=True)
+    _check_ranks(tmp_path, ckpt, size, False, lazy, read_share)
 
 
 def _complete_all(url: str, prompts: list[list[int]], lengths: list[int], pair: bool = True) -> list[str]:
@@ -141,15 +163,17 @@ def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, sm
 
 
 def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
-    """4 query heads over 3 ranks: one line naming the problem, exit status 2, and the ranks
-    it started gone."""
+    """2 query heads, one a KV head, over 3 ranks (two of which would share a query head):
+    one line naming the problem, exit status 2, and the ranks it started gone."""
     import shutil
     import subprocess
     import sys
 
     from pathlib import Path
 
-    ckpt = tiny_hf_checkpoint(tmp_path)
+    # (the vocabulary, 512, and the intermediate rows, 96, are left whole or split evenly: only the heads fail)
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                              intermediate_size=96)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_dir / f, ckpt / f)
     out = subprocess.run([sys.executable, "-m", "woq", "serve", "--model", str(ckpt), "--quant", "int4", "--port", "0",
