@@ -8,6 +8,8 @@
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
 #   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged engineload
 #               dashboard tune
+#   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
+#               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`)
 #   results:    docs (run here, not on the GPU machine: copies the fetched results over
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
@@ -17,10 +19,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 WOQ_CACHE=${WOQ_CACHE:-/tmp/woq-cache} HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take shared GPUs out of service
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget engine_load"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -68,6 +71,14 @@ for stage in "$@"; do
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
+    tp)
+      sizes=$($PY -c "import torch; n = torch.cuda.device_count(); print(','.join(str(s) for s in (1, 2, 4) if s <= n))")
+      servers=""; for s in ${sizes//,/ }; do servers="$servers --server tp$s=--tensor-parallel-size=$s"; done
+      run tptests $PY -m pytest -q -m gpu tests/test_peer_all_reduce.py tests/test_tensor_parallel.py
+      run allreduce $PY benchmarks/all_reduce.py --sizes "${sizes#1,}" --out "$OUT"
+      run tpsmollm2 $PY benchmarks/tensor_parallel.py --common "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --quant int4" \
+        $servers --concurrency 1 --requests-per-client 8 --out "$OUT" --name tensor_parallel_smollm2
+      run tp8b bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes $sizes --out $OUT && $PY benchmarks/tensor_parallel.py --common '--model /tmp/llama3-8b --quant int4 --max-seq-len 4096' $servers --out $OUT" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)
       run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-num-seqs 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png" ;;
     e2e) run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;

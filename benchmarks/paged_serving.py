@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, write_json  # noqa: E402
-from serving import StreamError, free_port, level_stats, pct, prompt_of, send_all, stream_chunks  # noqa: E402
+from serving import StreamError, level_stats, pct, prompt_of, send_all, start_server, stream_chunks  # noqa: E402
 
 WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), output tokens)
     "c1": (1, 8, (128, 128), 128),
@@ -49,21 +48,7 @@ WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), out
 
 
 def start(name: str, args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(f"/tmp/paged_serving_{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "woq", "serve", "--port", str(port), *args.split()],
-                            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(2400):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {name} exited during start-up: /tmp/paged_serving_{name}.log")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"server {name} did not start")
+    return start_server(args.split(), Path(f"/tmp/paged_serving_{name}.log"))
 
 
 async def workload(url: str, model: str, clients: int, requests: int, lengths: tuple[int, int], out: int) -> dict:

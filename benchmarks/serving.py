@@ -138,20 +138,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: str) -> tuple[subprocess.Popen, str]:
+def start_server(args: list[str], log: Path | None = None, polls: int = 2400) -> tuple[subprocess.Popen, str]:
+    """``woq serve`` with ``args`` on a free loopback port, its output to ``log`` (or
+    dropped); returns once /health answers (``polls`` tries, 4 a second)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "woq", "serve", "--port", str(port), *shlex.split(args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    out = log.open("w") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "woq", "serve", "--port", str(port), *args], stdout=out,
+                            stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
+    where = f": {log}" if log is not None else ""
+    for _ in range(polls):
         if proc.poll() is not None:
-            raise RuntimeError("server exited during start-up")
+            raise RuntimeError(f"server exited during start-up{where}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
-            time.sleep(0.25)
-    raise RuntimeError("server did not start")
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"server did not start{where}")
+
+
+def spawn(args: str) -> tuple[subprocess.Popen, str]:
+    return start_server(shlex.split(args), polls=1200)
 
 
 def paired_level(url: str, model: str, spawn_args: str, requests: int, prompt_tokens: int,

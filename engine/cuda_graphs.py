@@ -157,6 +157,21 @@ class DecodeGraphs:
         return next(s for s in self.buckets if s >= B)
 
 
+def capture_engine_graphs(decode: DecodeRunner, max_num_seqs: int,
+                          packed_tokens: int) -> tuple["DecodeGraphs", "PackedGraphs | None"]:
+    """An engine's graphs, captured: decode steps of up to ``max_num_seqs`` rows, and with
+    ``packed_tokens`` packed forwards of up to that many tokens (in at most ``max_num_seqs``
+    chunks); their padding rows use row ``max_num_seqs``. Every rank of a tensor-parallel
+    group captures the same ones, in this order (their collectives pair up)."""
+    graphs = DecodeGraphs(decode, max_num_seqs, scratch_slot=max_num_seqs)
+    graphs.capture()
+    packed = None
+    if packed_tokens:
+        packed = PackedGraphs(decode.model, decode.cache, packed_tokens, max_num_seqs, scratch_slot=max_num_seqs)
+        packed.capture()
+    return graphs, packed
+
+
 # The most tokens a packed graph takes: past a few hundred tokens a packed forward's
 # kernels outlast its launches, and each graph's memory pool holds its activations for good.
 PACKED_GRAPH_TOKENS = 512

@@ -281,14 +281,14 @@ class Engine:
         self.decode = DecodeRunner(model, self.cache)
         self.graphs = self.packed_graphs = None
         if on_cuda and cuda_graphs:
-            from .cuda_graphs import PACKED_GRAPH_TOKENS, DecodeGraphs, PackedGraphs
+            from .cuda_graphs import PACKED_GRAPH_TOKENS, capture_engine_graphs
 
-            self.graphs = DecodeGraphs(self.decode, max_num_seqs, scratch_slot=max_num_seqs)
-            self.graphs.capture()
-            if prefill_graphs and model.options.fused_ops:  # (a graph's packed attention is the chunk kernel)
-                self.packed_graphs = PackedGraphs(model, self.cache, min(PACKED_GRAPH_TOKENS, max_prefill_tokens),
-                                                  max_num_seqs, scratch_slot=max_num_seqs)
-                self.packed_graphs.capture()
+            # (a graph's packed attention is the chunk kernel: packed graphs need the fused ops)
+            packed = min(PACKED_GRAPH_TOKENS, max_prefill_tokens) if prefill_graphs and model.options.fused_ops else 0
+            if mirror is None:
+                self.graphs, self.packed_graphs = capture_engine_graphs(self.decode, max_num_seqs, packed)
+            else:  # every rank captures the same graphs, and replays them as rank 0 does
+                self.graphs, self.packed_graphs = mirror.capture_graphs(model, self.cache, max_num_seqs, packed)
         if on_cuda:
             # Greedy sampling's argmax (Triton, kernels/argmax.py) runs outside the graphs, on
             # fp32 logits: compile it now rather than in the first request's first token.

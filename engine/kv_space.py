@@ -114,13 +114,7 @@ class KVSpace:
             return
         entries = torch.tensor([(r, i, b) for (r, i), b in self._pending.items()], dtype=torch.int32)
         self._pending.clear()
-        if self.cache.block_table.is_cuda:
-            # (from pinned memory, asynchronously: a copy from pageable memory would wait for
-            # the GPU's queued work, the step queued ahead included; torch's pinned-memory
-            # cache keeps the buffer until the copy has run)
-            entries = entries.pin_memory()
-        dev = entries.to(self.cache.block_table.device, non_blocking=True)
-        self.cache.block_table[dev[:, 0].long(), dev[:, 1].long()] = dev[:, 2]
+        self.cache.assign_entries(entries)
 
     def _assign(self, seq: SequenceBlocks, first: int) -> None:
         for i in range(first, len(seq.blocks)):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -73,7 +74,9 @@ def _table(options: RuntimeOptions) -> dict:
 def _save(options: RuntimeOptions) -> None:
     path = options.tuning_dir() / f"{table_name()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # (a file of this process's own: tensor-parallel ranks tune their shards at the same time
+    # and write the same table; the last rename wins whole)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(_table(options), indent=1, sort_keys=True))
     tmp.replace(path)
 

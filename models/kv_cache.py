@@ -70,6 +70,17 @@ class KVCache:
         if blocks:
             self.block_table[row, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
+    def assign_entries(self, entries: torch.Tensor) -> None:
+        """Write table entries ``entries`` (CPU int32 ``[n, 3]``: row, index, block) in one
+        copy to the device."""
+        if self.block_table.is_cuda:
+            # (from pinned memory, asynchronously: a copy from pageable memory would wait for
+            # the GPU's queued work, a step queued ahead included; torch's pinned-memory
+            # cache keeps the buffer until the copy has run)
+            entries = entries.pin_memory()
+        dev = entries.to(self.block_table.device, non_blocking=True)
+        self.block_table[dev[:, 0].long(), dev[:, 1].long()] = dev[:, 2]
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s keys and values (every layer) into block ``dst``."""
         self.k[:, dst] = self.k[:, src]

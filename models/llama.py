@@ -235,7 +235,10 @@ class CausalLM(nn.Module):
     def wants_persistent_decode(self) -> bool:
         """Whether a one-sequence CUDA decode step asks for the persistent step (it still runs
         only where the model qualifies): ``options.decode_step.enabled``, by default whether
-        the model is at least ``min_hidden`` wide."""
+        the model is at least ``min_hidden`` wide. Never for a tensor-parallel shard: the
+        persistent step has no all-reduce between its layers."""
+        if self.tp is not None and self.tp.size > 1:
+            return False
         step = self.options.decode_step
         return self.cfg.hidden_size >= step.min_hidden if step.enabled is None else step.enabled
 

@@ -177,11 +177,14 @@ def row_shard(linear: ImportedLinear, own: range) -> ImportedLinear:
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: ``rank`` of ``size`` ranks of the
-    ``torch.distributed`` process ``group`` (None: the default group)."""
+    ``torch.distributed`` process ``group`` (None: the default group). ``peer``: the group's
+    peer-memory all-reduce (``kernels/peer_all_reduce.py``) for the messages it takes, or
+    None: NCCL (gloo on the CPU) for all."""
 
     rank: int
     size: int
     group: object = None
+    peer: object = None
 
     def local_config(self, cfg: ArchConfig) -> ArchConfig:
         """The per-rank shapes: its query heads, the KV heads they read, its intermediate rows."""
@@ -217,7 +220,9 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum a row-parallel layer's partial outputs over the group, in place."""
+        """Sum a row-parallel layer's partial outputs (or the embedding's) over the group, in place."""
+        if self.peer is not None and self.peer.takes(y):
+            return self.peer(y)
         import torch.distributed as dist
 
         dist.all_reduce(y, group=self.group)

@@ -91,6 +91,9 @@ class ServeSettings(ModelSettings):
     tensor_parallel_size: int = Field(1, ge=1, description="split the model over N processes (one GPU each on CUDA: "
                                       "NCCL; gloo on CPU); rank 0 serves HTTP. Started here, or by torchrun "
                                       "(RANK, WORLD_SIZE, MASTER_ADDR/PORT set)")
+    peer_all_reduce: bool = Field(True, description="under tensor parallelism on GPUs that reach each other's "
+                                  "memory, all-reduce small messages (decode steps) through peer buffers rather than "
+                                  "NCCL")
     max_prefill_tokens: int | None = Field(None, ge=1, description="tokens of one step: the running sequences' decode "
                                            "tokens and prompt chunks (longer prompts go in chunks), which bounds a "
                                            "running stream's stall (default: the engine's, measured: "

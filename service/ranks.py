@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..engine.control_channel import ControlChannel
 from ..engine.tensor_parallel import Leader
 from ..models.sharding import TensorParallel
 from .config import ServeSettings
@@ -30,10 +31,11 @@ log = logging.getLogger("woq.service")
 @dataclass
 class Ranks:
     """This process's rank, its model device, and on rank 0 the processes it started and the
-    ``Leader`` its engine announces calls through."""
+    ``Leader`` its engine announces calls through; ``channel``: where they travel."""
 
     tp: TensorParallel
     device: str
+    channel: ControlChannel
     children: list[subprocess.Popen] = field(default_factory=list)
     leader: Leader | None = None
 
@@ -99,6 +101,16 @@ def start_ranks(settings: ServeSettings) -> Ranks:
     if rank > 0:
         _follow_the_leader()
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init, rank=rank, world_size=size)
-    log.info("tensor-parallel rank %d of %d joined (%s)", rank, size, "nccl" if on_cuda else "gloo")
-    return Ranks(TensorParallel(rank, size), f"cuda:{local}" if on_cuda else "cpu", children,
-                 Leader() if rank == 0 else None)
+    control = dist.new_group(backend="gloo") if on_cuda else None  # (host-side: addresses and handles)
+    channel = ControlChannel.connect(rank, size, control)
+    peer = None
+    if on_cuda and settings.peer_all_reduce:
+        from ..kernels import build
+        from ..kernels.peer_all_reduce import PeerAllReduce
+
+        peer = PeerAllReduce.open(rank, size, torch.device("cuda", local), build.load(settings.runtime_options()),
+                                  control)
+    log.info("tensor-parallel rank %d of %d joined (%s%s)", rank, size, "nccl" if on_cuda else "gloo",
+             ", peer all-reduce" if peer is not None else "")
+    return Ranks(TensorParallel(rank, size, peer=peer), f"cuda:{local}" if on_cuda else "cpu", channel, children,
+                 Leader(channel) if rank == 0 else None)

@@ -74,8 +74,7 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None, rank
     budget = {"max_prefill_tokens": settings.max_prefill_tokens} if settings.max_prefill_tokens else {}
     engine = Engine(model, loaded.tokenizer, eos_token_ids(loaded), max_num_seqs=settings.max_num_seqs,
                     max_queue=settings.max_queue, max_seq_len=settings.max_seq_len, observer=metrics,
-                    # (graphs replay on one rank: the others follow announced eager calls)
-                    cuda_graphs=settings.cuda_graphs and ranks is None, prefill_graphs=settings.prefill_graphs,
+                    cuda_graphs=settings.cuda_graphs, prefill_graphs=settings.prefill_graphs,
                     gpu_memory_fraction=settings.gpu_memory_fraction, kv_cache_gib=settings.kv_cache_gib,
                     block_size=settings.block_size, prefix_caching=settings.prefix_caching,
                     mirror=None if ranks is None else ranks.leader, **budget).start()
@@ -183,7 +182,7 @@ def serve(settings: ServeSettings) -> None:
         try:
             model = load(settings, progress=False, ranks=ranks).model
             freeze_heap()  # (a follower's pause stalls every rank's step)
-            follow(model)
+            follow(model, ranks.channel)
         finally:
             ranks.close()
         return

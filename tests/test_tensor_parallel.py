@@ -222,7 +222,42 @@ def test_serve_tensor_parallel_on_two_gpus(tmp_path, smollm2_dir):
         server = LiveServer(*args, "--tensor-parallel-size", str(size))
         try:
             texts[size] = _complete_all(server.url, prompts, lengths, pair=False)
-            assert (size == 2) == ("rank 1 of 2 joined (nccl)" in server.output())
+            assert (size == 2) == ("rank 1 of 2 joined (nccl" in server.output())
         finally:
             server.stop()
     assert texts[2] == texts[1] and all(texts[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_serve_tensor_parallel_graphs_on_every_gpu(tmp_path, smollm2_dir):
+    """With CUDA graphs (the default) on 2 and, where there are, 4 GPUs: every rank replays
+    the decode and packed-prefill graphs rank 0 replays, look-ahead steps included, over the
+    block-table entries rank 0 assigns, all-reducing through the peer buffers; a
+    SmolLM2-shaped model (9 query heads over 3 KV heads: uneven splits) gives the
+    completions of one GPU's graphs, requests joining and leaving the batch."""
+    import shutil
+
+    from conftest import LiveServer
+
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                              num_key_value_heads=3)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, ckpt / f)
+    prompts, lengths = [PROMPT, FED, PROMPT[::-1] + FED[:3]], [32, 9, 20]
+    # (few graphs to capture: 4 decode batch sizes, packed steps up to 128 tokens)
+    args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--max-seq-len", "256",
+            "--max-num-seqs", "8", "--max-prefill-tokens", "128", "--dtype", "float16",
+            "--cache", str(tmp_path / "cache")]
+    texts = {}
+    for size in [1, 2] + ([4] if torch.cuda.device_count() >= 4 else []):
+        server = LiveServer(*args, "--tensor-parallel-size", str(size))
+        try:
+            texts[size] = [_complete_all(server.url, prompts, lengths, pair=False) for _ in range(2)]
+            if size > 1:
+                assert f"rank 1 of {size} joined (nccl, peer all-reduce)" in server.output()
+        finally:
+            server.stop()
+    assert all(texts[1][0])
+    for size, got in texts.items():
+        assert got == [texts[1][0]] * 2, size
