@@ -9,7 +9,7 @@
 #   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged engineload
 #               dashboard tune
 #   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
-#               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`)
+#               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`), tp70b (4 GPUs)
 #   results:    docs (run here, not on the GPU machine: copies the fetched results over
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take shared GPUs out
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -79,6 +79,8 @@ for stage in "$@"; do
       run tpsmollm2 $PY benchmarks/tensor_parallel.py --common "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --quant int4" \
         $servers --concurrency 1 --requests-per-client 8 --out "$OUT" --name tensor_parallel_smollm2
       run tp8b bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes $sizes --out $OUT && $PY benchmarks/tensor_parallel.py --common '--model /tmp/llama3-8b --quant int4 --max-seq-len 4096' $servers --out $OUT" ;;
+    tp70b)  # a 70B-shaped random int4 checkpoint (39 GB, written straight as woq), GPU steps at TP 2 and 4
+      run tp70b bash -c "$PY benchmarks/random_woq.py --config llama3-70b --out /tmp/llama3-70b-woq && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-70b-woq --sizes 2,4 --batches 1,16 --out $OUT --name tensor_parallel_steps_70b" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)
       run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-num-seqs 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png" ;;
     e2e) run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;

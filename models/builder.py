@@ -119,6 +119,7 @@ def build_model(
     the model is that rank's shard (``models/sharding.py``): every layer is quantized or
     imported whole, then split, and the model's config holds the rank's shapes.
     """
+    from .checkpoint import StoredLinear
     from .importers import CheckpointError, ImportedLinear
     from .sharding import row_shard
 
@@ -185,9 +186,27 @@ def build_model(
         return WeightOnlyLinear(qw.to(device), None if bias is None else bias.to(device=device, dtype=dtype),
                                 kind, cache_dequantized=device.type == "cpu", in_perm=perm)
 
+    def stored_share(stored: StoredLinear, kind: str) -> tuple[ImportedLinear, bool]:
+        """A woq checkpoint's layer of kind ``kind``, read: this rank's share where it can be
+        read alone (then True), else the whole layer."""
+        if (stored.out_features, stored.in_features) != shapes[kind]:
+            raise CheckpointError(f"{stored.name}: quantized weight is {stored.out_features}x{stored.in_features}, "
+                                  f"the model config needs {shapes[kind][0]}x{shapes[kind][1]}")
+        if tp is not None:
+            index = tp.output_rows(kind, cfg)
+            if index is not None:
+                return stored.read_rows(index), True
+            if kind in ("o", "down"):
+                share = stored.read_columns(tp.input_columns(kind, cfg))
+                if share is not None:
+                    return share, True
+        return stored.read(), False
+
     def linear(fused: str, parts: list[str], kind: str) -> nn.Module:
         """The layer ``fused`` (made of HF linears ``parts``), from whichever source has it."""
-        imported = prequantized.pop(fused, None)
+        imported, shared = prequantized.pop(fused, None), False
+        if isinstance(imported, StoredLinear):
+            imported, shared = stored_share(imported, kind)
         if imported is None and all(p in prequantized for p in parts):
             imported = _fuse_imported([prequantized.pop(p) for p in parts], fused)
         bias = take(fused + ".bias", required=False)
@@ -217,11 +236,13 @@ def build_model(
             imported = ImportedLinear(layer.qweight, None)
             bias = None if layer.bias is None else layer.bias.data
         qw = imported.weight
-        if (qw.out_features, qw.in_features) != shapes[kind]:
+        if not shared and (qw.out_features, qw.in_features) != shapes[kind]:
             raise CheckpointError(f"{fused}: quantized weight is {qw.out_features}x{qw.in_features}, the model "
                                   f"config needs {shapes[kind][0]}x{shapes[kind][1]}")
         perm = imported.in_perm
-        if tp is not None:
+        if shared:  # (the rank's share already)
+            bias = tp.shard_bias(kind, cfg, bias)
+        elif tp is not None:
             qw, perm, bias = tp.shard(kind, cfg, qw, perm, bias)
         return quantized(qw, perm, bias, kind)
 

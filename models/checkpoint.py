@@ -14,7 +14,9 @@ A directory with the model's ``config.json``, its tokenizer files and ``woq.safe
 
 The GPU layout is derived at load (``kernels/layout.py``: milliseconds per layer), so one
 checkpoint serves every GPU and the CPU. Loading validates everything against the header
-and the model config and names the offending tensor on any mismatch.
+and the model config and names the offending tensor on any mismatch. A quantized layer is
+read as the builder takes it (``StoredLinear``): whole, or a tensor-parallel rank's share
+of its rows or columns, the rest left on disk.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 from ..kernels.format import QuantizedWeight
 from ..kernels.layout import LAYOUT_VERSION
 from .importers import CheckpointError, ImportedLinear
+from .lazy_tensors import LazyTensors
+from .sharding import row_shard
 from .llama import CausalLM
 from .quant_linear import WeightOnlyLinear
 
@@ -119,34 +123,101 @@ def describe(meta: dict) -> str:
     return f"{text}, {method}" if method else text
 
 
-def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, ImportedLinear], dict]:
-    """(unquantized tensors, quantized linears by name, metadata), all validated."""
+class StoredLinear:
+    """A quantized linear of a woq checkpoint whose tensors are checked against the header
+    (their presence and shapes, from the file's header) but not read yet: ``read`` takes it
+    whole, ``read_rows`` / ``read_columns`` only a tensor-parallel rank's share of it (the
+    rest stays on disk), so that a rank's memory holds ~1/TP of the model."""
+
+    def __init__(self, tensors: LazyTensors, name: str, info: dict, path: Path):
+        self._tensors, self.name, self._path = tensors, name, path
+        self.bits, self.group_size = info["bits"], info["group_size"]
+        self.in_features, self.out_features = info["in_features"], info["out_features"]
+        self.symmetric = info["symmetric"]
+        needed = ["packed", "scales"] + ([] if self.symmetric else ["zeros"])
+        for suffix in needed:
+            if f"{name}.{suffix}" not in tensors:
+                raise CheckpointError(f"{path}: missing tensor '{name}.{suffix}'")
+        N, K = self.out_features, self.in_features
+        groups = -(-K // self.group_size) if self.group_size else 0
+        expect = {"packed": [N, -(-K * self.bits // 8)], "scales": [N, groups], "zeros": [N, groups]}
+        for suffix in needed:
+            got = tensors.shape(f"{name}.{suffix}")
+            if got != expect[suffix]:
+                raise CheckpointError(f"{path}: tensor '{name}' does not match its header ({suffix} is {got}, "
+                                      f"the header's shape needs {expect[suffix]})")
+        self.act_order = f"{name}.in_perm" in tensors
+
+    def _take(self, suffix: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor | None:
+        name = f"{self.name}.{suffix}"
+        if name not in self._tensors:
+            return None
+        return self._tensors.pop_rows(name, rows, cols)
+
+    def _weight(self, packed, scales, zeros, in_features: int, out_features: int, group_size: int) -> QuantizedWeight:
+        try:
+            return QuantizedWeight(packed, scales, zeros, self.bits, group_size, in_features, out_features)
+        except ValueError as e:
+            raise CheckpointError(f"{self._path}: tensor '{self.name}' does not match its header ({e})") from e
+
+    def read(self) -> ImportedLinear:
+        """The whole layer."""
+        return ImportedLinear(self._weight(self._take("packed"), self._take("scales"), self._take("zeros"),
+                                           self.in_features, self.out_features, self.group_size),
+                              self._take("in_perm"))
+
+    def read_rows(self, index: torch.Tensor) -> ImportedLinear:
+        """Output rows ``index`` (increasing) of the layer: a column-parallel rank's share,
+        read run by run (a fused qkv share is three runs: its q, k and v rows)."""
+        cuts = (torch.nonzero(index.diff() != 1).flatten() + 1).tolist()
+        runs = [(int(r[0]), int(r[-1]) + 1) for r in torch.tensor_split(index, cuts)]
+
+        def rows(suffix: str) -> torch.Tensor | None:
+            name = f"{self.name}.{suffix}"
+            if name not in self._tensors:
+                return None
+            parts = self._tensors.pop_runs(name, [slice(lo, hi) for lo, hi in runs])
+            return torch.cat(parts, 0)
+
+        return ImportedLinear(self._weight(rows("packed"), rows("scales"), rows("zeros"), self.in_features,
+                                           len(index), self.group_size), self._take("in_perm"))
+
+    def read_columns(self, own: range) -> ImportedLinear | None:
+        """Input columns ``own`` of the layer (a row-parallel rank's share; ``row_shard``'s
+        result, from whole groups read), or None where it must be read whole: an act-order
+        weight (its groups hold permuted columns), an int4 per-channel share that does not
+        start on a byte."""
+        K, G, b = self.in_features, self.group_size, self.bits
+        if self.act_order:
+            return None
+        if G >= K:  # per-channel: one scale a row, any columns
+            if b == 4 and own.start % 2:
+                return None
+            packed = self._take("packed", None, slice(own.start * b // 8, -(-own.stop * b // 8)))
+            return ImportedLinear(self._weight(packed, self._take("scales"), self._take("zeros"), len(own),
+                                               self.out_features, len(own)))
+        lo, hi = own.start // G * G, min(-(-own.stop // G) * G, K)  # (whole groups: G is even, a byte edge)
+        groups = slice(lo // G, -(-hi // G))
+        whole = ImportedLinear(self._weight(self._take("packed", None, slice(lo * b // 8, -(-hi * b // 8))),
+                                            self._take("scales", None, groups), self._take("zeros", None, groups),
+                                            hi - lo, self.out_features, G))
+        return whole if (lo, hi) == (own.start, own.stop) else row_shard(whole, range(own.start - lo, own.stop - lo))
+
+
+def read_checkpoint(directory: Path) -> tuple[LazyTensors, dict[str, StoredLinear], dict]:
+    """(the unquantized tensors, as the builder takes them; the quantized linears by name,
+    checked against the header, not read yet; the metadata)."""
     from safetensors import safe_open
 
     path = Path(directory) / WEIGHTS
     with safe_open(str(path), framework="pt") as f:
         header = (f.metadata() or {}).get("woq")
-        if header is None:
-            raise CheckpointError(f"{path} has no woq metadata header: not a woq checkpoint")
-        meta = json.loads(header)
-        if meta.get("format") != "woq" or meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format version {meta.get('format_version')!r} is not supported "
-                                  f"(this woq reads version {FORMAT_VERSION}); re-run `woq quantize`")
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    linears: dict[str, ImportedLinear] = {}
-    for name, info in meta["linears"].items():
-        def need(suffix: str) -> torch.Tensor:
-            t = state.pop(f"{name}.{suffix}", None)
-            if t is None:
-                raise CheckpointError(f"{path}: missing tensor '{name}.{suffix}'")
-            return t
-
-        packed, scales = need("packed"), need("scales")
-        zeros = None if info["symmetric"] else need("zeros")
-        try:
-            qw = QuantizedWeight(packed, scales, zeros, info["bits"], info["group_size"], info["in_features"],
-                                 info["out_features"])
-        except ValueError as e:
-            raise CheckpointError(f"{path}: tensor '{name}' does not match its header ({e})") from e
-        linears[name] = ImportedLinear(qw, state.pop(f"{name}.in_perm", None))
-    return state, linears, meta
+    if header is None:
+        raise CheckpointError(f"{path} has no woq metadata header: not a woq checkpoint")
+    meta = json.loads(header)
+    if meta.get("format") != "woq" or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {meta.get('format_version')!r} is not supported "
+                              f"(this woq reads version {FORMAT_VERSION}); re-run `woq quantize`")
+    tensors = LazyTensors([path])
+    linears = {name: StoredLinear(tensors, name, info, path) for name, info in meta["linears"].items()}
+    return tensors, linears, meta

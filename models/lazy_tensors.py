@@ -49,6 +49,15 @@ class LazyTensors:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def pop_runs(self, name: str, runs: list[slice]) -> list[torch.Tensor]:
+        """Take the tensor as ``pop``, reading only its rows ``runs`` (each a slice), one
+        piece a run."""
+        handle = self._where.pop(name)
+        view = handle.get_slice(name)
+        pieces = [view[run] for run in runs]
+        self.bytes_read += sum(t.numel() * t.element_size() for t in pieces)
+        return pieces
+
     def pop(self, name: str, *default):
         handle = self._where.pop(name, None)
         if handle is None:

@@ -238,6 +238,16 @@ class TensorParallel:
         share = self.vocab_rows(cfg.vocab_size) if kind == "lm_head" else None
         return None if share is None else torch.arange(share.start, share.stop)
 
+    def shard_bias(self, kind: str, cfg: ArchConfig, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's bias of a layer of ``kind`` whose weight share was read alone (as
+        ``shard`` splits it)."""
+        if bias is None:
+            return None
+        index = self.output_rows(kind, cfg)
+        if index is not None:
+            return bias[index.to(bias.device)]
+        return bias if kind == "lm_head" or self.rank == 0 else None
+
     def shard(self, kind: str, cfg: ArchConfig, weight: QuantizedWeight | torch.Tensor,
               in_perm: torch.Tensor | None, bias: torch.Tensor | None):
         """This rank's ``(weight, in_perm, bias)`` of a layer of ``kind`` (qkv, o, gate_up,

@@ -25,16 +25,21 @@ FED = [3, 250, 66, 410, 8, 199, 31, 500, 12, 77, 140]  # decode inputs (varied c
 def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
     """The model (``tp``: a rank's shard) and the checkpoint bytes read to build it: from the
     file's tensors read up front, or (``lazy``) as the builder takes them, a rank reading
-    only its share of each."""
+    only its share of each; a woq checkpoint (already quantized) always lazily."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from woq.models.checkpoint import is_woq_checkpoint, read_checkpoint
     from woq.models.loader import read_safetensors
 
-    state = read_safetensors(ckpt) if lazy else load_file(str(ckpt / "model.safetensors"))
+    quantized = {}
+    if is_woq_checkpoint(ckpt):
+        state, quantized, _ = read_checkpoint(ckpt)
+    else:
+        state = read_safetensors(ckpt) if lazy else load_file(str(ckpt / "model.safetensors"))
     model = build_model(AutoConfig.from_pretrained(ckpt), state,
                         QuantConfig("int4", 32, quantize_lm_head=quantize_lm_head), torch.float32, "cpu", 64,
-                        progress=False, tp=tp)
+                        progress=False, prequantized=quantized, tp=tp)
     return model, state.bytes_read if lazy else None
 
 
@@ -199,6 +204,25 @@ def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
             break
         time.sleep(0.1)
     assert not ranks_left()
+
+
+@pytest.mark.parametrize("size,heads,kv_heads,read_share", [(2, 4, 2, 0.6), (4, 9, 3, 0.35)])
+def test_tensor_parallel_ranks_read_their_share_of_a_woq_checkpoint(tmp_path, smollm2_dir, size, heads, kv_heads,
+                                                                     read_share):
+    """From a woq checkpoint (quantized before: ``woq quantize``, or the quantized-model
+    cache) a rank reads only its share of each quantized layer -- its rows of qkv and
+    gate/up, its columns of o and down (whole groups, cut where its heads cut one: 9 heads
+    over 4 ranks) -- and the model's tokens are the whole model's."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from woq.models.checkpoint import save_checkpoint
+
+    dense = tiny_hf_checkpoint(tmp_path, hidden_size=16 * heads, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, intermediate_size=192, tie_word_embeddings=True)
+    whole, _ = _build(dense, None)
+    ckpt = save_checkpoint(whole, AutoConfig.from_pretrained(dense), AutoTokenizer.from_pretrained(smollm2_dir),
+                           tmp_path / "woq", "tiny", {"method": "rtn"})
+    _check_ranks(tmp_path, ckpt, size, False, True, read_share)
 
 
 @pytest.mark.gpu
