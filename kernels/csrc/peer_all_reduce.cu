@@ -16,7 +16,8 @@
 //  2. after a CTA barrier, thread r stores the epoch into rank r's signals[b][rank] with
 //     release semantics at system scope (cumulative: it publishes the block's copies), then
 //     spins on its own signals[b][r] with acquire loads until rank r's block b has
-//     published the same epoch;
+//     published this epoch (or already the next: it may have finished this call and begun
+//     the next before this block looked);
 //  3. reads its elements from every rank's buffer, sums them in fp32 in rank order and
 //     rounds once: every rank computes the same bits (NCCL's rings reduce in other orders).
 //
@@ -90,7 +91,9 @@ __global__ void __launch_bounds__(kPeerThreads)
   if (threadIdx.x < world) {
     store_release_sys(static_cast<uint32_t*>(peers.base[threadIdx.x]) + b * kPeerMaxRanks + rank, epoch);
     const uint32_t* mine = static_cast<const uint32_t*>(peers.base[rank]) + b * kPeerMaxRanks + threadIdx.x;
-    while (load_acquire_sys(mine) != epoch) {
+    // (at or past the epoch: rank r's block b may already have finished this call and
+    // published the next one's; the signed difference keeps the test right past 2^32 calls)
+    while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0) {
     }
   }
   __syncthreads();
