@@ -216,10 +216,7 @@ def build_model(
             share = read_share([p + ".weight" for p in parts], kind)
             if share is not None:  # (this rank's share already: quantized as a whole layer's rows would be)
                 w, cut = share
-                index = tp.output_rows(kind, cfg)
-                if bias is not None:
-                    bias = bias[index] if index is not None else bias if tp.rank == 0 else None
-                layer = make(w, bias, kind)
+                layer = make(w, tp.shard_bias(kind, cfg, bias), kind)
                 if cut is None:
                     return layer
                 shard = row_shard(ImportedLinear(layer.qweight), cut)  # (whole groups read: the rank's columns)

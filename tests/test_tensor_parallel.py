@@ -206,19 +206,28 @@ def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
     assert not ranks_left()
 
 
-@pytest.mark.parametrize("size,heads,kv_heads,read_share", [(2, 4, 2, 0.6), (4, 9, 3, 0.35)])
+@pytest.mark.parametrize("size,heads,kv_heads,read_share,biases", [(2, 4, 2, 0.6, True), (4, 9, 3, 0.35, False)])
 def test_tensor_parallel_ranks_read_their_share_of_a_woq_checkpoint(tmp_path, smollm2_dir, size, heads, kv_heads,
-                                                                     read_share):
+                                                                     read_share, biases):
     """From a woq checkpoint (quantized before: ``woq quantize``, or the quantized-model
     cache) a rank reads only its share of each quantized layer -- its rows of qkv and
     gate/up, its columns of o and down (whole groups, cut where its heads cut one: 9 heads
-    over 4 ranks) -- and the model's tokens are the whole model's."""
+    over 4 ranks) -- and the model's tokens are the whole model's; with biases, a rank
+    keeps its rows' and rank 0 alone o's and down's (the all-reduce adds them once)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from woq.models.checkpoint import save_checkpoint
 
     dense = tiny_hf_checkpoint(tmp_path, hidden_size=16 * heads, num_attention_heads=heads,
-                               num_key_value_heads=kv_heads, intermediate_size=192, tie_word_embeddings=True)
+                               num_key_value_heads=kv_heads, intermediate_size=192, tie_word_embeddings=True,
+                               attention_bias=biases, mlp_bias=biases)
+    if biases:  # (initialized to zeros: make them count)
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(dense / "model.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        state = {k: torch.randn(v.shape, generator=g) * 0.3 if k.endswith(".bias") else v for k, v in state.items()}
+        save_file(state, str(dense / "model.safetensors"), metadata={"format": "pt"})
     whole, _ = _build(dense, None)
     ckpt = save_checkpoint(whole, AutoConfig.from_pretrained(dense), AutoTokenizer.from_pretrained(smollm2_dir),
                            tmp_path / "woq", "tiny", {"method": "rtn"})
