@@ -49,6 +49,14 @@ def test_manifests_agree_with_each_other_and_the_image():
     env = {e["name"]: e["value"] for e in container["env"]}
     pause = int(re.search(r"sleep (\d+)", " ".join(container["lifecycle"]["preStop"]["exec"]["command"]))[1])
     assert pod["spec"]["terminationGracePeriodSeconds"] > pause + float(env["WOQ_DRAIN_TIMEOUT"])
+    # every WOQ_ variable is a setting the server reads (pydantic-settings: WOQ_ + the field)
+    from woq.service.config import ServeSettings
+
+    assert {k.removeprefix("WOQ_").lower() for k in env if k.startswith("WOQ_")} <= set(ServeSettings.model_fields)
+    # a GPU a tensor-parallel rank, and /dev/shm in memory for NCCL between them
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == int(env["WOQ_TENSOR_PARALLEL_SIZE"])
+    (shm,) = [m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert {v["name"]: v for v in pod["spec"]["volumes"]}[shm]["emptyDir"]["medium"] == "Memory"
     # the adapter serves the metric the autoscaler asks for, under its own name
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     (rule,) = yaml.safe_load(by_kind("ConfigMap")["data"]["config.yaml"])["rules"]
