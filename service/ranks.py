@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -38,13 +39,34 @@ class Ranks:
     channel: ControlChannel
     children: list[subprocess.Popen] = field(default_factory=list)
     leader: Leader | None = None
+    closing: threading.Event = field(default_factory=threading.Event)
 
     @property
     def rank(self) -> int:
         return self.tp.rank
 
+    def watch_children(self, every: float = 1.0) -> None:
+        """Rank 0, once serving: end this process if a rank it started exits before
+        ``close``. The group cannot step without it (every collective would wait for it),
+        so a server that stopped answering would otherwise hang with its requests; ended,
+        its supervisor (Kubernetes, systemd) restarts it whole."""
+        def watch() -> None:
+            while not self.closing.wait(every):
+                for rank, child in enumerate(self.children, 1):
+                    status = child.poll()
+                    if status is not None and not self.closing.is_set():
+                        log.error("tensor-parallel rank %d exited (status %s): the group cannot go on; stopping",
+                                  rank, status)
+                        for other in self.children:
+                            other.kill()
+                        os._exit(1)
+
+        if self.children:
+            threading.Thread(target=watch, name="woq-ranks-watch", daemon=True).start()
+
     def close(self) -> None:
         """Rank 0: let the other ranks return, and wait for those it started. Every rank: leave the group."""
+        self.closing.set()
         if self.leader is not None:
             self.leader.stop()
         dist.destroy_process_group()

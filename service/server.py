@@ -197,6 +197,8 @@ def serve(settings: ServeSettings) -> None:
                 child.kill()
         raise
     app = HttpGuard(create_app(state), state, settings.body_timeout)
+    if ranks is not None:
+        ranks.watch_children()
     freeze_heap()
     # h11 always (uvicorn's default unless httptools is installed): the header timeout is
     # built on its connection class

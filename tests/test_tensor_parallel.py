@@ -167,6 +167,45 @@ def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, sm
     assert texts[2] == texts[1] and all(texts[1])
 
 
+def test_serve_ends_when_a_rank_dies(tmp_path, smollm2_dir):
+    """A rank that dies while serving (killed here) ends rank 0 with one error line and a
+    failure status, within seconds, rather than leaving it to wait for the rank in its next
+    collective: a supervisor then restarts the server whole."""
+    import os
+    import shutil
+    import signal
+    from pathlib import Path
+
+    from conftest import LiveServer
+
+    def children(pid: int) -> list[int]:  # (the ranks rank 0 started: copies of its command)
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[1] == str(pid) and \
+                        b"serve" in (stat.parent / "cmdline").read_bytes():
+                    found.append(int(stat.parent.name))
+            except OSError:
+                pass
+        return found
+
+    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, ckpt / f)
+    server = LiveServer("--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
+                        "--max-seq-len", "64", "--dtype", "float32", "--cache", str(tmp_path / "cache"),
+                        "--tensor-parallel-size", "2")
+    try:
+        assert _complete_all(server.url, [PROMPT], [4], pair=False)[0]
+        (child,) = children(server.proc.pid)
+        os.kill(child, signal.SIGKILL)
+        status = server.proc.wait(30)
+        assert status != 0
+        assert "tensor-parallel rank 1 exited" in server.output()
+    finally:
+        server.stop()
+
+
 def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
     """2 query heads, one a KV head, over 3 ranks (two of which would share a query head):
     one line naming the problem, exit status 2, and the ranks it started gone."""
