@@ -11,29 +11,21 @@ batch x 4096 x 2 bytes twice a layer: 8 KiB at batch 1, 512 KiB at 64.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_info, markdown_table, save_results  # noqa: E402
+from common import gpu_info, markdown_table, on_ranks, save_results  # noqa: E402
 
 KIB = 1024
 MESSAGES = [2 * KIB << i for i in range(15)]  # 2 KiB .. 32 MiB
 PEER_CAPACITY = 8 << 20  # (the benchmark's buffers reach past the server's default, to show the crossover)
 
 
-def _rank(rank: int, size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=size, device_id=dev)
-    control = dist.new_group(backend="gloo")
+def _rank(rank: int, size: int, dev: torch.device, control) -> list[dict]:
     from woq.kernels import build
     from woq.kernels.options import RuntimeOptions
     from woq.kernels.peer_all_reduce import PeerAllReduce
@@ -46,20 +38,7 @@ def _rank(rank: int, size: int, port: int, out: str) -> None:
         nccl = graph_time_us([lambda: dist.all_reduce(x)])
         ours = graph_time_us([lambda: peer(x)]) if peer is not None and peer.takes(x) else None
         rows.append({"bytes": nbytes, "nccl_us": nccl, "peer_us": ours})
-    if rank == 0:
-        torch.save(rows, f"{out}/rows.pt")
-    dist.destroy_process_group()
-
-
-def measure(size: int) -> list[dict]:
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(size, port, tmp), nprocs=size, join=True, start_method="spawn")
-        return torch.load(Path(tmp) / "rows.pt")
+    return rows
 
 
 def _size(nbytes: int) -> str:
@@ -110,7 +89,7 @@ def main() -> None:
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",") if int(s) <= torch.cuda.device_count()]
     result = {**gpu_info(), "command": "python benchmarks/all_reduce.py " + " ".join(sys.argv[1:]),
-              "groups": {str(s): measure(s) for s in sizes}}
+              "groups": {str(s): on_ranks(_rank, s) for s in sizes}}
     save_results(a.out, "all_reduce", result, summary, plot)
 
 

@@ -31,6 +31,41 @@ def time_calls(fns: Sequence[Callable[[], object]], calls_per_graph: int = 20, r
     return graph_time_us(fns, calls_per_graph, reps)
 
 
+def _rank_main(rank: int, size: int, port: int, out: str, target: Callable, args: tuple) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")  # (never multicast)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=size, device_id=device)
+    try:
+        result = target(rank, size, device, dist.new_group(backend="gloo"), *args)
+        if rank == 0:
+            torch.save(result, f"{out}/rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(target: Callable, size: int, *args):
+    """``target(rank, size, device, control, *args)`` in ``size`` processes, one GPU each, in
+    an NCCL group (``control``: a host-side gloo group beside it); rank 0's result.
+    ``target`` must be a module-level function (the processes are spawned)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(size, port, tmp, target, args), nprocs=size, join=True,
+                           start_method="spawn")
+        return torch.load(Path(tmp) / "rank0.pt")
+
+
 def gpu_info() -> dict:
     p = torch.cuda.get_device_properties(0)
     return {"gpu": p.name, "sms": p.multi_processor_count, "l2_bytes": p.L2_cache_size,

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import socket
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_info, markdown_table, save_results  # noqa: E402
+from common import gpu_info, markdown_table, on_ranks, save_results  # noqa: E402
 
 REPLAYS, REPS = 50, 7
 
@@ -51,12 +47,7 @@ def _timed(graph, group) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, size: int, port: int, a, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=size, device_id=dev)
-    control = dist.new_group(backend="gloo")
+def _rank(rank: int, size: int, dev: torch.device, control, a) -> dict:
     from engine import weight_bytes
 
     from woq.engine.cuda_graphs import DecodeGraphs
@@ -100,18 +91,7 @@ def _rank(rank: int, size: int, port: int, a, out: str) -> None:
             rows[f"{name}/{b}"] = _timed(graphs.graphs[b].graph, control)
         del graphs
         torch.cuda.synchronize()
-    if rank == 0:
-        torch.save({"steps": rows, "weight_bytes": weight_bytes(model), "bandwidth": bandwidth}, f"{out}/rank0.pt")
-    dist.destroy_process_group()
-
-
-def measure(size: int, a) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(size, port, a, tmp), nprocs=size, join=True, start_method="spawn")
-        return torch.load(Path(tmp) / "rank0.pt")
+    return {"steps": rows, "weight_bytes": weight_bytes(model), "bandwidth": bandwidth}
 
 
 def summary(r: dict) -> str:
@@ -168,7 +148,7 @@ def main() -> None:
     result = {**gpu_info(), "model": Path(a.model).name, "context": a.context,
               "batches": [int(b) for b in a.batches.split(",")],
               "command": "python benchmarks/tensor_parallel_steps.py " + " ".join(sys.argv[1:]),
-              "sizes": {str(s): measure(s, a) for s in sizes}}
+              "sizes": {str(s): on_ranks(_rank, s, a) for s in sizes}}
     save_results(a.out, a.name, result, summary, plot)
 
 

@@ -2,9 +2,9 @@
 
 Every decode step sends one message to every other rank, so its latency is on the step's
 critical path wherever the followers are not far enough behind. ``broadcast_object_list``
-over gloo costs hundreds of µs a message (pickling through tensors, two collectives) and
-over NCCL passes through the GPU queue; here rank 0 keeps a TCP connection to each other
-rank (Nagle off) and writes each pickled message with its length: a few µs on loopback.
+pickles through tensors and runs two collectives a message (over NCCL it also waits for
+the GPU queue); here rank 0 keeps a TCP connection to each other rank (Nagle off) and
+writes each pickled message with its length (the two measured: docs/design/tensor_parallel.md).
 The address comes from rank 0 through a host-side process group (gloo), so launchers
 across hosts work the same (rank 0 listens on every interface; the others dial the
 ``MASTER_ADDR`` the group was formed with, or loopback when ``woq serve`` started them).

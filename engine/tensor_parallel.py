@@ -4,10 +4,10 @@ Rank 0 runs the engine -- scheduling, the KV block allocator, sampling, and abov
 HTTP server; every other rank runs ``follow``, which repeats each of rank 0's model calls on
 its own shard (``models/sharding.py``) and its own KV cache (its KV heads, the same blocks).
 Before rank 0 runs a call, its ``Leader`` announces it through the ``ControlChannel``
-(``control_channel.py``: host to host, a few µs a message): an eager forward pass (its ids
-and batch, moved to the CPU), a CUDA-graph replay (a decode step's ids, positions and rows,
-or a packed step's chunks), the block-table entries the allocator assigned, a block copy,
-the KV cache's geometry once the engine has sized it, the graphs to capture, or the end.
+(``control_channel.py``, host to host): an eager forward pass (its ids and batch, moved to
+the CPU), a CUDA-graph replay (a decode step's ids, positions and rows, or a packed step's
+chunks), the block-table entries the allocator assigned, a block copy, the KV cache's
+geometry once the engine has sized it, the graphs to capture, or the end.
 Every rank thus enters the same calls in the same order, and with them the row-parallel
 layers' all-reduces and the vocab-parallel embedding's and LM head's collectives
 (``CausalLM.tp``), captured inside the graphs alike. Sampling needs no announcement: every

@@ -121,7 +121,7 @@ def build_model(
     """
     from .checkpoint import StoredLinear
     from .importers import CheckpointError, ImportedLinear
-    from .sharding import row_shard
+    from .sharding import row_shard, whole_groups
 
     prequantized = dict(prequantized or {})
     device = torch.device(device)
@@ -176,7 +176,7 @@ def build_model(
         K, G = shapes[kind][1], spec.group_size
         if G is None or G >= K:
             return None
-        lo, hi = own.start // G * G, min(-(-own.stop // G) * G, K)
+        lo, hi = whole_groups(own, G, K)
         w = state_dict.pop_rows(parts[0], None, slice(lo, hi))
         return w, None if (lo, hi) == (own.start, own.stop) else range(own.start - lo, own.stop - lo)
 

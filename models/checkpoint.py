@@ -30,7 +30,7 @@ from ..kernels.format import QuantizedWeight
 from ..kernels.layout import LAYOUT_VERSION
 from .importers import CheckpointError, ImportedLinear
 from .lazy_tensors import LazyTensors
-from .sharding import row_shard
+from .sharding import row_shard, whole_groups
 from .llama import CausalLM
 from .quant_linear import WeightOnlyLinear
 
@@ -139,7 +139,7 @@ class StoredLinear:
             if f"{name}.{suffix}" not in tensors:
                 raise CheckpointError(f"{path}: missing tensor '{name}.{suffix}'")
         N, K = self.out_features, self.in_features
-        groups = -(-K // self.group_size) if self.group_size else 0
+        groups = -(-K // self.group_size)
         expect = {"packed": [N, -(-K * self.bits // 8)], "scales": [N, groups], "zeros": [N, groups]}
         for suffix in needed:
             got = tensors.shape(f"{name}.{suffix}")
@@ -148,7 +148,8 @@ class StoredLinear:
                                       f"the header's shape needs {expect[suffix]})")
         self.act_order = f"{name}.in_perm" in tensors
 
-    def _take(self, suffix: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor | None:
+    def _take(self, suffix: str, rows: slice | list[slice] | None = None,
+              cols: slice | None = None) -> torch.Tensor | None:
         name = f"{self.name}.{suffix}"
         if name not in self._tensors:
             return None
@@ -170,17 +171,10 @@ class StoredLinear:
         """Output rows ``index`` (increasing) of the layer: a column-parallel rank's share,
         read run by run (a fused qkv share is three runs: its q, k and v rows)."""
         cuts = (torch.nonzero(index.diff() != 1).flatten() + 1).tolist()
-        runs = [(int(r[0]), int(r[-1]) + 1) for r in torch.tensor_split(index, cuts)]
-
-        def rows(suffix: str) -> torch.Tensor | None:
-            name = f"{self.name}.{suffix}"
-            if name not in self._tensors:
-                return None
-            parts = self._tensors.pop_runs(name, [slice(lo, hi) for lo, hi in runs])
-            return torch.cat(parts, 0)
-
-        return ImportedLinear(self._weight(rows("packed"), rows("scales"), rows("zeros"), self.in_features,
-                                           len(index), self.group_size), self._take("in_perm"))
+        runs = [slice(int(r[0]), int(r[-1]) + 1) for r in torch.tensor_split(index, cuts)]
+        return ImportedLinear(self._weight(self._take("packed", runs), self._take("scales", runs),
+                                           self._take("zeros", runs), self.in_features, len(index), self.group_size),
+                              self._take("in_perm"))
 
     def read_columns(self, own: range) -> ImportedLinear | None:
         """Input columns ``own`` of the layer (a row-parallel rank's share; ``row_shard``'s
@@ -196,7 +190,7 @@ class StoredLinear:
             packed = self._take("packed", None, slice(own.start * b // 8, -(-own.stop * b // 8)))
             return ImportedLinear(self._weight(packed, self._take("scales"), self._take("zeros"), len(own),
                                                self.out_features, len(own)))
-        lo, hi = own.start // G * G, min(-(-own.stop // G) * G, K)  # (whole groups: G is even, a byte edge)
+        lo, hi = whole_groups(own, G, K)  # (G is even: a byte edge)
         groups = slice(lo // G, -(-hi // G))
         whole = ImportedLinear(self._weight(self._take("packed", None, slice(lo * b // 8, -(-hi * b // 8))),
                                             self._take("scales", None, groups), self._take("zeros", None, groups),

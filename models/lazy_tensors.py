@@ -41,22 +41,15 @@ class LazyTensors:
         """A tensor's shape, read from its file's header (nothing of the data)."""
         return list(self._where[name].get_slice(name).get_shape())
 
-    def pop_rows(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def pop_rows(self, name: str, rows: slice | list[slice] | None = None, cols: slice | None = None) -> torch.Tensor:
         """Take the tensor as ``pop``, reading only ``rows`` x ``cols`` of it (a 2-D slice:
-        a tensor-parallel rank's share; the rest stays on disk)."""
-        handle = self._where.pop(name)
-        t: torch.Tensor = handle.get_slice(name)[rows or slice(None), cols or slice(None)]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
-
-    def pop_runs(self, name: str, runs: list[slice]) -> list[torch.Tensor]:
-        """Take the tensor as ``pop``, reading only its rows ``runs`` (each a slice), one
-        piece a run."""
-        handle = self._where.pop(name)
-        view = handle.get_slice(name)
-        pieces = [view[run] for run in runs]
+        a tensor-parallel rank's share; the rest stays on disk). ``rows`` may be several
+        runs, read one by one and joined in order (a fused qkv share: its q, k and v rows)."""
+        view = self._where.pop(name).get_slice(name)
+        runs = rows if isinstance(rows, list) else [rows or slice(None)]
+        pieces = [view[run, cols or slice(None)] for run in runs]
         self.bytes_read += sum(t.numel() * t.element_size() for t in pieces)
-        return pieces
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
 
     def pop(self, name: str, *default):
         handle = self._where.pop(name, None)

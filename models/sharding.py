@@ -134,6 +134,13 @@ def _columns(qw: QuantizedWeight, codes: torch.Tensor, scales: torch.Tensor, zer
     return QuantizedWeight(pack_codes(codes, qw.bits), scales, zeros, qw.bits, group_size, K, qw.out_features)
 
 
+def whole_groups(own: range, group: int, K: int) -> tuple[int, int]:
+    """The columns ``[lo, hi)`` of the groups of ``group`` columns that input columns ``own``
+    of a ``K``-column weight touch (the last group may be the weight's partial one): what a
+    rank reads to quantize, or take the groups of, a share that cuts a group."""
+    return own.start // group * group, min(-(-own.stop // group) * group, K)
+
+
 def row_shard(linear: ImportedLinear, own: range) -> ImportedLinear:
     """The weight's input columns ``own`` (a rank's, in the input's order): their column
     slice where ``own`` starts and ends on group boundaries (or at K), else, as for
@@ -239,8 +246,8 @@ class TensorParallel:
         return None if share is None else torch.arange(share.start, share.stop)
 
     def shard_bias(self, kind: str, cfg: ArchConfig, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """This rank's bias of a layer of ``kind`` whose weight share was read alone (as
-        ``shard`` splits it)."""
+        """This rank's bias of a layer of ``kind``: its rows' of a column-parallel layer; a
+        row-parallel layer's on rank 0 only (the all-reduce adds it once); a whole LM head's."""
         if bias is None:
             return None
         index = self.output_rows(kind, cfg)
@@ -251,21 +258,19 @@ class TensorParallel:
     def shard(self, kind: str, cfg: ArchConfig, weight: QuantizedWeight | torch.Tensor,
               in_perm: torch.Tensor | None, bias: torch.Tensor | None):
         """This rank's ``(weight, in_perm, bias)`` of a layer of ``kind`` (qkv, o, gate_up,
-        down, lm_head: its ``vocab_rows``, or whole), quantized or dense. A row-parallel
-        layer's bias is kept by rank 0 only: the all-reduce adds it once."""
+        down, lm_head: its ``vocab_rows``, or whole), quantized or dense (``shard_bias``)."""
         index = self.output_rows(kind, cfg)
+        if index is None and kind not in ("o", "down", "lm_head"):
+            raise ShardError(f"no tensor-parallel split for a {kind} layer")
+        bias = self.shard_bias(kind, cfg, bias)
         if index is None and kind == "lm_head":
             return weight, in_perm, bias
-        if index is None and kind in ("o", "down"):
-            bias = bias if self.rank == 0 else None
+        if index is None:  # (o, down)
             own = self.input_columns(kind, cfg)
             if isinstance(weight, torch.Tensor):
                 return weight[:, own.start:own.stop].contiguous(), None, bias
             shard = row_shard(ImportedLinear(weight, in_perm), own)
             return shard.weight, shard.in_perm, bias
-        if index is None:
-            raise ShardError(f"no tensor-parallel split for a {kind} layer")
-        bias = None if bias is None else bias[index.to(bias.device)]
         if isinstance(weight, torch.Tensor):
             return weight[index.to(weight.device)].contiguous(), in_perm, bias
         return rows(weight, index.to(weight.packed.device)), in_perm, bias

@@ -45,13 +45,13 @@ class Ranks:
     def rank(self) -> int:
         return self.tp.rank
 
-    def watch_children(self, every: float = 1.0) -> None:
+    def watch_children(self) -> None:
         """Rank 0, once serving: end this process if a rank it started exits before
         ``close``. The group cannot step without it (every collective would wait for it),
         so a server that stopped answering would otherwise hang with its requests; ended,
         its supervisor (Kubernetes, systemd) restarts it whole."""
         def watch() -> None:
-            while not self.closing.wait(every):
+            while not self.closing.wait(1.0):  # (a second: a supervisor's restart takes far longer)
                 for rank, child in enumerate(self.children, 1):
                     status = child.poll()
                     if status is not None and not self.closing.is_set():

@@ -135,18 +135,24 @@ def _complete_all(url: str, prompts: list[list[int]], lengths: list[int], pair: 
         return list(pool.map(one, range(len(prompts))))
 
 
+def _servable(tmp_path, smollm2_dir, **config):
+    """A tiny random checkpoint of ``config`` with SmolLM2's tokenizer files, for ``woq serve``."""
+    import shutil
+
+    ckpt = tiny_hf_checkpoint(tmp_path, **config)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, ckpt / f)
+    return ckpt
+
+
 def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, smollm2_dir):
     """``woq serve --tensor-parallel-size 2`` (rank 0 serving HTTP and starting rank 1, gloo)
     completes requests that join and leave the batch at different steps -- prefill mixed
     with decode, two choices of one prompt (a block copy), the ranks following every step
     -- with the completions of one process."""
-    import shutil
-
     from conftest import LiveServer
 
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / f, ckpt / f)
+    ckpt = _servable(tmp_path, smollm2_dir, hidden_size=128, intermediate_size=128)
     prompts = [PROMPT, FED, PROMPT[::-1] + FED[:3]]
     lengths = [32, 9, 20]
     args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
@@ -172,7 +178,6 @@ def test_serve_ends_when_a_rank_dies(tmp_path, smollm2_dir):
     failure status, within seconds, rather than leaving it to wait for the rank in its next
     collective: a supervisor then restarts the server whole."""
     import os
-    import shutil
     import signal
     from pathlib import Path
 
@@ -189,9 +194,7 @@ def test_serve_ends_when_a_rank_dies(tmp_path, smollm2_dir):
                 pass
         return found
 
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=128, intermediate_size=128)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / f, ckpt / f)
+    ckpt = _servable(tmp_path, smollm2_dir, hidden_size=128, intermediate_size=128)
     server = LiveServer("--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
                         "--max-seq-len", "64", "--dtype", "float32", "--cache", str(tmp_path / "cache"),
                         "--tensor-parallel-size", "2")
@@ -209,17 +212,14 @@ def test_serve_ends_when_a_rank_dies(tmp_path, smollm2_dir):
 def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
     """2 query heads, one a KV head, over 3 ranks (two of which would share a query head):
     one line naming the problem, exit status 2, and the ranks it started gone."""
-    import shutil
     import subprocess
     import sys
 
     from pathlib import Path
 
     # (the vocabulary, 512, and the intermediate rows, 96, are left whole or split evenly: only the heads fail)
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-                              intermediate_size=96)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / f, ckpt / f)
+    ckpt = _servable(tmp_path, smollm2_dir, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                     intermediate_size=96)
     out = subprocess.run([sys.executable, "-m", "woq", "serve", "--model", str(ckpt), "--quant", "int4", "--port", "0",
                           "--tensor-parallel-size", "3", "--cache", str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=300)
@@ -278,14 +278,10 @@ def test_tensor_parallel_ranks_read_their_share_of_a_woq_checkpoint(tmp_path, sm
 def test_serve_tensor_parallel_on_two_gpus(tmp_path, smollm2_dir):
     """The same over NCCL, one GPU a rank, fp16 (eager steps on both servers: the
     single-GPU server's graphs would round differently)."""
-    import shutil
-
     from conftest import LiveServer
 
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                              num_key_value_heads=4)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / f, ckpt / f)
+    ckpt = _servable(tmp_path, smollm2_dir, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                     num_key_value_heads=4)
     prompts, lengths = [PROMPT, FED, PROMPT[::-1] + FED[:3]], [32, 9, 20]
     args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
             "--max-seq-len", "64", "--dtype", "float16", "--no-cuda-graphs", "--cache", str(tmp_path / "cache")]
@@ -308,14 +304,10 @@ def test_serve_tensor_parallel_graphs_on_every_gpu(tmp_path, smollm2_dir):
     block-table entries rank 0 assigns, all-reducing through the peer buffers; a
     SmolLM2-shaped model (9 query heads over 3 KV heads: uneven splits) gives the
     completions of one GPU's graphs, requests joining and leaving the batch."""
-    import shutil
-
     from conftest import LiveServer
 
-    ckpt = tiny_hf_checkpoint(tmp_path, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                              num_key_value_heads=3)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / f, ckpt / f)
+    ckpt = _servable(tmp_path, smollm2_dir, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                     num_key_value_heads=3)
     prompts, lengths = [PROMPT, FED, PROMPT[::-1] + FED[:3]], [32, 9, 20]
     # (few graphs to capture: 4 decode batch sizes, packed steps up to 128 tokens)
     args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--max-seq-len", "256",
