@@ -113,9 +113,10 @@ class DecodeRun:
     per_request_tps: float  # one request's decode tokens/s, averaged over the requests
 
 
-def decode_tps(engine: Engine, vocab: int, batch: int, params: SamplingParams | None = None) -> DecodeRun:
-    """Decode rates of ``batch`` requests of PROMPT tokens + NEW new tokens, submitted at once
-    (``params``: greedy unless given)."""
+def decode_tps(engine: Engine, vocab: int, batch: int, params: SamplingParams | None = None,
+               prompt_tokens: int = PROMPT) -> DecodeRun:
+    """Decode rates of ``batch`` requests of ``prompt_tokens`` tokens + NEW new tokens,
+    submitted at once (``params``: greedy unless given)."""
     done = threading.Semaphore(0)
     times: list[list[float]] = [[] for _ in range(batch)]  # when each token of each request arrived
 
@@ -128,7 +129,7 @@ def decode_tps(engine: Engine, vocab: int, batch: int, params: SamplingParams | 
 
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
+        prompt = torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist()
         engine.submit(prompt, params or SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), sink_for(i))
     for _ in range(batch):
         done.acquire()

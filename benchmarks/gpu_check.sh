@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take shared GPUs out
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place sampling_cost paged_serving step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place gemv_in_place_server sampling_cost paged_serving step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -66,7 +66,8 @@ for stage in "$@"; do
     startup)  # needs the default model (its tokenizer): run after `model`
       run startup $PY benchmarks/startup.py --random-config llama3-8b --workdir /tmp/llama3-8b --device cuda --runs ${STARTUP_RUNS:-1} --out "$OUT" --name startup_h100_llama3-8b_int4 ;;
     overhead) run overhead $PY benchmarks/metrics_overhead.py --rounds ${OVERHEAD_ROUNDS:-8} --out "$OUT" ;;
-    inplace) run inplace $PY benchmarks/gemv_in_place.py --out "$OUT" ;;
+    inplace)  # each GEMV in the step against its chain; then as the dashboard's server runs (its stage's model, prompts, sampling)
+      run inplace bash -c "$PY benchmarks/gemv_in_place.py --out $OUT && $PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 2 --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --out $OUT --name gemv_in_place_server" ;;
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
