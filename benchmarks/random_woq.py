@@ -42,7 +42,9 @@ def write_random_woq(config, directory: Path, tokenizer: Path, group: int = 128,
     if (directory / WEIGHTS).exists():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    # (drawn on the GPU where there is one: a 70B model's 35 G random codes take minutes on a CPU)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device).manual_seed(seed)
     H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
     shapes = {"self_attn.qkv_proj": ((config.num_attention_heads + 2 * config.num_key_value_heads) * D, H),
@@ -51,16 +53,19 @@ def write_random_woq(config, directory: Path, tokenizer: Path, group: int = 128,
     tensors, linears = {}, {}
 
     def dense(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.float16)
+        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(torch.float16).cpu()
 
     for i in range(config.num_hidden_layers):
         for name, (N, K) in shapes.items():
             full = f"model.layers.{i}.{name}"
             groups = -(-K // group)
-            tensors[f"{full}.packed"] = torch.randint(0, 256, (N, -(-K // 2)), generator=g, dtype=torch.uint8)
+            tensors[f"{full}.packed"] = torch.randint(0, 256, (N, -(-K // 2)), generator=g, dtype=torch.uint8,
+                                                      device=device).cpu()
             # (codes 0..15 around zero points 0..15: weights of about 0.02 x 15 / 2 at most)
-            tensors[f"{full}.scales"] = (torch.rand(N, groups, generator=g) * 0.002 + 0.001).to(torch.float16)
-            tensors[f"{full}.zeros"] = torch.randint(0, 16, (N, groups), generator=g, dtype=torch.uint8)
+            tensors[f"{full}.scales"] = (torch.rand(N, groups, generator=g, device=device) * 0.002
+                                         + 0.001).to(torch.float16).cpu()
+            tensors[f"{full}.zeros"] = torch.randint(0, 16, (N, groups), generator=g, dtype=torch.uint8,
+                                                     device=device).cpu()
             linears[full] = {"bits": 4, "group_size": group, "in_features": K, "out_features": N, "symmetric": False}
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{i}.{norm}.weight"] = torch.ones(H, dtype=torch.float16)

@@ -56,23 +56,31 @@ def greedy_tokens(url: str, model: str, tokens: int, prompts: int) -> list[dict]
     for prompt in CHECK_PROMPTS[:prompts]:
         r = httpx.post(url + "/v1/completions", timeout=300, json={
             "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 1})
+            "logprobs": 2})
         r.raise_for_status()
         lp = r.json()["choices"][0]["logprobs"]
-        out.append({"tokens": lp["tokens"], "logprobs": lp["token_logprobs"]})
+        # (the chosen token's lead over the runner-up; 0 where both decode to one string:
+        # the top log-probabilities are keyed by text)
+        margins = [chosen - max((v for t, v in top.items() if t != token), default=chosen)
+                   for token, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+        out.append({"tokens": lp["tokens"], "logprobs": lp["token_logprobs"], "margins": margins})
     return out
 
 
 def compare(ref: list[dict], got: list[dict]) -> dict:
-    """Equal greedy tokens per prompt, the first step they part, and the largest log-probability
-    difference over the steps before it."""
-    equal, first_diff, worst = 0, [], 0.0
+    """Equal greedy tokens per prompt, the first step they part, the reference's lead of its
+    token over the runner-up there (a near-tie: another valid rounding may pick the other),
+    and the largest log-probability difference over the steps before it."""
+    equal, first_diff, margins, worst = 0, [], [], 0.0
     for a, b in zip(ref, got):
         n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
         equal += n == len(a["tokens"])
         first_diff.append(n)
+        if n < len(a["tokens"]):
+            margins.append(round(a["margins"][n], 4))
         worst = max([worst] + [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])])
-    return {"prompts_equal": equal, "prompts": len(ref), "first_difference": first_diff, "max_logprob_diff": worst}
+    return {"prompts_equal": equal, "prompts": len(ref), "first_difference": first_diff,
+            "margin_at_difference": margins, "max_logprob_diff": worst}
 
 
 def weight_bytes(model_dir: Path, group: int = 128) -> int:
@@ -165,9 +173,11 @@ def summary(r: dict) -> str:
     lines += [markdown_table(["server", "TP", "clients", "output tok/s", "speed-up", "efficiency",
                               "ITL p50 / p99 ms", "TTFT p50 ms", "per-GPU weight roofline", "errors"], rows), ""]
     lines += ["Greedy tokens against the first server (temperature 0, log-probabilities of the chosen tokens):", ""]
-    lines += [markdown_table(["server", "prompts equal", "first difference (step)", "max |Δ logprob| before it"],
+    lines += [markdown_table(["server", "prompts equal", "first difference (step)",
+                              "reference's lead there (logprob)", "max abs Δ logprob before it"],
                              [[n, f"{s['greedy']['prompts_equal']} / {s['greedy']['prompts']}",
-                               str(s["greedy"]["first_difference"]), f"{s['greedy']['max_logprob_diff']:.4f}"]
+                               str(s["greedy"]["first_difference"]), str(s["greedy"].get("margin_at_difference", "")),
+                               f"{s['greedy']['max_logprob_diff']:.4f}"]
                               for n, s in r["servers"].items() if s["greedy"] is not None]), ""]
     return "\n".join(lines)
 
