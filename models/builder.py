@@ -15,7 +15,7 @@ from .progress import progress as progress_of
 from .quant_linear import DenseLinear, WeightOnlyLinear
 
 if TYPE_CHECKING:
-    from .importers import ImportedLinear
+    from .imported import ImportedLinear
     from .sharding import TensorParallel
 
 QuantMode = Literal["int8", "int4", "none"]
@@ -86,7 +86,7 @@ def _cat(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor | None:
 def _fuse_imported(parts: list["ImportedLinear"], name: str) -> "ImportedLinear":
     """One fused pre-quantized linear from its parts (same input, so same permutation)."""
     from ..kernels.format import concat_rows
-    from .importers import CheckpointError, ImportedLinear
+    from .imported import CheckpointError, ImportedLinear
 
     perms = [p.in_perm for p in parts]
     if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
@@ -111,16 +111,19 @@ def build_model(
 ) -> CausalLM:
     """Assemble the model from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``, ...).
 
-    ``prequantized`` maps linear names to already quantized weights (``ImportedLinear``):
-    fused ones (``...self_attn.qkv_proj``: a woq checkpoint) or parts (``...q_proj``: a
-    GPTQ/AWQ import); those layers are used as they are, ``quant`` applies to the rest.
+    ``prequantized`` maps linear names to already quantized weights, not read yet: fused
+    ones (``...self_attn.qkv_proj``: a woq checkpoint's ``StoredLinear``) or parts
+    (``...q_proj``: a GPTQ/AWQ import's ``StoredImport``); those layers are used as they
+    are, ``quant`` applies to the rest.
     Tensors are consumed (popped) as layers are built, so peak memory stays near one copy.
     Each linear layer's kernels are chosen once, at the end (``bind_kernels``). With ``tp``,
-    the model is that rank's shard (``models/sharding.py``): every layer is quantized or
-    imported whole, then split, and the model's config holds the rank's shapes.
+    the model is that rank's shard (``models/sharding.py``): a rank reads only its share of
+    a layer where it can be read alone, else the whole layer, then splits it; the model's
+    config holds the rank's shapes.
     """
     from .checkpoint import StoredLinear
-    from .importers import CheckpointError, ImportedLinear
+    from .imported import CheckpointError, ImportedLinear
+    from .importers import StoredImport
     from .sharding import row_shard, whole_groups
 
     prequantized = dict(prequantized or {})
@@ -202,13 +205,36 @@ def build_model(
                     return share, True
         return stored.read(), False
 
+    def imported_share(parts: list[StoredImport], fused: str, kind: str) -> tuple[ImportedLinear, bool]:
+        """A GPTQ/AWQ layer made of ``parts``, read: this rank's share of each part where
+        it can be read alone (then True), else the whole layer."""
+        if tp is not None:
+            index = tp.output_rows(kind, cfg)
+            if index is not None:  # (the fused layer's rows: each part's in order, parts in order)
+                shares, first = [], 0
+                for part in parts:
+                    shares.append(index[(index >= first) & (index < first + part.out_features)] - first)
+                    first += part.out_features
+                if all(len(mine) for mine in shares):
+                    return _fuse_imported([p.read_rows(m) for p, m in zip(parts, shares)], fused), True
+            elif kind in ("o", "down") and len(parts) == 1:
+                share = parts[0].read_columns(tp.input_columns(kind, cfg))
+                if share is not None:
+                    return share, True
+        return _fuse_imported([p.read() for p in parts], fused), False
+
     def linear(fused: str, parts: list[str], kind: str) -> nn.Module:
         """The layer ``fused`` (made of HF linears ``parts``), from whichever source has it."""
         imported, shared = prequantized.pop(fused, None), False
         if isinstance(imported, StoredLinear):
             imported, shared = stored_share(imported, kind)
-        if imported is None and all(p in prequantized for p in parts):
-            imported = _fuse_imported([prequantized.pop(p) for p in parts], fused)
+        elif isinstance(imported, StoredImport) or (imported is None and all(p in prequantized for p in parts)):
+            pieces = [imported] if imported is not None else [prequantized.pop(p) for p in parts]
+            shape = (sum(p.out_features for p in pieces), pieces[0].in_features)
+            if shape != shapes[kind]:
+                raise CheckpointError(f"{fused}: quantized weight is {shape[0]}x{shape[1]}, the model config "
+                                      f"needs {shapes[kind][0]}x{shapes[kind][1]}")
+            imported, shared = imported_share(pieces, fused, kind)
         bias = take(fused + ".bias", required=False)
         if bias is None:
             bias = _cat(take(p + ".bias", required=False) for p in parts)

@@ -28,7 +28,7 @@ import torch
 
 from ..kernels.format import QuantizedWeight
 from ..kernels.layout import LAYOUT_VERSION
-from .importers import CheckpointError, ImportedLinear
+from .imported import CheckpointError, ImportedLinear
 from .lazy_tensors import LazyTensors
 from .sharding import row_shard, whole_groups
 from .llama import CausalLM

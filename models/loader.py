@@ -174,7 +174,7 @@ def load_model(
     else:
         name = model_name(model)
         if quantized:
-            quantization = "imported: " + describe({"linears": {n: _linear_meta(q.weight) for n, q in quantized.items()}})
+            quantization = "imported: " + describe({"linears": {n: _linear_meta(q) for n, q in quantized.items()}})
         else:
             quantization = "none (dense)" if quant.spec() is None else quant.describe()
     return LoadedModel(built, tokenizer, config, name, time.perf_counter() - t0, quantization,
@@ -189,5 +189,6 @@ def model_name(model: str) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
-def _linear_meta(qw) -> dict:
-    return {"bits": qw.bits, "group_size": qw.group_size, "in_features": qw.in_features, "symmetric": qw.symmetric}
+def _linear_meta(q) -> dict:
+    """The description's fields of a quantized weight or of an import not read yet."""
+    return {"bits": q.bits, "group_size": q.group_size, "in_features": q.in_features, "symmetric": q.symmetric}

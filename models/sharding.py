@@ -22,7 +22,7 @@ A rank of a TP group holds, of each decoder layer:
   split anywhere (the row's one scale goes to every shard).
 
 Act-order (GPTQ ``g_idx``) imports hold contiguous groups over permuted input columns and
-the permutation (``ImportedLinear.in_perm``, ``models/importers.py``). A rank's input
+the permutation (``ImportedLinear.in_perm``, ``models/imported.py``). A rank's input
 columns are then scattered over the groups: its shard takes, group by group, the permuted
 columns whose original index is its own, and pads each group's run to the group size with
 codes equal to their zero point. A padded column dequantizes to exactly 0, so it adds
@@ -32,10 +32,11 @@ padding (at most one partial group per group a rank touches).
 Every shard holds the very codes, scales and zero points of the full weight (no
 requantization), so the shards' partial products add up to the full layer's exactly in
 exact arithmetic: ``tests/test_sharding.py``. ``TensorParallel`` is a rank's place in its
-group: the builder splits each layer with it (a layer is quantized or imported whole,
-then split; from a safetensors checkpoint of dense weights a rank reads and quantizes only
-its share, ``output_rows`` / ``input_columns``, widened to whole groups where its columns
-cut one: ``models/builder.py``), the model's config
+group: the builder splits each layer with it. A rank reads only its share,
+``output_rows`` / ``input_columns``, widened to whole groups where its columns cut one,
+from a safetensors checkpoint of dense weights (then quantized), a GPTQ/AWQ import or a
+woq checkpoint (``models/builder.py``); where a share cannot be read alone, the layer is
+read whole, then split. The model's config
 takes the rank's shapes (which may differ between ranks), and the forward sums o's and
 down's outputs over the group (``Pass.summed`` in ``models/llama.py``). The embedding and
 the LM head are **vocab-parallel** where the vocabulary splits evenly: each rank holds its
@@ -52,7 +53,7 @@ import torch
 
 from ..kernels.format import QuantizedWeight, pack_codes
 from .config import ArchConfig
-from .importers import ImportedLinear
+from .imported import ImportedLinear
 
 
 class ShardError(ValueError):
