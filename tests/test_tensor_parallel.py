@@ -314,8 +314,8 @@ def test_tensor_parallel_ranks_read_their_share_of_a_woq_checkpoint(tmp_path, sm
 
 
 @pytest.mark.parametrize("method,bits,act_order,size,read_share",
-                         [("gptq", 4, False, 2, 0.6), ("gptq", 8, False, 4, 0.35), ("gptq", 4, True, 4, 0.45),
-                          ("awq", 4, False, 4, 0.35)])
+                         [("gptq", 4, False, 2, 0.6), ("gptq", 8, False, 2, 0.6), ("gptq", 4, True, 4, 0.45),
+                          ("awq", 4, False, 2, 0.6)])
 def test_tensor_parallel_ranks_read_their_share_of_a_gptq_or_awq_checkpoint(tmp_path, method, bits, act_order,
                                                                             size, read_share):
     """A GPTQ or AWQ checkpoint split over ranks: each reads its rows of q, k, v, gate and
@@ -323,8 +323,8 @@ def test_tensor_parallel_ranks_read_their_share_of_a_gptq_or_awq_checkpoint(tmp_
     points' words) and its columns of o and down (GPTQ's rows of codes, AWQ's, in whole
     groups), and picks the whole import's tokens. An act-order o or down is read whole:
     its groups hold permuted columns. Whole reads of every layer would exceed
-    ``read_share``: 0.73 of the checkpoint at 2 ranks and 0.59 at 4 for int4, more for
-    int8."""
+    ``read_share``: 0.73 of the checkpoint at 2 ranks and 0.59 at 4 for int4, 0.81 at 2
+    for int8. (Four ranks once: on CI's 2 cores they take twice as long as two.)"""
     from safetensors.torch import load_file
 
     from quant_fixtures import awq_tensors, gptq_tensors, write_quantized_checkpoint
