@@ -72,14 +72,14 @@ for stage in "$@"; do
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
-    tp)
+    tp)  # (tp1-per-op: one GPU through a kernel per op, the 8B greedy check's noise floor)
       sizes=$($PY -c "import torch; n = torch.cuda.device_count(); print(','.join(str(s) for s in (1, 2, 4) if s <= n))")
       servers=""; for s in ${sizes//,/ }; do servers="$servers --server tp$s=--tensor-parallel-size=$s"; done
       run tptests $PY -m pytest -q -m gpu tests/test_peer_all_reduce.py tests/test_tensor_parallel.py
       run allreduce $PY benchmarks/all_reduce.py --sizes "${sizes#1,}" --out "$OUT"
       run tpsmollm2 $PY benchmarks/tensor_parallel.py --common "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --quant int4" \
         $servers --concurrency 1 --requests-per-client 8 --out "$OUT" --name tensor_parallel_smollm2
-      run tp8b bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes $sizes --out $OUT && $PY benchmarks/tensor_parallel.py --common '--model /tmp/llama3-8b --quant int4 --max-seq-len 4096' $servers --out $OUT" ;;
+      run tp8b bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes $sizes --out $OUT && $PY benchmarks/tensor_parallel.py --common '--model /tmp/llama3-8b --quant int4 --max-seq-len 4096' $servers --server tp1-per-op=--decode-step=off --out $OUT" ;;
     tp70b)  # a 70B-shaped random int4 checkpoint (39 GB, written straight as woq), GPU steps at TP 2 and 4
       run tp70b bash -c "$PY benchmarks/random_woq.py --config llama3-70b --out /tmp/llama3-70b-woq && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-70b-woq --sizes 2,4 --batches 1,16 --out $OUT --name tensor_parallel_steps_70b" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)

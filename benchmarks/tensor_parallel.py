@@ -6,7 +6,10 @@ this machine's GPUs:
 * **greedy tokens**: ``--check-prompts`` completions of ``--check-tokens`` tokens each at
   temperature 0 with log-probabilities; each server's tokens are compared with the first
   server's, and the largest difference of the chosen tokens' log-probabilities over the
-  common prefix is reported;
+  common prefix is reported, with the first server's lead of its token over the runner-up
+  where they part (a near-tie, which another valid rounding may break the other way). A
+  second TP 1 server through a kernel per op (``--decode-step off``: the check's batch-1
+  steps skip the persistent step) gives that comparison's noise floor;
 * **throughput**: streamed completions (128-token prompts, 128 tokens out, ``ignore_eos``)
   at each ``--concurrency``, as ``serving.py`` sends them: output tokens/s, inter-token
   latency p50/p99, TTFT p50; the speed-up over the first server, and the scaling

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, FilePath, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..kernels.options import RuntimeOptions
+from ..kernels.options import DecodeStepOptions, RuntimeOptions
 from ..models.fetch import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # (torch and the model code load only when a command runs: a fast --help)
@@ -40,6 +40,9 @@ class ModelSettings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     max_seq_len: int = Field(2048, ge=16, description="longest prompt + completion, in tokens")
     cache: Path = Field(Path.home() / ".cache" / "woq", description="fetched models, compiled kernels, tuning tables")
+    decode_step: Literal["auto", "on", "off"] = Field(
+        "auto", description="the persistent batch-1 decode step on CUDA (auto: for models 4096 wide or more)"
+    )
 
     @field_validator("device")
     @classmethod
@@ -68,7 +71,8 @@ class ModelSettings(BaseSettings):
 
     def runtime_options(self) -> RuntimeOptions:
         """The options the model, the engine and the kernels run with."""
-        return RuntimeOptions(cache_dir=self.cache)
+        enabled = {"auto": None, "on": True, "off": False}[self.decode_step]
+        return RuntimeOptions(cache_dir=self.cache, decode_step=DecodeStepOptions(enabled=enabled))
 
 
 class ServeSettings(ModelSettings):

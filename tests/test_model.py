@@ -208,3 +208,21 @@ def test_the_persistent_decode_step_is_asked_for_by_width_unless_set():
     cfg = model.cfg
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
     assert DecodeRunner(model, cache)._persistent_step() is None
+
+
+@pytest.mark.parametrize("flag,enabled,asks", [("auto", None, False), ("on", True, True), ("off", False, False)])
+def test_the_decode_step_flag_decides_for_the_model(flag, enabled, asks):
+    """``woq serve --decode-step``, parsed as the command line is, gives the model options
+    that decide for it: ``auto`` leaves it to the width (this model is narrower than 4096),
+    ``on`` and ``off`` override it."""
+    from pydantic_settings import CliApp
+
+    from conftest import random_llama
+    from woq.models.builder import bind_kernels
+    from woq.service.config import ServeSettings
+
+    settings = CliApp.run(ServeSettings, cli_args=["--decode-step", flag])
+    assert settings.runtime_options().decode_step.enabled is enabled
+    model = random_llama(torch.float32, "cpu", 64)
+    bind_kernels(model, settings.runtime_options())
+    assert model.wants_persistent_decode() is asks
