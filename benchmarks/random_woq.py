@@ -42,7 +42,7 @@ def write_random_woq(config, directory: Path, tokenizer: Path, group: int = 128,
     if (directory / WEIGHTS).exists():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    # (drawn on the GPU where there is one: a 70B model's 35 G random codes take minutes on a CPU)
+    # (drawn on the GPU where there is one: a 70B model holds some 35 G random codes)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device).manual_seed(seed)
     H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
