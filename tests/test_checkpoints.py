@@ -177,6 +177,43 @@ def test_awq_checkpoint_import(tiny, tmp_path):
     assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
 
 
+@pytest.mark.parametrize("method,bits,act_order", [("gptq", 4, False), ("gptq", 8, False), ("gptq", 4, True),
+                                                    ("awq", 4, False)])
+def test_a_share_of_an_imported_layer_is_the_whole_layers_slice(method, bits, act_order):
+    """A tensor-parallel rank's share of a GPTQ/AWQ layer, read alone (``StoredImport``):
+    rows that start inside a packed word, scattered rows, whole groups of columns and
+    columns that cut a group equal the whole layer's, dequantized; act-order columns are
+    refused (read whole)."""
+    from woq.models.importers import StoredImport, _Tensors
+
+    g = torch.Generator().manual_seed(bits)
+    N, K, G = 40, 96, 32
+    qw = quantize(torch.randn(N, K, generator=g), QuantSpec(bits, G, False))
+    tensors = gptq_tensors(qw, perm=torch.randperm(K, generator=g) if act_order else None) \
+        if method == "gptq" else awq_tensors(qw)
+    qc = {"quant_method": method, "bits": bits, "group_size": G, "sym": False}
+
+    def stored() -> StoredImport:
+        return StoredImport(_Tensors({f"layer.{k}": v for k, v in tensors.items()}), "layer", qc, K)
+
+    whole = stored().read()
+    dense = reference.dequantize(whole.weight).double()
+    for rows in (torch.arange(13, 29), torch.tensor([1, 5, 6, 30, 39])):
+        share = stored().read_rows(rows)
+        assert torch.equal(reference.dequantize(share.weight).double(), dense[rows])
+        assert (share.in_perm is None) == (whole.in_perm is None)
+        assert share.in_perm is None or torch.equal(share.in_perm, whole.in_perm)
+    for own in (range(32, 64), range(40, 72)):
+        share = stored().read_columns(own)
+        if act_order:
+            assert share is None
+            continue
+        x = torch.randn(3, len(own), generator=g, dtype=torch.float64)
+        mine = x if share.in_perm is None else x[:, share.in_perm]
+        got = mine @ reference.dequantize(share.weight).double().T
+        assert torch.allclose(got, x @ dense[:, own.start:own.stop].T, rtol=1e-12, atol=1e-12)
+
+
 @pytest.fixture()
 def woq_ck(tiny, tmp_path):
     config, tok, state, _ = read_checkpoint(tiny, None)
