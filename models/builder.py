@@ -88,6 +88,8 @@ def _fuse_imported(parts: list["ImportedLinear"], name: str) -> "ImportedLinear"
     from ..kernels.format import concat_rows
     from .imported import CheckpointError, ImportedLinear
 
+    if len(parts) == 1:
+        return parts[0]
     perms = [p.in_perm for p in parts]
     if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
         raise CheckpointError(f"{name}: the fused parts were quantized with different input orders (g_idx)")
@@ -121,9 +123,7 @@ def build_model(
     a layer where it can be read alone, else the whole layer, then splits it; the model's
     config holds the rank's shapes.
     """
-    from .checkpoint import StoredLinear
     from .imported import CheckpointError, ImportedLinear
-    from .importers import StoredImport
     from .sharding import row_shard, whole_groups
 
     prequantized = dict(prequantized or {})
@@ -189,25 +189,14 @@ def build_model(
         return WeightOnlyLinear(qw.to(device), None if bias is None else bias.to(device=device, dtype=dtype),
                                 kind, cache_dequantized=device.type == "cpu", in_perm=perm)
 
-    def stored_share(stored: StoredLinear, kind: str) -> tuple[ImportedLinear, bool]:
-        """A woq checkpoint's layer of kind ``kind``, read: this rank's share where it can be
-        read alone (then True), else the whole layer."""
-        if (stored.out_features, stored.in_features) != shapes[kind]:
-            raise CheckpointError(f"{stored.name}: quantized weight is {stored.out_features}x{stored.in_features}, "
-                                  f"the model config needs {shapes[kind][0]}x{shapes[kind][1]}")
-        if tp is not None:
-            index = tp.output_rows(kind, cfg)
-            if index is not None:
-                return stored.read_rows(index), True
-            if kind in ("o", "down"):
-                share = stored.read_columns(tp.input_columns(kind, cfg))
-                if share is not None:
-                    return share, True
-        return stored.read(), False
-
-    def imported_share(parts: list[StoredImport], fused: str, kind: str) -> tuple[ImportedLinear, bool]:
-        """A GPTQ/AWQ layer made of ``parts``, read: this rank's share of each part where
-        it can be read alone (then True), else the whole layer."""
+    def read_stored(parts: list, fused: str, kind: str) -> tuple[ImportedLinear, bool]:
+        """The quantized layer ``fused`` made of ``parts`` (not read yet: a woq checkpoint's
+        fused ``StoredLinear``, or a GPTQ/AWQ import's ``StoredImport`` parts), read: this
+        rank's share of each part where it can be read alone (then True), else whole."""
+        shape = (sum(p.out_features for p in parts), parts[0].in_features)
+        if shape != shapes[kind]:
+            raise CheckpointError(f"{fused}: quantized weight is {shape[0]}x{shape[1]}, the model config "
+                                  f"needs {shapes[kind][0]}x{shapes[kind][1]}")
         if tp is not None:
             index = tp.output_rows(kind, cfg)
             if index is not None:  # (the fused layer's rows: each part's in order, parts in order)
@@ -225,16 +214,12 @@ def build_model(
 
     def linear(fused: str, parts: list[str], kind: str) -> nn.Module:
         """The layer ``fused`` (made of HF linears ``parts``), from whichever source has it."""
-        imported, shared = prequantized.pop(fused, None), False
-        if isinstance(imported, StoredLinear):
-            imported, shared = stored_share(imported, kind)
-        elif isinstance(imported, StoredImport) or (imported is None and all(p in prequantized for p in parts)):
-            pieces = [imported] if imported is not None else [prequantized.pop(p) for p in parts]
-            shape = (sum(p.out_features for p in pieces), pieces[0].in_features)
-            if shape != shapes[kind]:
-                raise CheckpointError(f"{fused}: quantized weight is {shape[0]}x{shape[1]}, the model config "
-                                      f"needs {shapes[kind][0]}x{shapes[kind][1]}")
-            imported, shared = imported_share(pieces, fused, kind)
+        imported, shared = None, False
+        # (a woq checkpoint's fused layer, or a GPTQ/AWQ import's parts: o's and down's one
+        # part is the layer itself)
+        if fused in prequantized or all(p in prequantized for p in parts):
+            stored = [prequantized.pop(fused)] if fused in prequantized else [prequantized.pop(p) for p in parts]
+            imported, shared = read_stored(stored, fused, kind)
         bias = take(fused + ".bias", required=False)
         if bias is None:
             bias = _cat(take(p + ".bias", required=False) for p in parts)
@@ -258,11 +243,7 @@ def build_model(
                 return layer
             imported = ImportedLinear(layer.qweight, None)
             bias = None if layer.bias is None else layer.bias.data
-        qw = imported.weight
-        if not shared and (qw.out_features, qw.in_features) != shapes[kind]:
-            raise CheckpointError(f"{fused}: quantized weight is {qw.out_features}x{qw.in_features}, the model "
-                                  f"config needs {shapes[kind][0]}x{shapes[kind][1]}")
-        perm = imported.in_perm
+        qw, perm = imported.weight, imported.in_perm
         if shared:  # (the rank's share already)
             bias = tp.shard_bias(kind, cfg, bias)
         elif tp is not None:

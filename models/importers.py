@@ -24,6 +24,7 @@ import torch
 
 from ..kernels.format import QuantizedWeight, midpoint, pack_codes
 from .imported import CheckpointError, ImportedLinear
+from .lazy_tensors import LazyTensors
 from .sharding import row_shard, whole_groups
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word nibble i holds column 8c + AWQ_ORDER[i]
@@ -60,34 +61,6 @@ def _unpack_along_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | 
     return out
 
 
-class _Tensors:
-    """Read access to a checkpoint's tensors, as ``LazyTensors`` gives it (a plain dict of
-    tensors read up front gets the same: ``pop_rows`` slices what ``pop`` takes)."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.state
-
-    def shape(self, name: str) -> list[int]:
-        s = self.state
-        return s.shape(name) if hasattr(s, "shape") else list(s[name].shape)
-
-    def pop(self, name: str) -> torch.Tensor:
-        t = self.state.pop(name, None)
-        if t is None:
-            raise CheckpointError(f"quantized checkpoint is missing tensor {name!r}")
-        return t
-
-    def pop_rows(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        if name not in self.state:
-            raise CheckpointError(f"quantized checkpoint is missing tensor {name!r}")
-        if hasattr(self.state, "pop_rows"):
-            return self.state.pop_rows(name, rows, cols)
-        return self.state.pop(name)[rows or slice(None), cols or slice(None)]
-
-
 def _build(codes_kn: torch.Tensor, zeros_gn: torch.Tensor, scales_gn: torch.Tensor, bits: int, group: int,
            sym: bool, name: str) -> QuantizedWeight:
     K, N = codes_kn.shape
@@ -113,7 +86,7 @@ class StoredImport:
     along N (the other way round); zero points are packed along N in both, so a share of
     rows reads the words that hold its columns and unpacks them."""
 
-    def __init__(self, tensors: _Tensors, name: str, qc: dict, in_features: int | None):
+    def __init__(self, tensors: LazyTensors, name: str, qc: dict, in_features: int | None):
         self._t, self.name = tensors, name
         self.method = (qc.get("quant_method") or "").lower()
         if self.method == "gptq":
@@ -224,16 +197,9 @@ class StoredImport:
         return row_shard(whole, range(own.start - lo, own.stop - lo))
 
 
-def _stored(state, qc: dict, in_features: dict[str, int]) -> dict[str, StoredImport]:
-    tensors = _Tensors(state)
-    names = [k[: -len(".qweight")] for k in state if k.endswith(".qweight")]
-    return {name: StoredImport(tensors, name, qc, in_features.get(name)) for name in names}
-
-
-def import_quantized(state, qc: dict, hf_config) -> dict[str, StoredImport]:
+def import_quantized(state: LazyTensors, qc: dict, hf_config) -> dict[str, StoredImport]:
     """The checkpoint's quantized linears by name (``quant_method`` gptq or awq), checked
-    against the header, read when the builder takes them: from ``state``, a ``LazyTensors``
-    (only a rank's share where it can) or a dict of tensors."""
+    against the header, read when the builder takes them (only a rank's share where it can)."""
     from .config import ArchConfig
 
     cfg = ArchConfig.from_hf(hf_config)
@@ -248,4 +214,5 @@ def import_quantized(state, qc: dict, hf_config) -> dict[str, StoredImport]:
     method = (qc.get("quant_method") or "").lower()
     if method not in ("gptq", "awq"):
         raise CheckpointError(f"quantization method {method!r} is not supported (gptq, awq)")
-    return _stored(state, qc, in_features)
+    names = [k[: -len(".qweight")] for k in state if k.endswith(".qweight")]
+    return {name: StoredImport(state, name, qc, in_features.get(name)) for name in names}

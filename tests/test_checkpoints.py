@@ -179,12 +179,13 @@ def test_awq_checkpoint_import(tiny, tmp_path):
 
 @pytest.mark.parametrize("method,bits,act_order", [("gptq", 4, False), ("gptq", 8, False), ("gptq", 4, True),
                                                     ("awq", 4, False)])
-def test_a_share_of_an_imported_layer_is_the_whole_layers_slice(method, bits, act_order):
+def test_a_share_of_an_imported_layer_is_the_whole_layers_slice(tmp_path, method, bits, act_order):
     """A tensor-parallel rank's share of a GPTQ/AWQ layer, read alone (``StoredImport``):
     rows that start inside a packed word, scattered rows, whole groups of columns and
     columns that cut a group equal the whole layer's, dequantized; act-order columns are
     refused (read whole)."""
-    from woq.models.importers import StoredImport, _Tensors
+    from woq.models.importers import StoredImport
+    from woq.models.lazy_tensors import LazyTensors
 
     g = torch.Generator().manual_seed(bits)
     N, K, G = 40, 96, 32
@@ -192,9 +193,10 @@ def test_a_share_of_an_imported_layer_is_the_whole_layers_slice(method, bits, ac
     tensors = gptq_tensors(qw, perm=torch.randperm(K, generator=g) if act_order else None) \
         if method == "gptq" else awq_tensors(qw)
     qc = {"quant_method": method, "bits": bits, "group_size": G, "sym": False}
+    save_file({f"layer.{k}": v for k, v in tensors.items()}, str(tmp_path / "layer.safetensors"))
 
-    def stored() -> StoredImport:
-        return StoredImport(_Tensors({f"layer.{k}": v for k, v in tensors.items()}), "layer", qc, K)
+    def stored() -> StoredImport:  # (a fresh read of the file each time: a share is taken once)
+        return StoredImport(LazyTensors([tmp_path / "layer.safetensors"]), "layer", qc, K)
 
     whole = stored().read()
     dense = reference.dequantize(whole.weight).double()

@@ -25,8 +25,7 @@ FED = [3, 250, 66, 410, 8, 199, 31, 500, 12, 77, 140]  # decode inputs (varied c
 def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
     """The model (``tp``: a rank's shard) and the checkpoint bytes read to build it: from the
     file's tensors read up front, or (``lazy``) as the builder takes them, a rank reading
-    only its share of each; a woq checkpoint (already quantized) always lazily, a GPTQ/AWQ
-    one as ``lazy`` says."""
+    only its share of each; a woq or GPTQ/AWQ checkpoint (already quantized) always lazily."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -37,11 +36,11 @@ def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
     quantized, config = {}, AutoConfig.from_pretrained(ckpt)
     if is_woq_checkpoint(ckpt):
         state, quantized, _ = read_checkpoint(ckpt)
+    elif (qc := quantization_config(ckpt, config)) is not None:
+        state = read_safetensors(ckpt)
+        quantized = import_quantized(state, qc, config)
     else:
         state = read_safetensors(ckpt) if lazy else load_file(str(ckpt / "model.safetensors"))
-        qc = quantization_config(ckpt, config)
-        if qc is not None:
-            quantized = import_quantized(state, qc, config)
     model = build_model(config, state,
                         QuantConfig("int4", 32, quantize_lm_head=quantize_lm_head), torch.float32, "cpu", 64,
                         progress=False, prequantized=quantized, tp=tp)
@@ -324,7 +323,7 @@ def test_tensor_parallel_ranks_read_their_share_of_a_gptq_or_awq_checkpoint(tmp_
     groups), and picks the whole import's tokens. An act-order o or down is read whole:
     its groups hold permuted columns. Whole reads of every layer would exceed
     ``read_share``: 0.73 of the checkpoint at 2 ranks and 0.59 at 4 for int4, 0.81 at 2
-    for int8. (Four ranks once: on CI's 2 cores they take twice as long as two.)"""
+    for int8. (Four ranks once: CI has two cores.)"""
     from safetensors.torch import load_file
 
     from quant_fixtures import awq_tensors, gptq_tensors, write_quantized_checkpoint
