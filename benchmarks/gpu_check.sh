@@ -75,7 +75,8 @@ for stage in "$@"; do
     tp)  # (tp1-per-op: one GPU through a kernel per op, the 8B greedy check's noise floor)
       sizes=$($PY -c "import torch; n = torch.cuda.device_count(); print(','.join(str(s) for s in (1, 2, 4) if s <= n))")
       servers=""; for s in ${sizes//,/ }; do servers="$servers --server tp$s=--tensor-parallel-size=$s"; done
-      run tptests $PY -m pytest -q -m gpu tests/test_peer_all_reduce.py tests/test_tensor_parallel.py
+      run tptests $PY -m pytest -q -m gpu tests/test_peer_all_reduce.py tests/test_tensor_parallel.py \
+        tests/test_gpu_decode_step.py::test_persistent_step_across_ranks_matches_the_kernel_per_op_step
       run allreduce $PY benchmarks/all_reduce.py --sizes "${sizes#1,}" --out "$OUT"
       run tpsmollm2 $PY benchmarks/tensor_parallel.py --common "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --quant int4" \
         $servers --concurrency 1 --requests-per-client 8 --out "$OUT" --name tensor_parallel_smollm2

@@ -4,13 +4,16 @@ NCCL, and skipped (each rank summing nothing: wrong results, the step's time wit
 collectives).
 
 Each rank loads its shard of ``--model`` (int4 g128), captures the engine's decode graphs
-(``engine.cuda_graphs.DecodeGraphs``; TP 1 at batch 1: the persistent step, as served) and
-replays the graph of each batch size 50 times in a row, 7 times; the median per step.
+(``engine.cuda_graphs.DecodeGraphs``; at batch 1 the persistent step, as served: on one GPU,
+and across the ranks with the peer buffers) and replays the graph of each batch size 50
+times in a row, 7 times; the median per step. Batch 1 is also timed through a kernel per op
+(``--decode-step off``'s step, the peer all-reduces between them).
 Every row decodes at position ``--context`` of its own KV blocks. Reported per TP size and
 batch: tokens/s, the speed-up over TP 1, the scaling efficiency, the fraction of the
 per-GPU weight roofline (a rank's weight bytes -- its quantized layers' codes, scales and
 zero points and its LM head rows -- / step time / the measured copy bandwidth), and the
-collectives' share of the step ((peer - skipped) / peer).
+collectives' share of the kernel-per-op step ((per-op or peer - skipped) / the same: the
+persistent step has no variant without them).
 
     python benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes 1,2,4 --out docs/bench
 """
@@ -53,7 +56,7 @@ def _rank(rank: int, size: int, dev: torch.device, control, a) -> dict:
     from woq.engine.cuda_graphs import DecodeGraphs
     from woq.engine.decode import DecodeRunner
     from woq.kernels import build
-    from woq.kernels.options import RuntimeOptions
+    from woq.kernels.options import DecodeStepOptions, RuntimeOptions
     from woq.kernels.peer_all_reduce import PeerAllReduce
     from woq.kernels.timing import measure_copy_bandwidth
     from woq.models.builder import QuantConfig
@@ -80,12 +83,15 @@ def _rank(rank: int, size: int, dev: torch.device, control, a) -> dict:
     g = torch.Generator().manual_seed(0)
     variants = {"peer": tp, "nccl": dataclasses.replace(tp, peer=None), "skipped": Skipped(rank, size)} \
         if size > 1 else {"single": None}
+    per_op = dataclasses.replace(options, decode_step=DecodeStepOptions(enabled=False))
     rows = {}
-    for name, t in variants.items():
+    for name, t in [*variants.items(), ("per-op", variants.get("peer"))]:
         model.tp = t
-        graphs = DecodeGraphs(DecodeRunner(model, cache), top, scratch_slot=top)
-        graphs.capture()  # (TP 1: its warm-up builds the persistent step, which batch 1 replays)
-        for b in batches:
+        model.options = per_op if name == "per-op" else options  # (the step the runner takes at batch 1)
+        timed = [1] if name == "per-op" else batches
+        graphs = DecodeGraphs(DecodeRunner(model, cache), max(timed), scratch_slot=top)
+        graphs.capture()  # (its warm-up builds the persistent step, which batch 1 replays)
+        for b in timed:
             ids = torch.randint(0, cfg.vocab_size, (b, 1), generator=g)
             graphs.run(ids.to(dev), torch.full((b, 1), a.context, device=dev), torch.arange(b, device=dev))
             rows[f"{name}/{b}"] = _timed(graphs.graphs[b].graph, control)
@@ -97,7 +103,8 @@ def _rank(rank: int, size: int, dev: torch.device, control, a) -> dict:
 def summary(r: dict) -> str:
     lines = [f"# Tensor-parallel decode steps, {r['model']}, int4 g128, fp16, {r['gpu']}", "",
              f"Median step time of a CUDA-graph decode step replayed {REPLAYS} times in a row on every rank "
-             f"({REPS} runs), context {r['context']} a row. Command: `{r['command']}`.", ""]
+             f"({REPS} runs), context {r['context']} a row. At batch 1 the peer column is the persistent step "
+             f"(across the ranks at TP > 1), beside the kernel-per-op step. Command: `{r['command']}`.", ""]
     base = r["sizes"].get("1")
     rows = []
     for size, m in r["sizes"].items():
@@ -105,13 +112,16 @@ def summary(r: dict) -> str:
             step = m["steps"][f"peer/{b}" if size != "1" else f"single/{b}"]
             tps = b / step
             speedup = base and tps / (b / base["steps"][f"single/{b}"])
-            share = (f"{100 * (step - m['steps'][f'skipped/{b}']) / step:.0f} %" if size != "1" else "")
+            op = m["steps"].get(f"per-op/{b}")
+            per_op = op or step  # (the collectives' share of the kernel-per-op step: "skipped" is one)
+            share = (f"{100 * (per_op - m['steps'][f'skipped/{b}']) / per_op:.0f} %" if size != "1" else "")
             nccl = f"{1e3 * m['steps'][f'nccl/{b}']:.3f}" if size != "1" else ""
-            rows.append([size, b, f"{1e3 * step:.3f}", nccl, f"{tps:.0f}",
+            rows.append([size, b, f"{1e3 * step:.3f}", f"{1e3 * op:.3f}" if op else "", nccl, f"{tps:.0f}",
                          f"{speedup:.2f}" if speedup else "", f"{speedup / int(size):.2f}" if speedup else "",
                          f"{100 * m['weight_bytes'] / step / m['bandwidth']:.0f} %", share])
-    lines.append(markdown_table(["TP", "batch", "step ms (peer)", "step ms (NCCL)", "tokens/s", "speed-up",
-                                 "efficiency", "per-GPU weight roofline", "collectives' share"], rows))
+    lines.append(markdown_table(["TP", "batch", "step ms (peer)", "kernel per op", "step ms (NCCL)", "tokens/s",
+                                 "speed-up", "efficiency", "per-GPU weight roofline",
+                                 "collectives' share (kernel per op)"], rows))
     return "\n".join(lines) + "\n"
 
 

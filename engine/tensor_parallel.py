@@ -16,8 +16,9 @@ rows, or from a whole head), so rank 0 samples from the model's. A look-ahead de
 (``DecodeGraphs.run_next``) is fed with ids that exist only on rank 0's GPU: they reach
 the other ranks by a device broadcast, queued before the replay on every rank.
 
-Not here yet: the persistent decode step across ranks (one-sequence steps are the model's
-forward under TP).
+A one-sequence step in a decode graph is the persistent kernel on every rank where the
+model qualifies (``CausalLM.persistent_step``: the ranks agree when the graphs' warm-up
+builds it); an eager one is the announced forward (``_LeadingModel``).
 """
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ class _LeadingModel:
 
     def __getattr__(self, name):
         return getattr(self._model, name)
+
+    def wants_persistent_decode(self) -> bool:
+        # (an eager step's persistent kernel would run on rank 0 alone, unannounced: the
+        # engine's eager one-sequence steps are forwards; the graphs' runners take the model
+        # itself on every rank)
+        return False
 
     def __call__(self, input_ids: torch.Tensor, batch=None, cache=None, last_only: bool = False,
                  greedy: bool = False) -> torch.Tensor:

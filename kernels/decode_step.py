@@ -8,6 +8,11 @@ instead of kernel boundaries.
 the step's buffers and its counters. It takes int4 g128 weights (with or without zero
 points) in the GPU layout, fp16 or bf16, on sm_90; ``DecodeStep.supported`` says whether a
 model's layers qualify.
+
+Under tensor parallelism the layers are a rank's shards (qkv and gate/up its heads and
+intermediate rows, o and down their columns) and every rank runs the step together: o's and
+down's partial sums go to every rank's step area (``PeerAllReduce.step_areas``), which
+orders the stages across the GPUs.
 """
 from __future__ import annotations
 
@@ -28,12 +33,15 @@ class DecodeStep:
     ``block_table``: int32 ``[rows, blocks_per_row]``, every layer's (``models/kv_cache.py``:
     position t of row r is in block ``block_table[r, t // block_size]``), rewritten in place
     by its owner, never reallocated (the layer table holds its address); ``cos``/``sin``: the
-    fp32 RoPE tables ``[positions, head_dim]``.
+    fp32 RoPE tables ``[positions, head_dim]``. ``heads``: the query heads of ``layers``
+    (a rank's under tensor parallelism). ``peer_areas``: with two ranks or more, every rank's
+    step area as opened here (``PeerAllReduce.step_areas``), and ``rank`` this one's.
     """
 
     def __init__(self, layers: list[tuple], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  block_table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
-                 eps: float, options: DecodeStepOptions = DecodeStepOptions(), shares: int | None = None):
+                 eps: float, options: DecodeStepOptions = DecodeStepOptions(), shares: int | None = None,
+                 rank: int = 0, peer_areas: list[int] = ()):
         qkv0, o0, _, down0 = layers[0][:4]
         device, dtype = k_caches[0].device, o0.dtype
         kv_heads = k_caches[0].shape[1]
@@ -53,6 +61,7 @@ class DecodeStep:
         self.zeros = qkv0.zeros is not None
         self.eps, self.roles, self.kv_heads = eps, kv_heads * shares, kv_heads
         self.cache_hints, self.ring_slots = options.cache_hints, options.ring_slots
+        self.rank, self.peer_areas = rank, list(peer_areas) if len(peer_areas) > 1 else []
         self.qkv = torch.empty(qkv0.N, device=device, dtype=dtype)
         self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
         self.act = torch.empty(down0.K, device=device, dtype=dtype)
@@ -79,15 +88,17 @@ class DecodeStep:
     def supported(layers: list[tuple[GpuWeight, ...]], device: torch.device) -> bool:
         """Whether the kernel takes these layers' ``(qkv, o, gate_up, down)`` weights here:
         int4 g128, all with zero points or none, fp16/bf16, a hidden size of at most the
-        kernel's (``step_max_hidden``) that o maps onto itself (heads x head_dim = hidden),
-        at most ``step_max_staged_units`` n-tiles of a weight an SM (a block's outputs of a
+        kernel's (``step_max_hidden``) that o maps back to (from heads x head_dim: the hidden
+        size, or a tensor-parallel rank's share of whole groups), at most
+        ``step_max_staged_units`` n-tiles of a weight an SM (a block's outputs of a
         stage are staged in shared memory for their bulk stores), the same shapes in every layer."""
         if device.type != "cuda" or sm_major(device) != 9:
             return False
         qkv, o, gate_up, down = layers[0]
         hidden = o.N
-        if not (o.K == hidden == qkv.K == gate_up.K == down.N and gate_up.N == 2 * down.K and gate_up.swiglu_rows
-                and hidden % 16 == 0 and hidden <= torch.ops.woq.constant("step_max_hidden") and down.K % 128 == 0):
+        if not (hidden == qkv.K == gate_up.K == down.N and gate_up.N == 2 * down.K and gate_up.swiglu_rows
+                and (o.K == hidden or o.K % 128 == 0) and hidden % 16 == 0
+                and hidden <= torch.ops.woq.constant("step_max_hidden") and down.K % 128 == 0):
             return False
         staged = torch.ops.woq.constant("step_max_staged_units")
         if any(-(-w.n_tiles // sm_count(device)) > staged for w in layers[0]):
@@ -105,5 +116,6 @@ class DecodeStep:
         written there. Launch-only: a CUDA graph captures it."""
         torch.ops.woq.decode_step(h, positions, slots, lengths, self.table, self.qkv, self.attn, self.act,
                                   self.counters, self.shapes, 4, 128, self.zeros, self.eps, self.roles,
-                                  self.kv_heads, self.cache_hints, self.ring_slots, stamps)
+                                  self.kv_heads, self.cache_hints, self.ring_slots, stamps, self.rank,
+                                  self.peer_areas)
         return h

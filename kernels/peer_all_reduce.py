@@ -10,6 +10,10 @@ the same path for the same tensor (its size and dtype decide), or the group woul
 
 Graph-capturable: the buffers and the epochs are device state. No multicast (NVLS) object
 is created.
+
+Each rank's allocation also holds an area of the persistent decode step's (``step_areas``:
+its counters and rows under tensor parallelism, ``csrc/decode_step.cuh``), opened by the
+other ranks with the rest.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ class PeerAllReduce:
             return None
         signal = torch.ops.woq.constant("peer_signal_bytes")
         with torch.cuda.device(device):
-            own = torch.ops.woq.peer_alloc(signal + 2 * capacity)
+            own = torch.ops.woq.peer_alloc(signal + 2 * capacity + torch.ops.woq.constant("step_peer_area_bytes"))
             handle = torch.ops.woq.peer_handle(own).tolist()
         handles = [None] * size
         dist.all_gather_object(handles, handle, group=group)
@@ -62,6 +66,12 @@ class PeerAllReduce:
             bases = [own if r == rank else torch.ops.woq.peer_open(torch.tensor(h, dtype=torch.uint8))
                      for r, h in enumerate(handles)]
         return cls(bases, rank, capacity, device)
+
+    @property
+    def step_areas(self) -> list[int]:
+        """Every rank's decode-step area (after its signals and two data buffers), as opened here."""
+        offset = torch.ops.woq.constant("peer_signal_bytes") + 2 * self.capacity
+        return [base + offset for base in self.bases]
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the peer buffers: by its size and dtype alone, so that

@@ -235,9 +235,9 @@ class CausalLM(nn.Module):
     def wants_persistent_decode(self) -> bool:
         """Whether a one-sequence CUDA decode step asks for the persistent step (it still runs
         only where the model qualifies): ``options.decode_step.enabled``, by default whether
-        the model is at least ``min_hidden`` wide. Never for a tensor-parallel shard: the
-        persistent step has no all-reduce between its layers."""
-        if self.tp is not None and self.tp.size > 1:
+        the model is at least ``min_hidden`` wide. A tensor-parallel shard only where its
+        group has peer buffers: the step's stages meet across the GPUs there."""
+        if self.tp is not None and self.tp.size > 1 and self.tp.peer is None:
             return False
         step = self.options.decode_step
         return self.cfg.hidden_size >= step.min_hidden if step.enabled is None else step.enabled
@@ -245,7 +245,19 @@ class CausalLM(nn.Module):
     def persistent_step(self, cache: KVCache):
         """The persistent decode step (``kernels/decode_step.py``) over ``cache``: every decoder
         layer in one kernel; None where the model does not qualify (CUDA, fused kernels, int4
-        g128 weights without biases on an sm_90 GPU, ``DecodeStep.supported``)."""
+        g128 weights without biases on an sm_90 GPU, ``DecodeStep.supported``). A
+        tensor-parallel shard's, only where every rank's qualifies on as many SMs (a
+        collective: every rank calls it), since each rank's stages wait for every rank's."""
+        step = self._persistent_step(cache)
+        if self.tp is None or self.tp.size == 1:
+            return step
+        from ..kernels.device import sm_count
+
+        sms = sm_count(self.device)
+        qualifies, fewest, most = self.tp.minimum([step is not None, sms, -sms], self.device)
+        return step if qualifies and fewest == -most else None
+
+    def _persistent_step(self, cache: KVCache):
         if not (cache.k.is_cuda and self.options.fused_ops and _fused_module() is not None):
             return None
         from ..kernels.decode_step import DecodeStep
@@ -259,9 +271,11 @@ class CausalLM(nn.Module):
         if not DecodeStep.supported(weights, self.device):
             return None
         layers = [(*w, layer.input_norm.weight, layer.post_norm.weight) for w, layer in zip(weights, self.layers)]
+        tp = self.tp if self.tp is not None and self.tp.size > 1 else None
         return DecodeStep(layers, list(cache.k), list(cache.v), cache.block_table, self.rope.cos, self.rope.sin,
-                          self.cfg.num_heads,
-                          self.cfg.head_dim, self.layers[0].input_norm.eps, self.options.decode_step)
+                          self.cfg.num_heads, self.cfg.head_dim, self.layers[0].input_norm.eps,
+                          self.options.decode_step, rank=tp.rank if tp else 0,
+                          peer_areas=tp.peer.step_areas if tp else ())
 
     @torch.inference_mode()
     def decode_persistent(self, step, input_ids: torch.Tensor, batch: Decode) -> torch.Tensor:

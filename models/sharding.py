@@ -227,6 +227,14 @@ class TensorParallel:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def minimum(self, values: list[int], device: torch.device) -> list[int]:
+        """Each of ``values``' smallest over the group (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
+
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel layer's partial outputs (or the embedding's) over the group, in place."""
         if self.peer is not None and self.peer.takes(y):

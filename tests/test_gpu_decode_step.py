@@ -260,3 +260,94 @@ def test_the_kernel_metrics_see_the_steps_stages():
     decoder_kinds = ("qkv", "o", "gate_up", "down")
     assert {c.layer for c, _ in calls.counted if c.m == prompt_len} >= set(decoder_kinds)  # (the prefill observed)
     assert not [c for c, _ in calls.counted if c.m == 1 and c.layer in decoder_kinds and c.path != plans.DECODE_STEP]
+
+
+# -- across tensor-parallel ranks -----------------------------------------------------------
+# A model whose shards the step takes at 2 and 4 ranks: o's and down's inputs split into
+# whole 128-column groups (head_dim 128, 4 or 2 query heads of 8 a rank; 2048 intermediate
+# rows), one or two KV heads a rank, vocab-parallel embedding and LM head.
+TP_SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4,
+                num_hidden_layers=3)
+
+
+def _tp_rank(rank: int, size: int, port: int, ckpt: str, out: str) -> None:
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from woq.kernels import build
+    from woq.kernels.options import RuntimeOptions
+    from woq.kernels.peer_all_reduce import PeerAllReduce
+    from woq.models.builder import QuantConfig, build_model
+    from woq.models.loader import read_safetensors
+    from woq.models.sharding import TensorParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=size, device_id=dev)
+    try:
+        control = dist.new_group(backend="gloo")
+        peer = PeerAllReduce.open(rank, size, dev, build.load(RuntimeOptions()), control)
+        assert peer is not None, "the GPUs reach each other's memory"
+        model = build_model(AutoConfig.from_pretrained(ckpt), read_safetensors(Path(ckpt)), QuantConfig("int4", 128),
+                            torch.float16, dev, MAX_LEN, progress=False, tp=TensorParallel(rank, size, peer=peer))
+        cfg = model.cfg
+        g = torch.Generator().manual_seed(11)
+        P = 70
+        prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g).to(dev)
+        fed = torch.randint(0, cfg.vocab_size, (5,), generator=g).to(dev)
+        new_cache = lambda: KVCache(cfg.num_layers, 2, cfg.num_kv_heads, MAX_LEN, cfg.head_dim,  # noqa: E731
+                                    torch.float16, dev)
+        results = {p: decode(with_step(model, p), new_cache(), prompt, fed).cpu() for p in (False, True)}
+        # The engine's decode graphs (their warm-up builds the step, the ranks agreeing),
+        # replayed at the fed tokens' positions: the eager steps' logits (the area's epoch
+        # and counters are device state).
+        from woq.engine.cuda_graphs import DecodeGraphs
+
+        cache = new_cache()
+        model(prompt, Prefill.pack([P], [1], dev), cache, last_only=True)
+        graphs = DecodeGraphs(DecodeRunner(model, cache), 1, scratch_slot=0)
+        graphs.capture()
+        results["built"] = graphs.runner.persistent is not None
+        slot = torch.tensor([1], device=dev)
+        results["graph"] = torch.stack([graphs.run(fed[t].view(1, 1), torch.full((1, 1), P + t, device=dev), slot)[0]
+                                        .float().cpu() for t in range(len(fed))])
+        torch.save(results, f"{out}/rank{rank}.pt")
+        del graphs  # (before the process group goes: destroying it under live graphs that captured NCCL hangs)
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_persistent_step_across_ranks_matches_the_kernel_per_op_step(tmp_path):
+    """At 2 and (where there are) 4 ranks, one GPU each: every rank builds the step (they
+    agree), and its logits -- o's and down's partial sums meeting in the ranks' step areas --
+    are within the single-GPU test's bound of the kernel-per-op step's (row-parallel partial
+    sums all-reduced through the peer buffers), the same on every rank bit for bit, and a
+    CUDA graph of it replays the eager steps' logits bit for bit."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from conftest import tiny_hf_checkpoint
+
+    ckpt = tiny_hf_checkpoint(tmp_path, **TP_SHAPE)
+    for size in [2] + ([4] if torch.cuda.device_count() >= 4 else []):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / f"tp{size}"
+        out.mkdir()
+        mp.spawn(_tp_rank, args=(size, port, str(ckpt), str(out)), nprocs=size, join=True)
+        runs = [torch.load(out / f"rank{r}.pt") for r in range(size)]
+        per_op, ours = runs[0][False], runs[0][True]
+        assert all(r["built"] for r in runs), f"TP {size}: the step was built on every rank"
+        assert torch.isfinite(ours).all()
+        scale = per_op.abs().max().item()
+        assert (ours - per_op).abs().max().item() <= 0.02 * scale, f"TP {size}"
+        for r in runs[1:]:
+            assert torch.equal(r[True], ours), f"TP {size}: every rank's logits"
+        assert torch.equal(runs[0]["graph"], ours[1:]), f"TP {size}: graph replays"

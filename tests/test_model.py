@@ -184,8 +184,9 @@ def test_chunked_prefill_engine_matches_transformers(tiny):
 def test_the_persistent_decode_step_is_asked_for_by_width_unless_set():
     """By default (``DecodeStepOptions.enabled`` None) a model asks for the persistent decode
     step when it is at least ``min_hidden`` wide -- the width it was measured faster at --
-    and not when narrower; True or False in the options decide for it either way. On the CPU
-    the engine's step runner never builds it."""
+    and not when narrower; True or False in the options decide for it either way, except
+    for a tensor-parallel shard without peer buffers. On the CPU the engine's step runner
+    never builds it."""
     from dataclasses import replace
 
     from conftest import random_llama
@@ -205,6 +206,11 @@ def test_the_persistent_decode_step_is_asked_for_by_width_unless_set():
     assert not model.wants_persistent_decode()
     bind_kernels(model, replace(default, decode_step=DecodeStepOptions(min_hidden=1 << 20, enabled=True)))
     assert model.wants_persistent_decode()
+    from woq.models.sharding import TensorParallel
+
+    model.tp = TensorParallel(0, 2)  # (a shard whose group has no peer buffers: its stages could not meet)
+    assert not model.wants_persistent_decode()
+    model.tp = None
     cfg = model.cfg
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
     assert DecodeRunner(model, cache)._persistent_step() is None

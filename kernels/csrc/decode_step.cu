@@ -15,10 +15,10 @@ namespace {
 // One block per SM; its shared memory: the region (the attention role's tiles, or the
 // largest x a stage takes; h's copy; then the layers' pointers), then as many ring slots
 // as fit, up to kMaxSlots (or max_slots).
-template <typename T, int BITS, int GROUP, bool ZEROS>
+template <typename T, int BITS, int GROUP, bool ZEROS, bool TP>
 cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   using SlotT = step::Slot<BITS, GROUP>;
-  auto kernel = decode_step_kernel<T, BITS, GROUP, ZEROS>;
+  auto kernel = decode_step_kernel<T, BITS, GROUP, ZEROS, TP>;
   DecodeStepParams p;
   p.layers = a.layers;
   p.n_layers = a.n_layers;
@@ -37,6 +37,16 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   p.kv_heads = a.kv_heads;
   p.cache_hints = a.cache_hints;
   p.eps = a.eps;
+  if (a.world < 1 || a.world > kPeerMaxRanks || a.rank < 0 || a.rank >= a.world ||
+      (a.world > 1 && a.n_layers > kStepPeerMaxLayers))
+    return cudaErrorInvalidValue;
+  p.rank = a.rank;
+  p.world = a.world;
+  for (int r = 0; r < kPeerMaxRanks; ++r) {
+    p.peer_area[r] = static_cast<unsigned char*>(r < a.world ? a.peer_area[r] : nullptr);
+    if (a.world > 1 && r < a.world && (a.peer_area[r] == nullptr || reinterpret_cast<uintptr_t>(a.peer_area[r]) % 16))
+      return cudaErrorInvalidValue;
+  }
   const int grid = gemv_sm_count();
   // (the attention's smem at the largest group the roles take)
   const int attention = attention_smem_bytes<T>(kStepMaxHeadDim, kAttentionMaxGroup);
@@ -74,16 +84,22 @@ cudaError_t launch_step(const DecodeStepArgs& a, cudaStream_t stream) {
   return launch_kernel(kernel, static_cast<unsigned>(grid), step::kThreads, smem, stream, p);
 }
 
+template <bool TP>
+cudaError_t launch_format(const DecodeStepArgs& a, cudaStream_t stream) {
+  if (a.dtype == DType::kFloat16)
+    return a.zeros ? launch_step<__half, 4, 128, true, TP>(a, stream) : launch_step<__half, 4, 128, false, TP>(a, stream);
+  return a.zeros ? launch_step<__nv_bfloat16, 4, 128, true, TP>(a, stream)
+                 : launch_step<__nv_bfloat16, 4, 128, false, TP>(a, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_decode_step(const DecodeStepArgs& a, cudaStream_t stream) {
   if (device_cc_major() < 9) return cudaErrorNotSupported;
   if (a.bits != 4 || a.group_size != 128) return cudaErrorNotSupported;
   if (a.hidden % 16 != 0 || a.hidden > kStepMaxHidden || a.inter % 16 != 0 || a.n_layers < 1) return cudaErrorInvalidValue;
-  if (a.dtype == DType::kFloat16)
-    return a.zeros ? launch_step<__half, 4, 128, true>(a, stream) : launch_step<__half, 4, 128, false>(a, stream);
-  return a.zeros ? launch_step<__nv_bfloat16, 4, 128, true>(a, stream)
-                 : launch_step<__nv_bfloat16, 4, 128, false>(a, stream);
+  if (a.world > 1) return launch_format<true>(a, stream);
+  return launch_format<false>(a, stream);
 }
 
 }  // namespace woq

@@ -32,6 +32,21 @@
 // each projection's output rounded to T, the residual add rounded once, the normalised
 // value rounded before the weight multiply, SiLU and its product as the GEMV's epilogue.
 //
+// Tensor parallelism (DecodeStepParams::world > 1; the area's layout: woq_kernels.h). qkv,
+// attention and gate/up are this rank's column shares and stay local. o and down are row
+// shares: a unit's outputs are a partial sum of the whole residual stream's channels, so
+// instead of adding into h a block writes its units' partial sums, rounded to T, into row
+// `rank` of that stage's data buffer in every rank's area (plain stores to peer memory,
+// NVLink), then adds 1 to every rank's counter of (layer, stage) with release semantics at
+// system scope (cumulative over the block's stores, after a CTA barrier). A block about to
+// normalise h waits until its own counter has every block of every rank (epoch x grid x
+// world: the counters only grow, the epoch counts this area's steps) and adds the rows to
+// its copy of h: fp32 in rank order, rounded once, then rounded into h -- what the
+// kernel-per-op step computes through kernels/peer_all_reduce.py and the fused add + norm.
+// Every block thus keeps all of h in shared memory, and h in global memory is written once,
+// at the end, by block 0. One buffer a stage kind (o, down) is enough: a rank writes stage
+// s + 2's rows (the same buffer as s) only after every block of every rank has signalled
+// stage s + 1, which each block does after reading stage s's rows.
 // Deadlock freedom: one resident block per SM (checked at launch), so every block a counter
 // waits on is running or will be once the previous kernel's blocks leave; no block waits on
 // a later stage than the one it is working towards. The last block out re-arms the counters.
@@ -147,6 +162,16 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 #endif
 }
 
+// Cross-GPU ordering of the tensor-parallel stages (the area's counters).
+__device__ __forceinline__ void add_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Per layer, the pointers the step's control path reads, kept in shared memory (the kernel).
 struct LayerPointers {
   const void* w[kLinears][3];  // qweight, scales, zeros of qkv, o, gate/up, down
@@ -184,9 +209,12 @@ struct DecodeStepParams {
   int ktiles[step::kLinears];
   int groups_pad[step::kLinears];
   float eps;
+  int rank, world;                                // tensor parallelism (world 1: none)
+  unsigned char* peer_area[kPeerMaxRanks];        // each rank's step area (woq_kernels.h)
 };
 
-template <typename T, int BITS, int GROUP, bool ZEROS>
+// (TP: p.world > 1, an instantiation of its own: the single-GPU step's registers stay as they were)
+template <typename T, int BITS, int GROUP, bool ZEROS, bool TP>
 __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const DecodeStepParams p) {
 #if WOQ_STEP_SM90
   using namespace step;
@@ -324,6 +352,29 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   }
 
   if (p.stamps != nullptr && block == 0 && tid == 0) p.stamps[p.n_layers * kStages * grid] = global_timer();
+  // (tensor parallelism) this step's number in the area's sequence, from 1; read and used by
+  // thread 0 only (the last block out stores it back)
+  constexpr bool tp = TP;
+  __shared__ uint32_t epoch;
+  if (tp && tid == 0) epoch = __ldcg(reinterpret_cast<const unsigned int*>(p.peer_area[p.rank]) + kStepPeerEpoch) + 1;
+  // The area's counter of (layer, stage kind: 0 o, 1 down) in rank r's area, and the kind's
+  // rows (rank r's partial sums at row r) in this rank's.
+  auto peer_counter = [&](int r, int layer, int which) {
+    return reinterpret_cast<uint32_t*>(p.peer_area[r]) + 2 * layer + which;
+  };
+  auto peer_rows = [&](int r, int which) {
+    return reinterpret_cast<T*>(p.peer_area[r] + kStepPeerHeaderBytes + which * kStepPeerDataBytes);
+  };
+  // Wait until every block of every rank has added its rows of (layer, kind) (acquire).
+  auto wait_peers = [&](int layer, int which) {
+    if (tid == 0) {
+      const uint32_t* c = peer_counter(p.rank, layer, which);
+      const uint32_t target = epoch * static_cast<uint32_t>(grid * p.world);
+      while (static_cast<int32_t>(load_acquire_sys(c) - target) < 0) {  // (wraps past 2^32 steps)
+      }
+    }
+    __syncthreads();
+  };
 
   // Stage counters: add this block's completion (after all of its threads' stores), wait for all blocks'.
   auto counter = [&](int layer, int stage) { return p.counters + layer * kStages + stage; };
@@ -351,7 +402,29 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
   // h itself -> hs, the old value of the stage's residual adds. The weight is loaded
   // before the wait. (Fixed summation order: every block gets the same x bit for bit.)
   constexpr int kNormUnits = kStepMaxHidden / 8 / kThreads;  // 16-byte units a thread holds
-  auto norm_input = [&](const void* weight, const int* ready) {
+  // (tensor parallelism) 8 channels of h (unit u) plus the ranks' rows of a stage kind:
+  // the rows summed in fp32 in rank order and rounded, then added and rounded (the
+  // kernel-per-op step's peer all-reduce, then its residual add). hs holds h as this block's
+  // previous norm computed it.
+  auto summed_h = [&](int u, int which) {
+    float acc[8] = {};
+    const T* rows = peer_rows(p.rank, which);
+    for (int r = 0; r < p.world; ++r) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(rows + r * p.hidden) + u);
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += to_float(e[i]);
+    }
+    const uint4 old = reinterpret_cast<const uint4*>(hs)[u];
+    const T* o = reinterpret_cast<const T*>(&old);
+    uint4 out;
+    T* n = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) n[i] = from_float<T>(to_float(o[i]) + to_float(from_float<T>(acc[i])));
+    return out;
+  };
+  // (reduced >= 0, tensor parallelism: h is hs plus the rows of (reduced, which), not p.h)
+  auto norm_input = [&](const void* weight, const int* ready, int reduced, int which) {
     const uint4* w8 = static_cast<const uint4*>(weight);
     const uint4* h8 = static_cast<const uint4*>(p.h);
     const int units = p.hidden / 8;
@@ -359,12 +432,15 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
 #pragma unroll
     for (int j = 0; j < kNormUnits; ++j)
       if (tid + j * kThreads < units) wv[j] = __ldg(w8 + tid + j * kThreads);
-    wait_all(ready);
+    if (!tp || reduced < 0)
+      wait_all(ready);
+    else
+      wait_peers(reduced, which);
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < kNormUnits; ++j) {
       if (tid + j * kThreads < units) {
-        hv[j] = __ldcg(h8 + tid + j * kThreads);
+        hv[j] = !tp || reduced < 0 ? __ldcg(h8 + tid + j * kThreads) : summed_h(tid + j * kThreads, which);
         reinterpret_cast<uint4*>(hs)[tid + j * kThreads] = hv[j];
         const T* e = reinterpret_cast<const T*>(&hv[j]);
 #pragma unroll
@@ -544,9 +620,24 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     // issued side by side (done() awaits them).
     if (tid < 16) fence_async_shared();
     __syncthreads();
-    if (lane == 0)
+    if (lane == 0 && outputs != nullptr)
       for (int unit = first + warp * grid, k = warp; unit < p.n_tiles[linear]; unit += kWarps * grid, k += kWarps)
         bulk_store(outputs + unit * per_unit, smem_addr(staging[k]), per_unit * sizeof(T));
+  };
+  // (tensor parallelism) This block's staged outputs of `linear` (o or down: `which` 0 or 1,
+  // run_units without outputs) into row `rank` of the kind's rows in every rank's area, then
+  // every rank's counter of (layer, which) up by one. A unit is 16 channels: two 16-byte
+  // pieces.
+  auto publish = [&](int linear, int layer, int which) {
+    const int first = first_unit(linear);
+    const int n_units = first < p.n_tiles[linear] ? (p.n_tiles[linear] - first - 1) / grid + 1 : 0;
+    for (int i = tid; i < 2 * n_units * p.world; i += kThreads) {
+      const int r = i % p.world, piece = i / p.world, k = piece >> 1;
+      uint4* row = reinterpret_cast<uint4*>(peer_rows(r, which) + p.rank * p.hidden + 16 * (first + k * grid));
+      row[piece & 1] = reinterpret_cast<const uint4*>(staging[k])[piece & 1];
+    }
+    __syncthreads();
+    if (tid < p.world) add_release_sys(peer_counter(tid, layer, which), 1);
   };
 
   T* h = static_cast<T*>(p.h);
@@ -561,10 +652,15 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     staged[r] = from_float<T>(to_float(hs[16 * unit + r]) + to_float(from_float<T>(y)));
   };
 
+  auto rounded = [&](T* staged, int, int r, float y, float) { staged[r] = from_float<T>(y); };
+  // (heads x head_dim: the hidden size, or a rank's share of whole k-tiles: DecodeStep.supported)
+  const int o_inputs = tp ? p.ktiles[1] * KT : p.hidden;
+
   for (int layer = 0; layer < p.n_layers; ++layer) {
     // qkv = RMSNorm(h) @ Wqkv^T  (layer 0: h is the embedding, written before this kernel)
-    norm_input(table[layer].norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown));
-    run_units(0, qkv, 16, [&](T* staged, int, int r, float y, float) { staged[r] = from_float<T>(y); });
+    norm_input(table[layer].norm[0], layer == 0 ? nullptr : counter(layer - 1, kDown), tp && layer > 0 ? layer - 1 : -1,
+               1);
+    run_units(0, qkv, 16, rounded);
     done(counter(layer, kQkv));
     // attention: RoPE, the cache write, softmax(q k^T) v over the live tokens
     if (block < p.roles) {
@@ -610,11 +706,16 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
       // the last head land within a poll)
       if (p.stamps != nullptr && block == 0) p.stamps[(layer * kStages + kAttention) * grid] = global_timer();
     }
-    copy_input(p.attn, p.hidden, nullptr);
-    run_units(1, h, 16, add_to_stream);
+    copy_input(p.attn, o_inputs, nullptr);
+    if constexpr (tp) {
+      run_units(1, nullptr, 16, rounded);
+      publish(1, layer, 0);
+    } else {
+      run_units(1, h, 16, add_to_stream);
+    }
     done(counter(layer, kO));
     // act = silu(gate) * up of RMSNorm(h) @ Wgate_up^T
-    norm_input(table[layer].norm[1], counter(layer, kO));
+    norm_input(table[layer].norm[1], counter(layer, kO), tp ? layer : -1, 0);
     run_units(2, act, 8, [&](T* staged, int, int r, float gate, float up) {
       // rows 0..7 of a unit are gate, 8..15 up, of channels 8 unit + r (swiglu_column)
       if (r < 8) staged[r] = swiglu<T>(gate, up);
@@ -622,8 +723,18 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     done(counter(layer, kGateUp));
     // h += act @ Wdown^T
     copy_input(p.act, p.inter, counter(layer, kGateUp));
-    run_units(3, h, 16, add_to_stream);
+    if constexpr (tp) {
+      run_units(3, nullptr, 16, rounded);
+      publish(3, layer, 1);
+    } else {
+      run_units(3, h, 16, add_to_stream);
+    }
     done(counter(layer, kDown));
+  }
+  // (tensor parallelism) h out, the last layer's down summed in: block 0's copy
+  if (tp && block == 0) {
+    wait_peers(p.n_layers - 1, 1);
+    for (int u = tid; u < p.hidden / 8; u += kThreads) reinterpret_cast<uint4*>(h)[u] = summed_h(u, 1);
   }
 
   // The last block out re-arms the counters for the next launch (stream-ordered after this one).
@@ -631,6 +742,7 @@ __global__ void __launch_bounds__(step::kThreads, 1) decode_step_kernel(const De
     int* exits = p.counters + p.n_layers * kStages;
     if (atomic_add_acq_rel(exits, 1) == grid - 1) {
       for (int i = 0; i <= p.n_layers * kStages; ++i) p.counters[i] = 0;
+      if (tp) reinterpret_cast<uint32_t*>(p.peer_area[p.rank])[kStepPeerEpoch] = epoch;
     }
   }
 #endif

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -297,7 +298,8 @@ at::Tensor decode_step_plan(at::TensorList qweights, at::TensorList scales, at::
 void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& lengths,
                  const at::Tensor& plan, at::Tensor& qkv, at::Tensor& attn, at::Tensor& act, at::Tensor& counters,
                  at::IntArrayRef shapes, int64_t bits, int64_t group_size, bool zeros, double eps, int64_t roles, int64_t kv_heads,
-                 int64_t cache_hints, int64_t max_slots, const std::optional<at::Tensor>& stamps) {
+                 int64_t cache_hints, int64_t max_slots, const std::optional<at::Tensor>& stamps, int64_t rank,
+                 at::IntArrayRef peer_areas) {
   check(h.is_cuda() && h.is_contiguous() && h.dim() == 1 && h.scalar_type() == qkv.scalar_type() &&
             reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
         "h must be a contiguous, 16-byte aligned 1-D CUDA tensor of the activation dtype");
@@ -348,10 +350,17 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
   a.max_slots = static_cast<int>(max_slots);
   a.eps = static_cast<float>(eps);
   a.dtype = dtype_of(h);
+  check(peer_areas.size() <= woq::kPeerMaxRanks && (peer_areas.size() <= 1 || (rank >= 0 && rank < int64_t(peer_areas.size()))),
+        "peer_areas: one step area a rank (none without tensor parallelism), rank among them");
+  a.world = std::max<int>(1, static_cast<int>(peer_areas.size()));
+  a.rank = peer_areas.size() > 1 ? static_cast<int>(rank) : 0;
+  for (size_t r = 0; r < peer_areas.size(); ++r) a.peer_area[r] = reinterpret_cast<void*>(peer_areas[r]);
   const cudaError_t err = woq::launch_decode_step(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorNotSupported, "the persistent decode step runs on sm_90 with int4 g128 weights only");
   check(err != cudaErrorInvalidConfiguration, "the persistent decode step's ring does not fit the shared memory");
-  check(err != cudaErrorInvalidValue, "the persistent decode step's stamps need one column per SM");
+  check(err != cudaErrorInvalidValue,
+        "the persistent decode step's stamps need one column per SM; under tensor parallelism, 16-byte aligned "
+        "step areas and at most " + str(woq::kStepPeerMaxLayers) + " layers");
   check(err != cudaErrorCooperativeLaunchTooLarge,
         "the persistent decode step needs one resident block per SM and no more attention roles than SMs");
   check(err == cudaSuccess, std::string("decode step launch failed: ") + cudaGetErrorString(err));
@@ -475,6 +484,7 @@ int64_t constant(const std::string& name) {
       {"peer_blocks", woq::kPeerBlocks},
       {"peer_max_ranks", woq::kPeerMaxRanks},
       {"peer_signal_bytes", woq::kPeerSignalBytes},
+      {"step_peer_area_bytes", woq::kStepPeerAreaBytes},
   };
   for (const auto& [key, value] : table)
     if (name == key) return value;
@@ -602,7 +612,8 @@ TORCH_LIBRARY(woq, m) {
   m.def(
       "decode_step(Tensor(a!) h, Tensor positions, Tensor slots, Tensor lengths, Tensor plan, Tensor(b!) qkv, "
       "Tensor(c!) attn, Tensor(d!) act, Tensor(e!) counters, int[] shapes, int bits, int group_size, bool zeros, "
-      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, Tensor(f!)? stamps=None) -> ()");
+      "float eps, int roles, int kv_heads, int cache_hints, int max_slots, Tensor(f!)? stamps=None, int rank=0, "
+      "int[] peer_areas=[]) -> ()");
   m.def("dense_gemv(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);
   m.def("decode_step_counters(int n_layers) -> int", &decode_step_counters);

@@ -117,6 +117,20 @@ struct DecodeAttention {
   float scale;                // softmax scale, 1 / sqrt(head_dim)
 };
 
+// A rank's peer allocation (peer_all_reduce.cu, opened by every other rank through CUDA
+// IPC): the all-reduce's signals, its two data buffers of `capacity` bytes each, then the
+// persistent decode step's area under tensor parallelism (decode_step.cuh):
+//   [ counters: 2 a layer (o, down), uint32 | the step's epoch, uint32 | pad to 4 KiB |
+//     data, o: kPeerMaxRanks rows of kStepMaxHidden | data, down: the same ]
+// The rows are each rank's partial sums of the stage (2-byte activations).
+constexpr int kPeerMaxRanks = 8;
+constexpr int kPeerBlocks = 32;
+constexpr int64_t kPeerSignalBytes = 4096;  // >= kPeerBlocks * kPeerMaxRanks * 4, keeps the data 4 KiB aligned
+static_assert(kPeerBlocks * kPeerMaxRanks * 4 <= kPeerSignalBytes, "the signals outgrow their area");
+constexpr int kStepPeerHeaderBytes = 4096;
+constexpr int kStepPeerEpoch = kStepPeerHeaderBytes / 4 - 1;  // (u32 index; the counters are below it)
+constexpr int kStepPeerMaxLayers = kStepPeerEpoch / 2;
+
 // The persistent batch-1 decode step (decode_step.cuh): every decoder layer of a
 // Llama-family model in one kernel. Limits: hidden size up to kStepMaxHidden (a block holds
 // the normalised x in registers), head_dim up to kStepMaxHeadDim (the roles' p @ v
@@ -124,6 +138,8 @@ struct DecodeAttention {
 // its outputs of a stage in shared memory), kStepStages counters per layer (qkv,
 // attention, o, gate/up, down) and one more for the exits: decode_step_counters.
 constexpr int kStepMaxHidden = 8192;
+constexpr int64_t kStepPeerDataBytes = int64_t{kPeerMaxRanks} * kStepMaxHidden * 2;  // one stage's rows
+constexpr int64_t kStepPeerAreaBytes = kStepPeerHeaderBytes + 2 * kStepPeerDataBytes;
 constexpr int kStepMaxHeadDim = 128;
 constexpr int kStepMaxStagedUnits = 32;
 constexpr int kStepStages = 5;
@@ -170,6 +186,12 @@ struct DecodeStepArgs {
   int max_slots = 0;        // shared-memory ring slots, at most (0: as many as fit)
   float eps;
   DType dtype;
+  // Tensor parallelism (world > 1): o and down are this rank's row-parallel shares; their
+  // partial sums go to every rank's step area (peer_area[r]: rank r's, as opened in this
+  // process), whose counters order the stages across ranks. Every rank runs the same number
+  // of steps on the same number of SMs.
+  int rank = 0, world = 1;
+  void* peer_area[kPeerMaxRanks] = {};
 };
 int decode_step_counters(int n_layers);
 // cudaErrorNotSupported: not an sm_90 device, or a weight format without an instantiation
@@ -280,11 +302,8 @@ cudaError_t launch_gemm(const GemmArgs& args, cudaStream_t stream);
 cudaError_t launch_dequant(const DequantArgs& args, cudaStream_t stream);
 
 // One-shot all-reduce over peer memory (peer_all_reduce.cu: the allocation's layout and
-// the epoch protocol). kPeerBlocks blocks run every call on every rank.
-constexpr int kPeerMaxRanks = 8;
-constexpr int kPeerBlocks = 32;
-constexpr int64_t kPeerSignalBytes = 4096;  // >= kPeerBlocks * kPeerMaxRanks * 4, keeps the data 4 KiB aligned
-static_assert(kPeerBlocks * kPeerMaxRanks * 4 <= kPeerSignalBytes, "the signals outgrow their area");
+// the epoch protocol). kPeerBlocks blocks run every call on every rank. (kPeerMaxRanks and
+// the allocation's layout: above, beside the decode step's area in it.)
 enum class PeerDType { kFloat16, kBFloat16, kFloat32 };
 struct PeerBuffers {
   void* base[kPeerMaxRanks];  // each rank's allocation, opened in this process (base[rank]: its own)
