@@ -13,16 +13,15 @@ from pathlib import Path
 import torch
 
 
-class LazyTensors:
-    """A name -> tensor mapping over safetensors files, for the builder: ``pop`` reads the
-    tensor from its file (a tensor is taken once); ``in``, iteration and ``len`` cover the
-    tensors not taken yet; ``bytes_read`` is what has been read so far."""
+class TakenTensors:
+    """A name -> tensor mapping for the builder whose tensors are read from a checkpoint's
+    files when taken: ``pop`` reads a whole tensor (a tensor is taken once), ``pop_rows`` a
+    2-D slice of it; ``in``, iteration and ``len`` cover the tensors not taken yet;
+    ``bytes_read`` is what has been read so far. A format gives ``_read`` (a slice of one
+    tensor, from where ``_where`` says it is) and ``_read_whole``."""
 
-    def __init__(self, files: list[Path]):
-        from safetensors import safe_open
-
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}
+    def __init__(self, where: dict):
+        self._where = where
         self.bytes_read = 0
 
     def __contains__(self, name: object) -> bool:
@@ -37,26 +36,48 @@ class LazyTensors:
     def keys(self) -> list[str]:
         return list(self._where)
 
-    def shape(self, name: str) -> list[int]:
-        """A tensor's shape, read from its file's header (nothing of the data)."""
-        return list(self._where[name].get_slice(name).get_shape())
-
     def pop_rows(self, name: str, rows: slice | list[slice] | None = None, cols: slice | None = None) -> torch.Tensor:
         """Take the tensor as ``pop``, reading only ``rows`` x ``cols`` of it (a 2-D slice:
         a tensor-parallel rank's share; the rest stays on disk). ``rows`` may be several
         runs, read one by one and joined in order (a fused qkv share: its q, k and v rows)."""
-        view = self._where.pop(name).get_slice(name)
+        source = self._where.pop(name)
         runs = rows if isinstance(rows, list) else [rows or slice(None)]
-        pieces = [view[run, cols or slice(None)] for run in runs]
-        self.bytes_read += sum(t.numel() * t.element_size() for t in pieces)
+        pieces = [self._read(name, source, run, cols or slice(None)) for run in runs]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
 
     def pop(self, name: str, *default):
-        handle = self._where.pop(name, None)
-        if handle is None:
+        if name not in self._where:
             if default:
                 return default[0]
             raise KeyError(name)
+        return self._read_whole(name, self._where.pop(name))
+
+    def _read(self, name: str, source, rows: slice, cols: slice) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _read_whole(self, name: str, source) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LazyTensors(TakenTensors):
+    """The tensors of safetensors files (``TakenTensors``)."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        super().__init__({name: h for h in self._handles for name in h.keys()})
+
+    def shape(self, name: str) -> list[int]:
+        """A tensor's shape, read from its file's header (nothing of the data)."""
+        return list(self._where[name].get_slice(name).get_shape())
+
+    def _read(self, name: str, handle, rows: slice, cols: slice) -> torch.Tensor:
+        t = handle.get_slice(name)[rows, cols]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _read_whole(self, name: str, handle) -> torch.Tensor:
         t: torch.Tensor = handle.get_tensor(name)
         self.bytes_read += t.numel() * t.element_size()
         return t

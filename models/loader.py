@@ -3,7 +3,8 @@
 Accepted sources:
 * ``smollm2-135m-instruct`` (the default): fetched once into the cache (``models/fetch.py``);
 * a Hugging Face directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer;
-* a ``.gguf`` file, through transformers' ``gguf_file=`` loader.
+* a ``.gguf`` file: its config and tokenizer through transformers' ``gguf_file=`` loader,
+  its tensors read one by one as the builder takes them (``models/gguf_tensors.py``).
 Nothing is ever fetched from a model hub.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
 from .importers import import_quantized, quantization_config
+from .gguf_tensors import GgufTensors
 from .lazy_tensors import LazyTensors
 from .llama import CausalLM
 from .sharding import TensorParallel
@@ -82,9 +84,10 @@ def read_safetensors(directory: Path) -> LazyTensors:
 
 def read_checkpoint(directory: Path, gguf_file: str | None):
     """HF config, tokenizer, state dict (HF tensor names; from safetensors files a
-    ``LazyTensors``, read as the builder takes each tensor) and the already quantized
+    ``LazyTensors``, from a GGUF file a ``GgufTensors``: each tensor read as the builder
+    takes it) and the already quantized
     linears (a woq checkpoint's, or a GPTQ/AWQ checkpoint's imported) from local files."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     kw = dict(local_files_only=True)
     if gguf_file:
@@ -100,9 +103,7 @@ def read_checkpoint(directory: Path, gguf_file: str | None):
         raise ModelSourceError(f"cannot read the model in {directory / (gguf_file or '')}: {first}") from exc
     quantized: dict = {}
     if gguf_file:
-        state = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kw).state_dict()
-        if getattr(config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
+        state = GgufTensors(directory / gguf_file, config)
     elif is_woq_checkpoint(directory):
         state, quantized, meta = read_woq(directory)
         log.info("woq checkpoint: %s", meta.get("quantizer"))

@@ -25,16 +25,20 @@ FED = [3, 250, 66, 410, 8, 199, 31, 500, 12, 77, 140]  # decode inputs (varied c
 def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
     """The model (``tp``: a rank's shard) and the checkpoint bytes read to build it: from the
     file's tensors read up front, or (``lazy``) as the builder takes them, a rank reading
-    only its share of each; a woq or GPTQ/AWQ checkpoint (already quantized) always lazily."""
+    only its share of each; a woq or GPTQ/AWQ checkpoint (already quantized) or a GGUF file
+    always lazily."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from woq.models.checkpoint import is_woq_checkpoint, read_checkpoint
     from woq.models.importers import import_quantized, quantization_config
+    from woq.models.loader import read_checkpoint as read_source
     from woq.models.loader import read_safetensors
 
-    quantized, config = {}, AutoConfig.from_pretrained(ckpt)
-    if is_woq_checkpoint(ckpt):
+    quantized, config = {}, None if ckpt.suffix == ".gguf" else AutoConfig.from_pretrained(ckpt)
+    if ckpt.suffix == ".gguf":
+        config, _, state, _ = read_source(ckpt.parent, ckpt.name)
+    elif is_woq_checkpoint(ckpt):
         state, quantized, _ = read_checkpoint(ckpt)
     elif (qc := quantization_config(ckpt, config)) is not None:
         state = read_safetensors(ckpt)
@@ -81,12 +85,13 @@ def _check_ranks(tmp_path, ckpt, size, quantize_lm_head, lazy, read_share):
     greedy ones too), with logits within fp32 rounding of its own, holding its share of the
     vocabulary; lazily, a rank reads less than ``read_share`` of the whole model's bytes."""
     whole, whole_read = _build(ckpt, None, quantize_lm_head, lazy=True)
+    vocab = whole.cfg.vocab_size
     want_tokens, want_logits = _next_tokens(whole)
     mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head, lazy), nprocs=size,
              join=True)
     for rank in range(size):
         tokens, logits, rows, read, greedy = torch.load(tmp_path / f"rank{rank}.pt")
-        assert rows == (512 // size, 512 // size)  # (the tiny model's vocabulary: 512)
+        assert rows == (vocab // size, vocab // size)
         assert greedy == want_tokens  # (each rank's best gathered, not the logits)
         if lazy:
             assert read < whole_read * read_share, (rank, read, whole_read)
@@ -310,6 +315,16 @@ def test_tensor_parallel_ranks_read_their_share_of_a_woq_checkpoint(tmp_path, sm
     ckpt = save_checkpoint(whole, AutoConfig.from_pretrained(dense), AutoTokenizer.from_pretrained(smollm2_dir),
                            tmp_path / "woq", "tiny", {"method": "rtn"})
     _check_ranks(tmp_path, ckpt, size, False, True, read_share)
+
+
+def test_tensor_parallel_ranks_read_their_share_of_a_gguf_file(tmp_path):
+    """From a GGUF file -- the default model's: Q4_1 linears, a tied Q8_0 embedding, 9 query
+    heads over 3 KV heads (split unevenly) -- two ranks pick the whole model's tokens, each
+    reading only its rows and columns of the file's blocks (``GgufTensors``): under 0.6 of
+    what the whole model reads."""
+    from woq.models.fetch import fetch_default_gguf
+
+    _check_ranks(tmp_path, fetch_default_gguf(), 2, False, True, 0.6)
 
 
 @pytest.mark.parametrize("method,bits,act_order,size,read_share",

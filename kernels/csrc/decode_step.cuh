@@ -59,6 +59,7 @@
 #include "attention.cuh"
 #include "gemv.cuh"
 #include "launch.cuh"
+#include "peer_sync.cuh"
 #include "woq_kernels.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -160,16 +161,6 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 #if WOQ_STEP_SM90
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 #endif
-}
-
-// Cross-GPU ordering of the tensor-parallel stages (the area's counters).
-__device__ __forceinline__ void add_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 // Per layer, the pointers the step's control path reads, kept in shared memory (the kernel).

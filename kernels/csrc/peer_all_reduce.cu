@@ -29,22 +29,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "peer_sync.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
 namespace {
 
 constexpr int kPeerThreads = 512;
-
-__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
