@@ -26,6 +26,7 @@ from .lazy_tensors import TakenTensors
 
 
 def _field(reader, key: str):
+    """A metadata field's value: its string, or its first number."""
     field = reader.fields[key]
     value = field.parts[field.data[0]]
     return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value[0]

@@ -1,4 +1,5 @@
-"""The tensors of a checkpoint's safetensors files, each read when a layer takes it.
+"""A checkpoint's tensors, each read when a layer takes it (``TakenTensors``); here those of
+safetensors files (``LazyTensors``; a GGUF file's: ``gguf_tensors.py``).
 
 Reading every tensor up front holds a model's whole weight in host memory before its first
 layer is built -- some 16 GB for an 8B fp16 checkpoint, 140 GB for a 70B one, and that in
