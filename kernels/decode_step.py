@@ -61,7 +61,7 @@ class DecodeStep:
         self.zeros = qkv0.zeros is not None
         self.eps, self.roles, self.kv_heads = eps, kv_heads * shares, kv_heads
         self.cache_hints, self.ring_slots = options.cache_hints, options.ring_slots
-        self.rank, self.peer_areas = rank, list(peer_areas) if len(peer_areas) > 1 else []
+        self.rank, self.peer_areas = rank, list(peer_areas)
         self.qkv = torch.empty(qkv0.N, device=device, dtype=dtype)
         self.attn = torch.empty(heads * head_dim, device=device, dtype=dtype)
         self.act = torch.empty(down0.K, device=device, dtype=dtype)

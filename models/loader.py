@@ -24,8 +24,8 @@ from .builder import QuantConfig, build_model
 from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
-from .importers import import_quantized, quantization_config
 from .gguf_tensors import GgufTensors
+from .importers import import_quantized, quantization_config
 from .lazy_tensors import LazyTensors
 from .llama import CausalLM
 from .sharding import TensorParallel
@@ -85,8 +85,8 @@ def read_safetensors(directory: Path) -> LazyTensors:
 def read_checkpoint(directory: Path, gguf_file: str | None):
     """HF config, tokenizer, state dict (HF tensor names; from safetensors files a
     ``LazyTensors``, from a GGUF file a ``GgufTensors``: each tensor read as the builder
-    takes it) and the already quantized
-    linears (a woq checkpoint's, or a GPTQ/AWQ checkpoint's imported) from local files."""
+    takes it) and the already quantized linears (a woq checkpoint's, or a GPTQ/AWQ
+    checkpoint's imported) from local files."""
     from transformers import AutoConfig, AutoTokenizer
 
     kw = dict(local_files_only=True)

@@ -35,16 +35,17 @@ def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
     from woq.models.loader import read_checkpoint as read_source
     from woq.models.loader import read_safetensors
 
-    quantized, config = {}, None if ckpt.suffix == ".gguf" else AutoConfig.from_pretrained(ckpt)
     if ckpt.suffix == ".gguf":
-        config, _, state, _ = read_source(ckpt.parent, ckpt.name)
-    elif is_woq_checkpoint(ckpt):
-        state, quantized, _ = read_checkpoint(ckpt)
-    elif (qc := quantization_config(ckpt, config)) is not None:
-        state = read_safetensors(ckpt)
-        quantized = import_quantized(state, qc, config)
+        config, _, state, quantized = read_source(ckpt.parent, ckpt.name)
     else:
-        state = read_safetensors(ckpt) if lazy else load_file(str(ckpt / "model.safetensors"))
+        config, quantized = AutoConfig.from_pretrained(ckpt), {}
+        if is_woq_checkpoint(ckpt):
+            state, quantized, _ = read_checkpoint(ckpt)
+        elif (qc := quantization_config(ckpt, config)) is not None:
+            state = read_safetensors(ckpt)
+            quantized = import_quantized(state, qc, config)
+        else:
+            state = read_safetensors(ckpt) if lazy else load_file(str(ckpt / "model.safetensors"))
     model = build_model(config, state,
                         QuantConfig("int4", 32, quantize_lm_head=quantize_lm_head), torch.float32, "cpu", 64,
                         progress=False, prequantized=quantized, tp=tp)
