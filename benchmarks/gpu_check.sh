@@ -6,8 +6,8 @@
 # machine: benchmarks/ab_files.sh)
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
-#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged engineload
-#               dashboard tune
+#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget paged pacing
+#               engineload dashboard tune
 #   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
 #               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`), tp70b (4 GPUs)
 #   results:    docs (run here, not on the GPU machine: copies the fetched results over
@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take shared GPUs out
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place gemv_in_place_server sampling_cost paged_serving step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place gemv_in_place_server sampling_cost paged_serving paged_serving_pacing step_budget engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -72,6 +72,8 @@ for stage in "$@"; do
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
+    pacing)  # prompt chunks paced by step times (--mixed-step-ratio) against the token budget alone, one machine
+      run pacing bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'budget=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'paced2=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --mixed-step-ratio 2 --log-level warning' --workloads c1,p515_c16,p515_c64,mixed_c128 --out $OUT --name paged_serving_pacing" ;;
     tp)  # (tp1-per-op: one GPU through a kernel per op, the 8B greedy check's noise floor)
       sizes=$($PY -c "import torch; n = torch.cuda.device_count(); print(','.join(str(s) for s in (1, 2, 4) if s <= n))")
       servers=""; for s in ${sizes//,/ }; do servers="$servers --server tp$s=--tensor-parallel-size=$s"; done

@@ -45,13 +45,15 @@ class Graph:
     timing: KernelTiming | None = None  # (the one that recorded the calls)
 
     def replay(self) -> torch.Tensor:
-        """Replay the graph (one replay in ``timing.sample_every``: its timed twin); its output."""
-        if self.twin is not None and self.timing.take_timed(self.twin_calls):
+        """Replay the graph (one replay in ``timing.sample_every``: its timed twin); its output.
+        Replays inside ``timing.quiet()`` (the engine timing its steps at start) are not counted."""
+        counted = self.timing is not None and not self.timing.quieted
+        if counted and self.twin is not None and self.timing.take_timed(self.twin_calls):
             self.twin.replay()
             self.timing.timed_replayed(self.twin_calls)
             return self.twin_out
         self.graph.replay()
-        if self.calls is not None:
+        if counted and self.calls is not None:
             self.calls.replayed()
         return self.out
 

@@ -52,6 +52,7 @@ prompt starts from the cached blocks of its leading run (``kv_blocks.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -63,7 +64,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..models.batches import Decode, Prefill
+from ..models.batches import TILE_TOKENS, Decode, Prefill
 from ..models.kv_cache import KVCache
 from .kv_blocks import BlockPool
 from .kv_space import KVSpace, SequenceBlocks
@@ -73,6 +74,7 @@ from .detokenizer import TextStream
 from .grammar import GrammarMatchers
 from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
 from .sampling import SamplingParams, greedy
+from .step_pacing import StepTimes, measure
 from .tensor_parallel import Leader
 
 log = logging.getLogger("woq.engine")
@@ -82,6 +84,9 @@ log = logging.getLogger("woq.engine")
 # to it costs its GPU time, a larger one is eager and host-bound on top (the measured curve
 # and the budgets tried: docs/design/kv_cache.md).
 DEFAULT_PREFILL_TOKENS = 512
+# A paced step's fewest prompt tokens (``step_pacing.py``), so that a prompt always
+# progresses: one query tile of the chunk kernel.
+PACED_LEAST_TOKENS = TILE_TOKENS
 
 
 class QueueFullError(RuntimeError):
@@ -230,13 +235,17 @@ class Engine:
         kv_cache_gib: float = 1.0,
         block_size: int = 16,
         prefix_caching: bool = True,
+        mixed_step_ratio: float = 0.0,
         mirror: Leader | None = None,
     ):
         """``max_num_seqs``: sequences running at once (default 256 on CUDA, 64 elsewhere);
         the KV pool: on CUDA ``gpu_memory_fraction`` of the GPU (``kv_blocks_for_budget``),
         elsewhere ``kv_cache_gib``; never more blocks than ``max_num_seqs`` sequences of
-        ``max_seq_len`` positions could hold. ``mirror``: on rank 0 of a tensor-parallel
-        group, what announces each model call to the other ranks (``tensor_parallel.py``)."""
+        ``max_seq_len`` positions could hold. ``mixed_step_ratio``: while sequences decode,
+        a step's prompt chunks are bounded so that it takes at most this many of their
+        decode steps, by step times measured here (``step_pacing.py``; 0: the token budget
+        alone). ``mirror``: on rank 0 of a tensor-parallel group, what announces each model
+        call to the other ranks (``tensor_parallel.py``)."""
         if mirror is not None:
             model = mirror.lead(model)
         self.model = model
@@ -293,6 +302,11 @@ class Engine:
             # Greedy sampling's argmax (Triton, kernels/argmax.py) runs outside the graphs, on
             # fp32 logits: compile it now rather than in the first request's first token.
             greedy(torch.zeros(1, cfg.vocab_size, device=model.device))
+        self.mixed_step_ratio = mixed_step_ratio
+        self.step_times: StepTimes | None = None
+        if mixed_step_ratio:
+            self.step_times = self._measure_steps()
+            log.info("step times: %s", self.step_times.summary())
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -471,6 +485,12 @@ class Engine:
         prefix is not prefilled again); the last one taken may get only a chunk of its
         context."""
         chunks, budget = [], max(self.max_prefill_tokens - decoding, self.max_prefill_tokens // 4, 1)
+        # Paced (step_pacing.py): running streams wait for this step, so its time is bounded
+        # by theirs. A prefill of its own, between a decode step queued ahead and the next,
+        # is paced as if it carried their tokens.
+        streams = decoding or len(self.running)
+        if streams and self.step_times is not None:
+            budget = min(budget, self.step_times.prompt_tokens(streams, self.mixed_step_ratio, PACED_LEAST_TOKENS))
         for seq in self.prefilling:
             if budget == 0:
                 break
@@ -493,6 +513,32 @@ class Engine:
             chunks.append((seq, seq.prefilled, n))
             budget -= n
         return chunks
+
+    def _measure_steps(self) -> StepTimes:
+        """The time of a decode step at every batch size the engine pads to and of a packed
+        step at every token count (``step_pacing.measure``), run as the engine runs them
+        (graph replays where it has graphs) on the scratch row: every entry of row
+        ``max_num_seqs`` is the scratch block, which no sequence holds. Not counted in the
+        kernel metrics."""
+        from .cuda_graphs import batch_buckets, prefill_buckets
+
+        dev, scratch = self.model.device, self.max_num_seqs
+
+        def decode(b: int) -> torch.Tensor:
+            ids = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            positions = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            slots = torch.full((b,), scratch, dtype=torch.long, device=dev)
+            if self.graphs is not None:
+                return self.graphs.run(ids, positions, slots)
+            return self.decode(ids, Decode.at(positions, slots))
+
+        def packed(t: int) -> torch.Tensor:
+            return self._packed_forward([0] * t, [t], [scratch], [0])
+
+        timing = self.model.kernel_timing
+        with timing.quiet() if timing is not None else contextlib.nullcontext():
+            return measure(decode, packed, batch_buckets(self.max_num_seqs),
+                           prefill_buckets(min(self.max_prefill_tokens, self.max_seq_len)), dev)
 
     def _shares_a_block_being_prefilled(self, context: list[int]) -> bool:
         """Whether a sequence being prefilled shares with ``context`` the full block after its

@@ -297,6 +297,11 @@ class KernelTiming:
                     batch, start, end = c.step
                     self.observer.record_step(batch, start.elapsed_time(end) / 1e3, c.weight_bytes())
 
+    @property
+    def quieted(self) -> bool:
+        """Inside ``quiet``: graph replays are not counted either (``cuda_graphs.Graph``)."""
+        return self._quiet > 0
+
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
         """Calls made inside are neither counted nor timed (warm-up runs, not served work)."""

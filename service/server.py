@@ -77,7 +77,8 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None, rank
                     cuda_graphs=settings.cuda_graphs, prefill_graphs=settings.prefill_graphs,
                     gpu_memory_fraction=settings.gpu_memory_fraction, kv_cache_gib=settings.kv_cache_gib,
                     block_size=settings.block_size, prefix_caching=settings.prefix_caching,
-                    mirror=None if ranks is None else ranks.leader, **budget).start()
+                    mixed_step_ratio=settings.mixed_step_ratio, mirror=None if ranks is None else ranks.leader,
+                    **budget).start()
     metrics.bind_engine(engine)
     return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
                        api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,

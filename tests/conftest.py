@@ -74,13 +74,16 @@ def smollm2_int4(smollm2_dir):
 
 
 class PrefillCounter:
-    """An engine observer that adds up the prompt tokens prefilled (and ignores the rest)."""
+    """An engine observer that adds up the prompt tokens prefilled and keeps each step's
+    (decode batch, prompt tokens) (and ignores the rest)."""
 
     def __init__(self):
         self.prefill_tokens = 0
+        self.steps: list[tuple[int, int]] = []
 
     def on_step(self, batch_size, prefill_tokens):
         self.prefill_tokens += prefill_tokens
+        self.steps.append((batch_size, prefill_tokens))
 
     def on_preempt(self):
         pass

@@ -1,0 +1,90 @@
+"""Prompt chunks paced by measured step times, so that running streams keep their pace.
+
+While sequences decode, a waiting prompt rides in their step (``Engine._mixed_step``), and
+every running stream waits for that whole step before its next token. A step of a few
+decode tokens and a 512-token chunk takes 4-5 decode steps on an H100 (8B int4:
+docs/bench/step_budget.md), so a fixed token budget makes a stream's inter-token latency
+jump whenever a prompt arrives. Pacing bounds the prompt tokens of such a step instead by
+time: the step may take at most ``ratio`` decode steps of the same batch, as measured when
+the engine starts (``measure``: every decode batch size and packed token count the engine
+pads to, timed as the engine runs them: graph replays where it has graphs, with their host
+preparation). A prompt then goes in as many steps as that takes; with nothing decoding,
+it still takes the whole token budget (no stream waits for it).
+
+The chunk is rounded up to fill its padded size: a packed step of D decode tokens and T
+prompt tokens costs the step of its bucket (``cuda_graphs.prefill_buckets``), so the
+largest bucket within the time is taken whole. At least ``least`` prompt tokens go in
+every step, so that a prompt always progresses: a batch too large for any bucket within
+the time gets the smallest bucket that holds it and them.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of one engine step: ``decode[b]``, a decode step padded to ``b`` sequences;
+    ``packed[t]``, a packed step (prompt chunks and decode tokens) padded to ``t`` tokens."""
+
+    decode: dict[int, float]
+    packed: dict[int, float]
+
+    def decode_seconds(self, batch: int) -> float:
+        """A decode step of ``batch`` sequences: that of the padded size holding it (the
+        largest measured beyond them)."""
+        return self.decode[min((b for b in self.decode if b >= batch), default=max(self.decode))]
+
+    def prompt_tokens(self, decoding: int, ratio: float, least: int) -> int:
+        """Prompt tokens for a step beside ``decoding`` decode tokens, such that the step
+        takes at most ``ratio`` decode steps of that batch: the largest padded size within
+        that time, less the decode tokens; at least ``least`` (the smallest padded size
+        holding ``decoding + least``, or ``least`` past every measured size)."""
+        holding = sorted(t for t in self.packed if t >= decoding + least)
+        if not holding:
+            return least
+        limit = ratio * self.decode_seconds(decoding)
+        within = [t for t in holding if self.packed[t] <= limit]
+        return (within[-1] if within else holding[0]) - decoding
+
+    def summary(self) -> str:
+        ms = lambda d: ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in sorted(d.items()))  # noqa: E731
+        return f"decode step ms by batch {{{ms(self.decode)}}}; packed step ms by tokens {{{ms(self.packed)}}}"
+
+
+def timed_seconds(run: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """The shortest wall time of ``run()`` in ``repeats`` after one untimed call, the device
+    synchronized around each (a step's host preparation and its device time, as the engine
+    waits for its tokens). The shortest, not the median: what else runs on the machine
+    only adds time, and a start-up measurement must not take that for the step's cost."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    run()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _rising(times: dict[int, float]) -> dict[int, float]:
+    """``times`` by size, each raised to the largest time of the smaller sizes: a padded
+    step does the work of every smaller one, so a lower reading is noise."""
+    out, most = {}, 0.0
+    for size in sorted(times):
+        most = max(most, times[size])
+        out[size] = most
+    return out
+
+
+def measure(decode: Callable[[int], object], packed: Callable[[int], object], batches: list[int],
+            tokens: list[int], device: torch.device) -> StepTimes:
+    """Time ``decode(b)`` for every batch size and ``packed(t)`` for every token count."""
+    return StepTimes(_rising({b: timed_seconds(lambda: decode(b), device) for b in batches}),
+                     _rising({t: timed_seconds(lambda: packed(t), device) for t in tokens}))

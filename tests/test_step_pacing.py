@@ -1,0 +1,149 @@
+"""Prompt chunks paced by measured step times (``engine/step_pacing.py``): the choice
+against a brute-force search, and an engine on the real SmolLM2 whose mixed steps keep
+within it while its tokens stay those of an unpaced engine."""
+import random
+import threading
+
+import pytest
+import torch
+
+from woq.engine.cuda_graphs import prefill_buckets
+from woq.engine.engine import PACED_LEAST_TOKENS, Engine
+from woq.engine.sampling import SamplingParams
+from woq.engine.step_pacing import StepTimes
+from woq.kernels.observe import KernelTiming
+
+from conftest import PrefillCounter, random_llama
+
+
+def _brute_force(times: StepTimes, decoding: int, ratio: float, least: int) -> int:
+    """Every prompt token count T from ``least`` up, priced as the padded step that holds
+    ``decoding + T`` tokens: the largest within ``ratio`` decode steps of the batch, else
+    the cheapest one that fits (T = ``least``, rounded up to fill its padded step)."""
+    sizes = sorted(times.packed)
+    padded = lambda n: next((t for t in sizes if t >= n), None)  # noqa: E731
+    decode = times.decode[next((b for b in sorted(times.decode) if b >= decoding), max(times.decode))]
+    fits = [T for T in range(least, sizes[-1] + 1) if padded(decoding + T) is not None]
+    if not fits:
+        return least
+    within = [T for T in fits if times.packed[padded(decoding + T)] <= ratio * decode]
+    if within:
+        return max(within)
+    return padded(decoding + least) - decoding
+
+
+def test_paced_prompt_tokens_are_the_largest_padded_step_within_the_time():
+    """On random monotone and non-monotone step-time curves over the engine's padded sizes
+    (and on the measured H100 curve of docs/bench/step_budget.md), the chosen prompt tokens
+    equal a brute-force search over every token count."""
+    rng = random.Random(0)
+    cases = []
+    # H100, 8B int4 graph replays: decode steps by batch, packed steps of prompt tokens alone
+    h100 = StepTimes({1: 2.44e-3, 16: 4.07e-3, 64: 6.95e-3, 128: 11.25e-3},
+                     {16: 4.54e-3, 64: 5.41e-3, 128: 6.55e-3, 256: 10.28e-3, 384: 14.39e-3, 448: 16.58e-3,
+                      512: 17.30e-3})
+    cases += [(h100, d, r) for d in (1, 2, 16, 17, 64, 100, 128, 300, 500) for r in (1.0, 1.5, 2.0, 3.0, 10.0)]
+    # a padded step of exactly the allowed time is within it
+    cases += [(StepTimes({1: 1.0, 4: 1.25}, {16: 1.5, 32: 2.0, 64: 2.5}), d, 2.0) for d in (1, 3, 4)]
+    for _ in range(300):
+        batches = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128, 256], rng.randint(1, 6)))
+        tokens = prefill_buckets(rng.choice([16, 64, 100, 128, 300, 512]))
+        base = rng.uniform(1e-3, 5e-3)
+        monotone = rng.random() < 0.7
+        decode = {b: base * (1 + 0.01 * b) * (1 if monotone else rng.uniform(0.5, 2)) for b in batches}
+        packed = {t: base * (1 + 0.03 * t) * (1 if monotone else rng.uniform(0.5, 2)) for t in tokens}
+        times = StepTimes(decode, packed)
+        cases += [(times, rng.randint(1, 300), rng.uniform(0.5, 4.0))]
+    for times, decoding, ratio in cases:
+        got = times.prompt_tokens(decoding, ratio, PACED_LEAST_TOKENS)
+        assert got == _brute_force(times, decoding, ratio, PACED_LEAST_TOKENS), (times, decoding, ratio)
+        assert got >= PACED_LEAST_TOKENS
+
+
+def _complete(engine: Engine, prompt: list[int], params: SamplingParams, started: threading.Event | None = None):
+    """Submit ``prompt``; a list that fills with its token ids, and the event of its end."""
+    out, done = [], threading.Event()
+
+    def sink(ev):
+        out.extend(ev.token_ids)
+        if started is not None:
+            started.set()
+        if ev.finish_reason:
+            done.set()
+
+    engine.submit(prompt, params, sink)
+    return out, done
+
+
+@pytest.mark.slow
+def test_a_prompt_arriving_beside_a_stream_is_paced_and_the_tokens_do_not_change(smollm2_int4):
+    """A 150-token prompt arrives while another request decodes, in an engine paced to one
+    decode step (ratio 1) with a token budget of 128: every step that carries prompt tokens
+    beside the stream takes no more than the measured curve allows, the prompt goes in
+    several such steps, and both requests get the greedy tokens of an unpaced engine."""
+    lm = smollm2_int4
+    tok = lm.tokenizer
+    short = tok("List the planets:")["input_ids"]
+    long = (tok("Some background first. " * 40)["input_ids"])[:150]
+    assert len(long) == 150
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(max_num_seqs=2, max_seq_len=256, max_prefill_tokens=128)
+
+    plain = Engine(lm.model, tok, {tok.eos_token_id}, **kw).start()
+    try:
+        want = []
+        for p in (short, long):
+            out, done = _complete(plain, p, params)
+            assert done.wait(120)
+            want.append(out)
+    finally:
+        plain.shutdown()
+
+    seen = PrefillCounter()
+    paced = Engine(lm.model, tok, {tok.eos_token_id}, mixed_step_ratio=1.0, observer=seen, **kw)
+    times = paced.step_times
+    assert sorted(times.decode) == [1, 2] and sorted(times.packed) == prefill_buckets(128)
+    # (physics, not the code: 64 prompt tokens take longer than one token's step on a CPU)
+    assert times.packed[64] > times.decode_seconds(1)
+    limit = times.prompt_tokens(1, 1.0, PACED_LEAST_TOKENS)
+    assert limit < 64 - 1  # so the 128-token budget alone would take more
+    paced.start()
+    try:
+        started = threading.Event()
+        first, first_done = _complete(paced, short, params, started)
+        assert started.wait(120)
+        second, second_done = _complete(paced, long, params)
+        assert first_done.wait(120) and second_done.wait(120)
+    finally:
+        paced.shutdown()
+    assert [first, second] == want
+    assert seen.steps[0] == (1, len(short))  # (the first prompt's prefill, and its first decode step)
+    beside = [p for b, p in seen.steps[1:] if b == 1 and p > 0]
+    assert beside and all(p <= limit for p in beside), (limit, seen.steps)
+    assert sum(beside) == len(long) and len(beside) >= -(-len(long) // limit)
+
+
+def test_timing_the_steps_at_start_counts_no_kernel_call():
+    """The engine's start-up step timings run the model's layers, but the kernel metrics
+    (``KernelTiming``) count no call of them: they are not served work."""
+    class Calls:
+        def __init__(self):
+            self.n = 0
+
+        def count(self, call, n):
+            self.n += n
+
+        def time(self, call, seconds):
+            pass
+
+        def record_step(self, batch, seconds, weight_bytes):
+            pass
+
+    model = random_llama(torch.float32, "cpu", 128)
+    calls = Calls()
+    model.observe_kernels(KernelTiming(calls))
+    engine = Engine(model, None, set(), max_num_seqs=2, max_seq_len=128, max_prefill_tokens=64, mixed_step_ratio=2.0)
+    assert engine.step_times is not None and calls.n == 0
+    # the same forward outside the engine's timing is counted (the observer sees the layers)
+    engine._packed_forward([0] * 16, [16], [2], [0])
+    assert calls.n > 0
