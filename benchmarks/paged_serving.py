@@ -47,6 +47,9 @@ WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), out
 }
 
 
+PLOTTED = ("c1", "p515", "mixed")  # (the workloads drawn against concurrency: one prompt shape each level)
+
+
 def start(name: str, args: str) -> tuple[subprocess.Popen, str]:
     return start_server(args.split(), Path(f"/tmp/paged_serving_{name}.log"))
 
@@ -128,8 +131,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, server in result["servers"].items():
-        rows = [(w["clients"], w) for k, w in server["workloads"].items() if k.startswith(("p515", "mixed", "c1"))
-                and "clients" in w]
+        rows = [(w["clients"], w) for k, w in server["workloads"].items() if k.startswith(PLOTTED) and "clients" in w]
         rows.sort(key=lambda x: x[0])
         if not rows:
             continue
@@ -140,8 +142,10 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("concurrent clients")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{result['gpu']}: prompts of 128 tokens at 1 client, 515 at 16 and 64, 100-4,000 at 128 and 256",
-                 fontsize=9)
+    ran = {k for server in result["servers"].values() for k in server["workloads"]}
+    plotted = [k for k in WORKLOADS if k.startswith(PLOTTED) and k in ran]
+    shapes = ", ".join(f"{'-'.join(map(str, sorted(set(WORKLOADS[k][2]))))} ({WORKLOADS[k][0]})" for k in plotted)
+    fig.suptitle(f"{result['gpu']}: prompt tokens (clients): {shapes}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

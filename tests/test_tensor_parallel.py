@@ -194,14 +194,17 @@ def test_serve_tensor_parallel_gives_the_single_process_completions(tmp_path, sm
     """``woq serve --tensor-parallel-size 2`` (rank 0 serving HTTP and starting rank 1, gloo)
     completes requests that join and leave the batch at different steps -- prefill mixed
     with decode, two choices of one prompt (a block copy), the ranks following every step
-    -- with the completions of one process."""
+    -- with the completions of one process. Both servers pace prompt chunks
+    (``--mixed-step-ratio``): rank 0 times its steps at start-up through calls that it
+    announces and rank 1 follows."""
     from conftest import LiveServer
 
     ckpt = _servable(tmp_path, smollm2_dir, hidden_size=128, intermediate_size=128)
     prompts = [PROMPT, FED, PROMPT[::-1] + FED[:3]]
     lengths = [32, 9, 20]
     args = ["--model", str(ckpt), "--served-model-name", "tiny", "--quant", "int4", "--group-size", "32",
-            "--max-seq-len", "64", "--dtype", "float32", "--cache", str(tmp_path / "cache")]
+            "--max-seq-len", "64", "--dtype", "float32", "--cache", str(tmp_path / "cache"),
+            "--mixed-step-ratio", "1"]
     texts = {}
     for size in (1, 2):
         server = LiveServer(*args, "--tensor-parallel-size", str(size))
