@@ -74,7 +74,7 @@ from .detokenizer import TextStream
 from .grammar import GrammarMatchers
 from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
 from .sampling import SamplingParams, greedy
-from .step_pacing import StepTimes, measure
+from .step_pacing import Pacing, StepTimes, measure
 from .tensor_parallel import Leader
 
 log = logging.getLogger("woq.engine")
@@ -243,8 +243,8 @@ class Engine:
         elsewhere ``kv_cache_gib``; never more blocks than ``max_num_seqs`` sequences of
         ``max_seq_len`` positions could hold. ``mixed_step_ratio``: while sequences decode,
         a step's prompt chunks are bounded so that it takes at most this many of their
-        decode steps, by step times measured here (``step_pacing.py``; 0: the token budget
-        alone). ``mirror``: on rank 0 of a tensor-parallel group, what announces each model
+        decode steps, by step times measured here, unless prompts arrive faster than that
+        lets them in (``step_pacing.py``; 0: the token budget alone). ``mirror``: on rank 0 of a tensor-parallel group, what announces each model
         call to the other ranks (``tensor_parallel.py``)."""
         if mirror is not None:
             model = mirror.lead(model)
@@ -302,11 +302,11 @@ class Engine:
             # Greedy sampling's argmax (Triton, kernels/argmax.py) runs outside the graphs, on
             # fp32 logits: compile it now rather than in the first request's first token.
             greedy(torch.zeros(1, cfg.vocab_size, device=model.device))
-        self.mixed_step_ratio = mixed_step_ratio
-        self.step_times: StepTimes | None = None
+        self.pacing: Pacing | None = None
         if mixed_step_ratio:
-            self.step_times = self._measure_steps()
-            log.info("step times: %s", self.step_times.summary())
+            times = self._measure_steps()
+            log.info("step times: %s", times.summary())
+            self.pacing = Pacing(times, mixed_step_ratio, PACED_LEAST_TOKENS)
         self.steps = 0
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -404,6 +404,8 @@ class Engine:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
             self.waiting.append(seq)
             self.by_id[rid] = seq
+            if self.pacing is not None:
+                self.pacing.arrived(len(prompt_ids))
             self._cv.notify_all()
         return rid
 
@@ -489,8 +491,10 @@ class Engine:
         # by theirs. A prefill of its own, between a decode step queued ahead and the next,
         # is paced as if it carried their tokens.
         streams = decoding or len(self.running)
-        if streams and self.step_times is not None:
-            budget = min(budget, self.step_times.prompt_tokens(streams, self.mixed_step_ratio, PACED_LEAST_TOKENS))
+        if self.pacing is not None:
+            self.pacing.step()  # (called once an iteration: every iteration runs a step)
+            if streams:
+                budget = min(budget, self.pacing.prompt_tokens(streams))
         for seq in self.prefilling:
             if budget == 0:
                 break

@@ -16,9 +16,18 @@ prompt tokens costs the step of its bucket (``cuda_graphs.prefill_buckets``), so
 largest bucket within the time is taken whole. At least ``least`` prompt tokens go in
 every step, so that a prompt always progresses: a batch too large for any bucket within
 the time gets the smallest bucket that holds it and them.
+
+The bound gives way where prompts arrive faster than it lets them in (``Pacing``): a step
+then takes the prompt tokens arriving per step, on average, and a quarter more, so that
+the queue does not grow without end (the bound alone let it grow until the time to first
+token was several times the unpaced server's: docs/design/kv_cache.md). Such steps are
+all alike, each carrying the arrivals, so a stream's wait stays even, if longer. Arrivals
+are counted as submitted, a prefix the cache holds included: counted at admission, they
+would follow the paced prefill rather than the clients.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,3 +97,40 @@ def measure(decode: Callable[[int], object], packed: Callable[[int], object], ba
     """Time ``decode(b)`` for every batch size and ``packed(t)`` for every token count."""
     return StepTimes(_rising({b: timed_seconds(lambda: decode(b), device) for b in batches}),
                      _rising({t: timed_seconds(lambda: packed(t), device) for t in tokens}))
+
+
+# The arrivals' running mean weighs each step 1/32: about the last 32 steps, which spans
+# a few arrivals at the clients' usual pace, so one burst raises it gradually.
+ARRIVAL_WEIGHT = 1 / 32
+# Prompt tokens a step takes beyond the arrivals' mean when the time bound lets in fewer:
+# a quarter more, so that a queue built up by a burst drains.
+ARRIVAL_HEADROOM = 1.25
+
+
+@dataclass
+class Pacing:
+    """An engine's pacing: its measured step ``times``, the ``ratio`` of a decode step that
+    a step with prompt chunks may take, its fewest prompt tokens (``least``), and the
+    prompt tokens arriving per step (a running mean, ``ARRIVAL_WEIGHT``)."""
+
+    times: StepTimes
+    ratio: float
+    least: int
+    arriving: float = 0.0
+    _since: int = 0  # prompt tokens submitted since the last step
+
+    def arrived(self, tokens: int) -> None:
+        """A request of ``tokens`` prompt tokens was submitted (under the engine's lock)."""
+        self._since += tokens
+
+    def step(self) -> None:
+        """Another engine step: the arrivals since the last one join the running mean."""
+        self.arriving += ARRIVAL_WEIGHT * (self._since - self.arriving)
+        self._since = 0
+
+    def prompt_tokens(self, decoding: int) -> int:
+        """Prompt tokens for a step beside ``decoding`` decode tokens: the time bound's
+        (``StepTimes.prompt_tokens``), or the arrivals' mean and a quarter more where that
+        is larger."""
+        bound = self.times.prompt_tokens(decoding, self.ratio, self.least)
+        return max(bound, math.ceil(ARRIVAL_HEADROOM * self.arriving))

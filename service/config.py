@@ -104,7 +104,8 @@ class ServeSettings(ModelSettings):
                                            "docs/design/engine.md)")
     mixed_step_ratio: float = Field(0.0, ge=0, description="while streams decode, bound each step's prompt chunks "
                                     "so that the step takes at most this many of their decode steps, by step times "
-                                    "measured at start-up (0: the token budget alone)")
+                                    "measured at start-up, unless prompts arrive faster than that lets them in "
+                                    "(0: the token budget alone)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics "
                                      "(under CUDA graphs: one replay in N runs the graph's timed twin)")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")

@@ -1,6 +1,7 @@
 """Prompt chunks paced by measured step times (``engine/step_pacing.py``): the choice
 against a brute-force search, and an engine on the real SmolLM2 whose mixed steps keep
 within it while its tokens stay those of an unpaced engine."""
+import math
 import random
 import threading
 
@@ -10,7 +11,7 @@ import torch
 from woq.engine.cuda_graphs import prefill_buckets
 from woq.engine.engine import PACED_LEAST_TOKENS, Engine
 from woq.engine.sampling import SamplingParams
-from woq.engine.step_pacing import StepTimes
+from woq.engine.step_pacing import ARRIVAL_HEADROOM, ARRIVAL_WEIGHT, Pacing, StepTimes
 from woq.kernels.observe import KernelTiming
 
 from conftest import PrefillCounter, random_llama
@@ -60,6 +61,30 @@ def test_paced_prompt_tokens_are_the_largest_padded_step_within_the_time():
         assert got >= PACED_LEAST_TOKENS
 
 
+def test_the_bound_gives_way_to_prompts_arriving_faster_than_it_lets_them_in():
+    """Prompt tokens arriving at ``a`` a step for ``n`` steps make the running mean
+    ``a (1 - (1 - w)^n)`` (w = ARRIVAL_WEIGHT); a step takes a quarter more than that where
+    the time bound lets in fewer, and the bound's own where it lets in more; with no more
+    arrivals the mean decays back to the bound."""
+    times = StepTimes({1: 1.0, 16: 2.0}, {16: 1.5, 32: 2.0, 64: 3.0, 128: 4.0, 256: 6.0})
+    pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
+    bound = times.prompt_tokens(16, 2.0, PACED_LEAST_TOKENS)
+    assert bound == 128 - 16
+    for a, n in ((64, 40), (200, 100)):
+        pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
+        for _ in range(n):
+            pacing.arrived(a // 2)
+            pacing.arrived(a - a // 2)
+            pacing.step()
+        mean = a * (1 - (1 - ARRIVAL_WEIGHT) ** n)
+        assert pacing.arriving == pytest.approx(mean)
+        assert pacing.prompt_tokens(16) == max(bound, math.ceil(ARRIVAL_HEADROOM * mean))
+    assert pacing.prompt_tokens(16) > bound  # (200 a step: above what the bound lets in)
+    for _ in range(200):
+        pacing.step()
+    assert pacing.prompt_tokens(16) == bound
+
+
 def _complete(engine: Engine, prompt: list[int], params: SamplingParams, started: threading.Event | None = None):
     """Submit ``prompt``; a list that fills with its token ids, and the event of its end."""
     out, done = [], threading.Event()
@@ -101,12 +126,14 @@ def test_a_prompt_arriving_beside_a_stream_is_paced_and_the_tokens_do_not_change
 
     seen = PrefillCounter()
     paced = Engine(lm.model, tok, {tok.eos_token_id}, mixed_step_ratio=1.0, observer=seen, **kw)
-    times = paced.step_times
+    times = paced.pacing.times
     assert sorted(times.decode) == [1, 2] and sorted(times.packed) == prefill_buckets(128)
     # (physics, not the code: 64 prompt tokens take longer than one token's step on a CPU)
     assert times.packed[64] > times.decode_seconds(1)
     limit = times.prompt_tokens(1, 1.0, PACED_LEAST_TOKENS)
     assert limit < 64 - 1  # so the 128-token budget alone would take more
+    # (the arrivals' floor stays below it: 154 prompt tokens in all, a 32-step mean)
+    assert 1.25 * (len(short) + len(long)) / 32 < limit
     paced.start()
     try:
         started = threading.Event()
@@ -143,7 +170,7 @@ def test_timing_the_steps_at_start_counts_no_kernel_call():
     calls = Calls()
     model.observe_kernels(KernelTiming(calls))
     engine = Engine(model, None, set(), max_num_seqs=2, max_seq_len=128, max_prefill_tokens=64, mixed_step_ratio=2.0)
-    assert engine.step_times is not None and calls.n == 0
+    assert engine.pacing is not None and calls.n == 0
     # the same forward outside the engine's timing is counted (the observer sees the layers)
     engine._packed_forward([0] * 16, [16], [2], [0])
     assert calls.n > 0
