@@ -244,8 +244,9 @@ class Engine:
         ``max_seq_len`` positions could hold. ``mixed_step_ratio``: while sequences decode,
         a step's prompt chunks are bounded so that it takes at most this many of their
         decode steps, by step times measured here, unless prompts arrive faster than that
-        lets them in (``step_pacing.py``; 0: the token budget alone). ``mirror``: on rank 0 of a tensor-parallel group, what announces each model
-        call to the other ranks (``tensor_parallel.py``)."""
+        lets them in (``step_pacing.py``; 0: the token budget alone). ``mirror``: on rank 0
+        of a tensor-parallel group, what announces each model call to the other ranks
+        (``tensor_parallel.py``)."""
         if mirror is not None:
             model = mirror.lead(model)
         self.model = model

@@ -20,10 +20,10 @@ the time gets the smallest bucket that holds it and them.
 The bound gives way where prompts arrive faster than it lets them in (``Pacing``): a step
 then takes the prompt tokens arriving per step, on average, and a quarter more, so that
 the queue does not grow without end (the bound alone let it grow until the time to first
-token was several times the unpaced server's: docs/design/kv_cache.md). Such steps are
-all alike, each carrying the arrivals, so a stream's wait stays even, if longer. Arrivals
-are counted as submitted, a prefix the cache holds included: counted at admission, they
-would follow the paced prefill rather than the clients.
+token was several times the unpaced server's: docs/design/kv_cache.md). Such steps each
+carry about the arrivals, rather than a whole budget now and then. Arrivals are counted
+as submitted, a prefix the cache holds included: counted at admission, they would follow
+the paced prefill rather than the clients.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Prompt chunks paced by measured step times (``engine/step_pacing.py``): the choice
-against a brute-force search, and an engine on the real SmolLM2 whose mixed steps keep
-within it while its tokens stay those of an unpaced engine."""
+against a brute-force search, the arrivals' floor against its closed form, and an engine
+on the real SmolLM2 whose mixed steps keep within the bound while its tokens stay those of
+an unpaced engine."""
 import math
 import random
 import threading
@@ -67,7 +68,6 @@ def test_the_bound_gives_way_to_prompts_arriving_faster_than_it_lets_them_in():
     the time bound lets in fewer, and the bound's own where it lets in more; with no more
     arrivals the mean decays back to the bound."""
     times = StepTimes({1: 1.0, 16: 2.0}, {16: 1.5, 32: 2.0, 64: 3.0, 128: 4.0, 256: 6.0})
-    pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
     bound = times.prompt_tokens(16, 2.0, PACED_LEAST_TOKENS)
     assert bound == 128 - 16
     for a, n in ((64, 40), (200, 100)):
@@ -132,8 +132,8 @@ def test_a_prompt_arriving_beside_a_stream_is_paced_and_the_tokens_do_not_change
     assert times.packed[64] > times.decode_seconds(1)
     limit = times.prompt_tokens(1, 1.0, PACED_LEAST_TOKENS)
     assert limit < 64 - 1  # so the 128-token budget alone would take more
-    # (the arrivals' floor stays below it: 154 prompt tokens in all, a 32-step mean)
-    assert 1.25 * (len(short) + len(long)) / 32 < limit
+    # (the arrivals' floor stays below it: the running mean of the two prompts' tokens)
+    assert math.ceil(ARRIVAL_HEADROOM * ARRIVAL_WEIGHT * (len(short) + len(long))) < limit
     paced.start()
     try:
         started = threading.Event()
