@@ -491,9 +491,9 @@ class Engine:
         # Paced (step_pacing.py): running streams wait for this step, so its time is bounded
         # by theirs. A prefill of its own, between a decode step queued ahead and the next,
         # is paced as if it carried their tokens.
-        streams = decoding or len(self.running)
         if self.pacing is not None:
             self.pacing.step()  # (called once an iteration: every iteration runs a step)
+            streams = decoding or len(self.running)
             if streams:
                 budget = min(budget, self.pacing.prompt_tokens(streams))
         for seq in self.prefilling:

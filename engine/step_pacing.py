@@ -1,10 +1,9 @@
 """Prompt chunks paced by measured step times, so that running streams keep their pace.
 
 While sequences decode, a waiting prompt rides in their step (``Engine._mixed_step``), and
-every running stream waits for that whole step before its next token. A step of a few
-decode tokens and a 512-token chunk takes 4-5 decode steps on an H100 (8B int4:
-docs/bench/step_budget.md), so a fixed token budget makes a stream's inter-token latency
-jump whenever a prompt arrives. Pacing bounds the prompt tokens of such a step instead by
+every running stream waits for that whole step before its next token. A step carrying a
+whole token budget of prompt takes several decode steps (docs/bench/step_budget.md), so a
+fixed token budget makes a stream's inter-token latency jump whenever a prompt arrives. Pacing bounds the prompt tokens of such a step instead by
 time: the step may take at most ``ratio`` decode steps of the same batch, as measured when
 the engine starts (``measure``: every decode batch size and packed token count the engine
 pads to, timed as the engine runs them: graph replays where it has graphs, with their host
@@ -19,9 +18,9 @@ the time gets the smallest bucket that holds it and them.
 
 The bound gives way where prompts arrive faster than it lets them in (``Pacing``): a step
 then takes the prompt tokens arriving per step, on average, and a quarter more, so that
-the queue does not grow without end (the bound alone let it grow until the time to first
-token was several times the unpaced server's: docs/design/kv_cache.md). Such steps each
-carry about the arrivals, rather than a whole budget now and then. Arrivals are counted
+the queue does not grow without end where the bound cannot keep up (docs/design/kv_cache.md
+has the run). Such steps each carry about the arrivals, rather than a whole budget now and
+then. Arrivals are counted
 as submitted, a prefix the cache holds included: counted at admission, they would follow
 the paced prefill rather than the clients.
 """
