@@ -221,7 +221,8 @@ def main() -> None:
         # path and layer kind, the roofline gauges
         snapshot = {e: [(r["metric"], float(r["value"][1])) for r in prom.query(e)] for e in (
             CALLS, "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_count)",
-            "woq_kernel_roofline_ratio", "woq_decode_step_roofline_ratio", "woq_build_info")}
+            "woq_kernel_roofline_ratio", "woq_decoder_layer_roofline_ratio", "woq_decode_step_roofline_ratio",
+            "woq_build_info")}
         result = dict(requests=n, seconds=a.seconds, clients=a.clients, serve_args=a.serve_args, queries=snapshot)
         empty = [e for e in expressions() if not prom.query(e)]
         print(f"{n} requests; {len(expressions()) - len(empty)}/{len(expressions())} dashboard queries returned data")

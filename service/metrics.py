@@ -63,6 +63,10 @@ class Metrics:
         self.kernel_roofline = Gauge("woq_kernel_roofline_ratio",
                                      "Bytes a kernel path must move per second of its sampled calls, as a fraction of the "
                                      "GPU's measured copy bandwidth", ["path", "layer"], registry=r)
+        self.layer_roofline = Gauge("woq_decoder_layer_roofline_ratio",
+                                    "Bytes one call of each layer kind of a kernel path must move per second of those "
+                                    "calls (each kind's sampled mean), as a fraction of the GPU's measured copy "
+                                    "bandwidth", ["path"], registry=r)
         self.step_roofline = Gauge("woq_decode_step_roofline_ratio",
                                    "Weight bytes a sampled decode step reads per second of it, as a fraction of the "
                                    "GPU's measured copy bandwidth", ["batch"], registry=r)
@@ -151,6 +155,19 @@ class Metrics:
             window.append((moved, seconds))
             self.kernel_roofline.labels(call.path, call.layer).set(
                 sum(b for b, _ in window) / sum(t for _, t in window) / self.bandwidth)
+            if call.layer != "lm_head":
+                self._set_layer_roofline(call.path)
+
+    def _set_layer_roofline(self, path: str) -> None:
+        """A decoder layer calls each kind once, so its figure weighs the kinds equally,
+        whatever order and rate they were sampled in. Under programmatic launches a
+        kernel's first weight loads run in the time of the kernel before it; where that is
+        another GEMV of the layer (down's in gate_up's), the time moves between the kinds'
+        gauges and stays in the layer's (docs/design/metrics.md)."""
+        kinds = [w for (p, layer), w in self._window.items() if p == path and layer != "lm_head"]
+        bytes_ = sum(sum(b for b, _ in w) / len(w) for w in kinds)
+        seconds = sum(sum(t for _, t in w) / len(w) for w in kinds)
+        self.layer_roofline.labels(path).set(bytes_ / seconds / self.bandwidth)
 
     def record_step(self, batch: int, seconds: float, weight_bytes: int) -> None:
         if self.bandwidth and seconds > 0:

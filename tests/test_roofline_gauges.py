@@ -1,0 +1,77 @@
+"""The live roofline gauges' arithmetic (``service/metrics.py``), fed the samples a timed
+twin reports, against the definition worked out here in exact fractions."""
+import random
+from fractions import Fraction
+
+from woq.kernels.observe import KernelCall, KernelTiming
+from woq.service.metrics import ROOFLINE_WINDOW, Metrics
+
+BANDWIDTH = 3.0e12  # bytes/s
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+
+
+def call(layer: str, m: int = 4, path: str = "gemv") -> KernelCall:
+    n, k = SHAPES[layer]
+    return KernelCall(path, layer, 4, m, n, k, group_size=128, zeros=True)
+
+
+def metrics() -> Metrics:
+    m = Metrics()
+    m.bind_timing(KernelTiming(m), BANDWIDTH)
+    return m
+
+
+def gauge(m: Metrics, name: str, **labels) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_each_kind_and_the_layer_against_exact_fractions():
+    rng = random.Random(0)
+    m = metrics()
+    samples: dict[str, list[tuple[int, float]]] = {k: [] for k in SHAPES}
+    # kinds sampled at different rates, in random order, past the window for some
+    for layer in rng.choices(list(SHAPES), weights=[3, 1, 2, 1, 1], k=400):
+        c = call(layer, m=rng.randint(2, 16))
+        seconds = rng.uniform(2e-6, 4e-5)
+        m.time(c, seconds)
+        samples[layer].append((c.m * (c.n + c.k) * 2 + c.weight_bytes(), seconds))
+    window = {k: s[-ROOFLINE_WINDOW:] for k, s in samples.items()}
+    for layer, w in window.items():
+        want = Fraction(sum(b for b, _ in w)) / sum(Fraction(t) for _, t in w) / Fraction(BANDWIDTH)
+        assert abs(gauge(m, "woq_kernel_roofline_ratio", path="gemv", layer=layer) - float(want)) < 1e-12 * float(want)
+    kinds = [w for k, w in window.items() if k != "lm_head"]
+    want = (sum(Fraction(sum(b for b, _ in w), len(w)) for w in kinds)
+            / sum(sum(Fraction(t) for _, t in w) / len(w) for w in kinds) / Fraction(BANDWIDTH))
+    assert abs(gauge(m, "woq_decoder_layer_roofline_ratio", path="gemv") - float(want)) < 1e-12 * float(want)
+
+
+def test_time_moved_between_kinds_moves_their_gauges_not_the_layers():
+    """What programmatic launches do: down's first weight loads run in gate_up's time. Every
+    call moves its bytes at 0.8 of the bandwidth; then the same with a quarter of down's
+    time charged to gate_up."""
+    even, shifted = metrics(), metrics()
+    t = {layer: call(layer).bytes_moved() / (0.8 * BANDWIDTH) for layer in ("qkv", "o", "gate_up", "down")}
+    moved = 0.25 * t["down"]
+    for layer, seconds in t.items():
+        even.time(call(layer), seconds)
+        shifted.time(call(layer), seconds + {"gate_up": moved, "down": -moved}.get(layer, 0.0))
+    for layer in t:
+        assert abs(gauge(even, "woq_kernel_roofline_ratio", path="gemv", layer=layer) - 0.8) < 1e-12
+    assert abs(gauge(shifted, "woq_kernel_roofline_ratio", path="gemv", layer="down") - 0.8 / 0.75) < 1e-12
+    assert gauge(shifted, "woq_kernel_roofline_ratio", path="gemv", layer="gate_up") < 0.8 - 0.05
+    for m in (even, shifted):
+        assert abs(gauge(m, "woq_decoder_layer_roofline_ratio", path="gemv") - 0.8) < 1e-12
+
+
+def test_the_lm_head_and_attention_stay_out_of_the_layer_gauge():
+    m = metrics()
+    m.time(call("lm_head", path="dense_gemv"), 1e-4)
+    m.time(KernelCall("decode_step", "attention", 4, 1, 4096, 4096), 5e-6)
+    assert gauge(m, "woq_decoder_layer_roofline_ratio", path="dense_gemv") is None
+    assert gauge(m, "woq_decoder_layer_roofline_ratio", path="decode_step") is None
+    assert gauge(m, "woq_kernel_roofline_ratio", path="dense_gemv", layer="lm_head") is not None
+    c = call("qkv", m=1, path="decode_step")
+    m.time(c, 1e-5)
+    assert abs(gauge(m, "woq_decoder_layer_roofline_ratio", path="decode_step")
+               - c.bytes_moved() / 1e-5 / BANDWIDTH) < 1e-12
