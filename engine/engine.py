@@ -495,7 +495,8 @@ class Engine:
             self.pacing.step()  # (called once an iteration: every iteration runs a step)
             streams = decoding or len(self.running)
             if streams:
-                budget = min(budget, self.pacing.prompt_tokens(streams))
+                batch = min(self.max_num_seqs, streams + len(self.prefilling) + len(self.waiting))
+                budget = min(budget, self.pacing.prompt_tokens(streams, batch))
         for seq in self.prefilling:
             if budget == 0:
                 break

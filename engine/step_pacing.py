@@ -3,12 +3,19 @@
 While sequences decode, a waiting prompt rides in their step (``Engine._mixed_step``), and
 every running stream waits for that whole step before its next token. A step carrying a
 whole token budget of prompt takes several decode steps (docs/bench/step_budget.md), so a
-fixed token budget makes a stream's inter-token latency jump whenever a prompt arrives. Pacing bounds the prompt tokens of such a step instead by
-time: the step may take at most ``ratio`` decode steps of the same batch, as measured when
-the engine starts (``measure``: every decode batch size and packed token count the engine
-pads to, timed as the engine runs them: graph replays where it has graphs, with their host
-preparation). A prompt then goes in as many steps as that takes; with nothing decoding,
-it still takes the whole token budget (no stream waits for it).
+fixed token budget makes a stream's inter-token latency jump whenever a prompt arrives.
+Pacing bounds the prompt tokens of such a step by time instead: the step may take at most
+``ratio`` decode steps, as measured when the engine starts (``measure``: every decode batch
+size and packed token count the engine pads to, timed as the engine runs them: graph
+replays where it has graphs, with their host preparation). A prompt then goes in as many
+steps as that takes; with nothing decoding, it still takes the whole token budget (no
+stream waits for it).
+
+The decode step it is measured against is that of the batch the streams will decode in
+once the prompts queued and in progress have joined them, not of the streams decoding
+now: their steps take that long then anyway, and a few streams beside a long queue would
+otherwise hold every queued prompt to a few tokens a step, so that the batch stays small
+and the bound tight (docs/design/kv_cache.md has the run that showed it).
 
 The chunk is rounded up to fill its padded size: a packed step of D decode tokens and T
 prompt tokens costs the step of its bucket (``cuda_graphs.prefill_buckets``), so the
@@ -20,9 +27,8 @@ The bound gives way where prompts arrive faster than it lets them in (``Pacing``
 then takes the prompt tokens arriving per step, on average, and a quarter more, so that
 the queue does not grow without end where the bound cannot keep up (docs/design/kv_cache.md
 has the run). Such steps each carry about the arrivals, rather than a whole budget now and
-then. Arrivals are counted
-as submitted, a prefix the cache holds included: counted at admission, they would follow
-the paced prefill rather than the clients.
+then. Arrivals are counted as submitted, a prefix the cache holds included: counted at
+admission, they would follow the paced prefill rather than the clients.
 """
 from __future__ import annotations
 
@@ -47,15 +53,16 @@ class StepTimes:
         largest measured beyond them)."""
         return self.decode[min((b for b in self.decode if b >= batch), default=max(self.decode))]
 
-    def prompt_tokens(self, decoding: int, ratio: float, least: int) -> int:
+    def prompt_tokens(self, decoding: int, ratio: float, least: int, batch: int = 0) -> int:
         """Prompt tokens for a step beside ``decoding`` decode tokens, such that the step
-        takes at most ``ratio`` decode steps of that batch: the largest padded size within
-        that time, less the decode tokens; at least ``least`` (the smallest padded size
-        holding ``decoding + least``, or ``least`` past every measured size)."""
+        takes at most ``ratio`` decode steps of ``batch`` sequences (default: ``decoding``):
+        the largest padded size within that time, less the decode tokens; at least
+        ``least`` (the smallest padded size holding ``decoding + least``, or ``least`` past
+        every measured size)."""
         holding = sorted(t for t in self.packed if t >= decoding + least)
         if not holding:
             return least
-        limit = ratio * self.decode_seconds(decoding)
+        limit = ratio * self.decode_seconds(max(batch, decoding))
         within = [t for t in holding if self.packed[t] <= limit]
         return (within[-1] if within else holding[0]) - decoding
 
@@ -127,9 +134,10 @@ class Pacing:
         self.arriving += ARRIVAL_WEIGHT * (self._since - self.arriving)
         self._since = 0
 
-    def prompt_tokens(self, decoding: int) -> int:
-        """Prompt tokens for a step beside ``decoding`` decode tokens: the time bound's
+    def prompt_tokens(self, decoding: int, batch: int = 0) -> int:
+        """Prompt tokens for a step beside ``decoding`` decode tokens, once the prompts
+        queued and in progress make a batch of ``batch``: the time bound's
         (``StepTimes.prompt_tokens``), or the arrivals' mean and a quarter more where that
         is larger."""
-        bound = self.times.prompt_tokens(decoding, self.ratio, self.least)
+        bound = self.times.prompt_tokens(decoding, self.ratio, self.least, batch)
         return max(bound, math.ceil(ARRIVAL_HEADROOM * self.arriving))

@@ -18,13 +18,15 @@ from woq.kernels.observe import KernelTiming
 from conftest import PrefillCounter, random_llama
 
 
-def _brute_force(times: StepTimes, decoding: int, ratio: float, least: int) -> int:
+def _brute_force(times: StepTimes, decoding: int, ratio: float, least: int, batch: int) -> int:
     """Every prompt token count T from ``least`` up, priced as the padded step that holds
-    ``decoding + T`` tokens: the largest within ``ratio`` decode steps of the batch, else
-    the cheapest one that fits (T = ``least``, rounded up to fill its padded step)."""
+    ``decoding + T`` tokens: the largest within ``ratio`` decode steps of ``batch`` (or
+    of ``decoding``, where more), else the cheapest one that fits (T = ``least``, rounded up
+    to fill its padded step)."""
     sizes = sorted(times.packed)
     padded = lambda n: next((t for t in sizes if t >= n), None)  # noqa: E731
-    decode = times.decode[next((b for b in sorted(times.decode) if b >= decoding), max(times.decode))]
+    batch = max(batch, decoding)
+    decode = times.decode[next((b for b in sorted(times.decode) if b >= batch), max(times.decode))]
     fits = [T for T in range(least, sizes[-1] + 1) if padded(decoding + T) is not None]
     if not fits:
         return least
@@ -36,17 +38,19 @@ def _brute_force(times: StepTimes, decoding: int, ratio: float, least: int) -> i
 
 def test_paced_prompt_tokens_are_the_largest_padded_step_within_the_time():
     """On random monotone and non-monotone step-time curves over the engine's padded sizes
-    (and on the measured H100 curve of docs/bench/step_budget.md), the chosen prompt tokens
-    equal a brute-force search over every token count."""
+    (and on the measured H100 curve of docs/bench/step_budget.md), with the batch the queue
+    will make and without, the chosen prompt tokens equal a brute-force search over every
+    token count."""
     rng = random.Random(0)
     cases = []
     # H100, 8B int4 graph replays: decode steps by batch, packed steps of prompt tokens alone
     h100 = StepTimes({1: 2.44e-3, 16: 4.07e-3, 64: 6.95e-3, 128: 11.25e-3},
                      {16: 4.54e-3, 64: 5.41e-3, 128: 6.55e-3, 256: 10.28e-3, 384: 14.39e-3, 448: 16.58e-3,
                       512: 17.30e-3})
-    cases += [(h100, d, r) for d in (1, 2, 16, 17, 64, 100, 128, 300, 500) for r in (1.0, 1.5, 2.0, 3.0, 10.0)]
+    cases += [(h100, d, r, b) for d in (1, 2, 16, 17, 64, 100, 128, 300, 500) for r in (1.0, 1.5, 2.0, 3.0, 10.0)
+              for b in (0, 1, 16, 64, 128)]
     # a padded step of exactly the allowed time is within it
-    cases += [(StepTimes({1: 1.0, 4: 1.25}, {16: 1.5, 32: 2.0, 64: 2.5}), d, 2.0) for d in (1, 3, 4)]
+    cases += [(StepTimes({1: 1.0, 4: 1.25}, {16: 1.5, 32: 2.0, 64: 2.5}), d, 2.0, 0) for d in (1, 3, 4)]
     for _ in range(300):
         batches = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128, 256], rng.randint(1, 6)))
         tokens = prefill_buckets(rng.choice([16, 64, 100, 128, 300, 512]))
@@ -55,11 +59,14 @@ def test_paced_prompt_tokens_are_the_largest_padded_step_within_the_time():
         decode = {b: base * (1 + 0.01 * b) * (1 if monotone else rng.uniform(0.5, 2)) for b in batches}
         packed = {t: base * (1 + 0.03 * t) * (1 if monotone else rng.uniform(0.5, 2)) for t in tokens}
         times = StepTimes(decode, packed)
-        cases += [(times, rng.randint(1, 300), rng.uniform(0.5, 4.0))]
-    for times, decoding, ratio in cases:
-        got = times.prompt_tokens(decoding, ratio, PACED_LEAST_TOKENS)
-        assert got == _brute_force(times, decoding, ratio, PACED_LEAST_TOKENS), (times, decoding, ratio)
+        cases += [(times, rng.randint(1, 300), rng.uniform(0.5, 4.0), rng.choice([0, rng.randint(1, 300)]))]
+    for times, decoding, ratio, batch in cases:
+        got = times.prompt_tokens(decoding, ratio, PACED_LEAST_TOKENS, batch)
+        assert got == _brute_force(times, decoding, ratio, PACED_LEAST_TOKENS, batch), (times, decoding, ratio, batch)
         assert got >= PACED_LEAST_TOKENS
+    # one stream beside 15 queued prompts is paced at the 16 streams they will make
+    assert h100.prompt_tokens(1, 2.0, PACED_LEAST_TOKENS, 16) == 128 - 1
+    assert h100.prompt_tokens(1, 2.0, PACED_LEAST_TOKENS) == 64 - 1  # (no step within: the least, padded)
 
 
 def test_the_bound_gives_way_to_prompts_arriving_faster_than_it_lets_them_in():
@@ -130,7 +137,8 @@ def test_a_prompt_arriving_beside_a_stream_is_paced_and_the_tokens_do_not_change
     assert sorted(times.decode) == [1, 2] and sorted(times.packed) == prefill_buckets(128)
     # (physics, not the code: 64 prompt tokens take longer than one token's step on a CPU)
     assert times.packed[64] > times.decode_seconds(1)
-    limit = times.prompt_tokens(1, 1.0, PACED_LEAST_TOKENS)
+    # (one stream decodes beside the prompt in progress: the batch of two they will make)
+    limit = times.prompt_tokens(1, 1.0, PACED_LEAST_TOKENS, 2)
     assert limit < 64 - 1  # so the 128-token budget alone would take more
     # (the arrivals' floor stays below it: the running mean of the two prompts' tokens)
     assert math.ceil(ARRIVAL_HEADROOM * ARRIVAL_WEIGHT * (len(short) + len(long))) < limit
