@@ -182,3 +182,31 @@ def test_timing_the_steps_at_start_counts_no_kernel_call():
     # the same forward outside the engine's timing is counted (the observer sees the layers)
     engine._packed_forward([0] * 16, [16], [2], [0])
     assert calls.n > 0
+
+
+def test_a_stream_beside_a_queue_is_paced_at_the_batch_the_queue_will_make():
+    """One stream decodes while three 100-token prompts wait, in an engine of 4 sequences
+    given a step-time curve (set here, so that the bound is exact) on which a step beside
+    one stream may take no more than the fewest prompt tokens, and one beside four streams
+    a whole 64-token step: the queued prompts go in at the four streams' bound."""
+    model = random_llama(torch.float32, "cpu", 256)
+    seen = PrefillCounter()
+    engine = Engine(model, None, set(), max_num_seqs=4, max_seq_len=256, max_prefill_tokens=64,
+                    mixed_step_ratio=2.0, observer=seen)
+    buckets = sorted(engine.pacing.times.packed)
+    times = StepTimes({1: 1.0, 2: 1.0, 4: 10.0}, {t: 3.0 for t in buckets})
+    one, four = (times.prompt_tokens(1, 2.0, PACED_LEAST_TOKENS, b) for b in (1, 4))
+    assert (one, four) == (32 - 1, 64 - 1)
+    engine.pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    engine.start()
+    try:
+        started = threading.Event()
+        _, first_done = _complete(engine, list(range(1, 9)), params, started)
+        assert started.wait(60)
+        queued = [_complete(engine, [(7 * i + j) % 500 + 1 for j in range(100)], params) for i in range(3)]
+        assert first_done.wait(120) and all(done.wait(120) for _, done in queued)
+    finally:
+        engine.shutdown()
+    beside_one = [p for b, p in seen.steps if b == 1 and p > 0]
+    assert beside_one and max(beside_one) == four, seen.steps
