@@ -123,6 +123,13 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def prompt_steps(url: str) -> tuple[float, float]:
+    """The server's steps that prefilled prompt tokens so far, and those tokens
+    (``woq_step_prompt_tokens``: its count and sum)."""
+    text = metrics_text(url)
+    return metric(text, "woq_step_prompt_tokens_count") or 0.0, metric(text, "woq_step_prompt_tokens_sum") or 0.0
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -158,12 +165,13 @@ def summary(result: dict) -> str:
             r = result["servers"][n]["workloads"].get(w)
             if r is None:
                 continue
+            per_step = f"{r['prompt_tokens_per_step']:.0f}" if "prompt_tokens_per_step" in r else "-"
             rows.append([w, n, f"{r['output_tok_per_s']:.0f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
-                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", str(r["errors"])])
+                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", per_step, str(r["errors"])])
     text = [f"GPU: {result['gpu']}. Streamed over HTTP on loopback; servers: "
             + "; ".join(f"`{n}`: `{result['servers'][n]['args']}`" for n in names) + ".\n",
-            markdown_table(["workload", "server", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "errors"],
-                           rows)]
+            markdown_table(["workload", "server", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+                            "prompt tokens / step", "errors"], rows)]
     chats = [(n, result["servers"][n]["workloads"].get("chat")) for n in names]
     chats = [(n, c) for n, c in chats if c]
     if chats:
@@ -203,10 +211,15 @@ def main() -> None:
         try:
             for w in chosen:
                 t1 = time.perf_counter()
+                steps0, tokens0 = prompt_steps(url)
                 if w == "chat":
                     r = asyncio.run(chat(url, args.model_name))
                 else:
                     r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w]))
+                steps1, tokens1 = prompt_steps(url)
+                # how the server cut the prompts: steps that prefilled any, and their mean tokens
+                r["prompt_steps"] = steps1 - steps0
+                r["prompt_tokens_per_step"] = (tokens1 - tokens0) / max(steps1 - steps0, 1)
                 entry["workloads"][w] = r
                 print(f"[{name}] {w} ({time.perf_counter() - t1:.0f} s): {json.dumps(r)[:400]}", flush=True)
             text = metrics_text(url)

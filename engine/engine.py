@@ -117,7 +117,10 @@ class StreamEvent:
 
 
 class EngineObserver(Protocol):
-    def on_step(self, batch_size: int, prefill_tokens: int) -> None: ...
+    def on_step(self, batch_size: int, prefill_tokens: int) -> None:
+        """A step decoded ``batch_size`` sequences (0: a prefill with nothing to decode yet,
+        such as a long prompt's earlier chunks) and prefilled ``prefill_tokens`` prompt
+        tokens, in its own forward or beside the decode tokens."""
 
     def on_first_token(self, seconds: float) -> None: ...
 
@@ -463,6 +466,8 @@ class Engine:
                     prefill_tokens = self._prefill(chunks) if chunks else 0
                     if self.running:
                         self._decode_step(prefill_tokens)
+                    elif prefill_tokens and self.observer:
+                        self.observer.on_step(0, prefill_tokens)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
                 self._ahead = None
@@ -656,6 +661,8 @@ class Engine:
         if ahead is None:
             seqs = self._make_room(seqs)
         if not seqs:
+            if prefill_tokens and self.observer:
+                self.observer.on_step(0, prefill_tokens)
             return
         step = ahead if ahead is not None else self._launch_step(seqs)
         self.steps += 1

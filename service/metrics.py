@@ -25,6 +25,9 @@ KERNEL_BUCKETS = (2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e
 # The achieved-bandwidth gauges: bytes and seconds of each series' last samples.
 ROOFLINE_WINDOW = 64
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Prompt tokens a step carries: a paced chunk (16 up) to a whole budget and beyond (a lone
+# prompt's prefill may take more than --max-prefill-tokens' default of 512).
+STEP_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Metrics:
@@ -53,6 +56,10 @@ class Metrics:
         self.waiting = Gauge("woq_requests_waiting", "Requests queued for KV blocks", registry=r)
         self.batch_size = Histogram("woq_batch_size", "Sequences decoded per step", buckets=BATCH_BUCKETS, registry=r)
         self.prefill_tokens = Counter("woq_prefill_tokens", "Prompt tokens prefilled", registry=r)
+        self.step_prompt_tokens = Histogram("woq_step_prompt_tokens",
+                                            "Prompt tokens per engine step that prefilled any (a mixed step's chunks, "
+                                            "or a prefill between decode steps)", buckets=STEP_PROMPT_BUCKETS,
+                                            registry=r)
         self.preemptions = Counter("woq_preemptions", "Sequences preempted for KV blocks (recomputed later)",
                                    registry=r)
         labels = ["path", "layer", "bits", "m_bucket"]
@@ -114,9 +121,11 @@ class Metrics:
 
     # -- EngineObserver ------------------------------------------------------------------
     def on_step(self, batch_size: int, prefill_tokens: int) -> None:
-        self.batch_size.observe(batch_size)
+        if batch_size:
+            self.batch_size.observe(batch_size)
         if prefill_tokens:
             self.prefill_tokens.inc(prefill_tokens)
+            self.step_prompt_tokens.observe(prefill_tokens)
 
     def on_preempt(self) -> None:
         self.preemptions.inc()
