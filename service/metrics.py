@@ -25,8 +25,8 @@ KERNEL_BUCKETS = (2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e
 # The achieved-bandwidth gauges: bytes and seconds of each series' last samples.
 ROOFLINE_WINDOW = 64
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Prompt tokens a step carries: a paced chunk (16 up) to a whole budget and beyond (a lone
-# prompt's prefill may take more than --max-prefill-tokens' default of 512).
+# Prompt tokens a step carries: a paced chunk (16 up) to a whole budget (--max-prefill-tokens:
+# 512 by default, and it may be set higher).
 STEP_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
