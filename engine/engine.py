@@ -464,10 +464,9 @@ class Engine:
                     self._mixed_step(decoding, chunks)
                 else:
                     prefill_tokens = self._prefill(chunks) if chunks else 0
-                    if self.running:
-                        self._decode_step(prefill_tokens)
-                    elif prefill_tokens and self.observer:
-                        self.observer.on_step(0, prefill_tokens)
+                    decoded = bool(self.running) and self._decode_step(prefill_tokens)
+                    if prefill_tokens and not decoded and self.observer:
+                        self.observer.on_step(0, prefill_tokens)  # (chunks with nothing to decode yet)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
                 self._ahead = None
@@ -652,7 +651,9 @@ class Engine:
                     rows.append(i)
         return first, rows
 
-    def _decode_step(self, prefill_tokens: int) -> None:
+    def _decode_step(self, prefill_tokens: int) -> bool:
+        """One decode step of the running sequences, reported with the ``prefill_tokens``
+        prefilled before it. False where none was left to decode (nothing reported)."""
         seqs = [s for s in self.running if not s.cancelled]
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not _same(ahead.seqs, seqs):
@@ -661,9 +662,7 @@ class Engine:
         if ahead is None:
             seqs = self._make_room(seqs)
         if not seqs:
-            if prefill_tokens and self.observer:
-                self.observer.on_step(0, prefill_tokens)
-            return
+            return False
         step = ahead if ahead is not None else self._launch_step(seqs)
         self.steps += 1
         if self.observer:
@@ -672,6 +671,7 @@ class Engine:
             self._ahead = self._launch_next_step(step)
         self._deliver()  # the previous step's events, while the GPU works
         self._accept_all(seqs, step.token_ids(), step.logprobs)
+        return True
 
     def _make_room(self, seqs: list[_Sequence]) -> list[_Sequence]:
         """A block for each sequence's next position, oldest sequences first; where none is
