@@ -27,8 +27,9 @@ The bound gives way where prompts arrive faster than it lets them in (``Pacing``
 then takes the prompt tokens arriving per step, on average, and a quarter more, so that
 the queue does not grow without end where the bound cannot keep up (docs/design/kv_cache.md
 has the run). Such steps each carry about the arrivals, rather than a whole budget now and
-then. Arrivals are counted as submitted, a prefix the cache holds included: counted at
-admission, they would follow the paced prefill rather than the clients.
+then, raised to fill their padded size as the bound's are. Arrivals are counted as
+submitted, a prefix the cache holds included: counted at admission, they would follow the
+paced prefill rather than the clients.
 """
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ class StepTimes:
         limit = ratio * self.decode_seconds(max(batch, decoding))
         within = [t for t in holding if self.packed[t] <= limit]
         return (within[-1] if within else holding[0]) - decoding
+
+    def filled(self, decoding: int, tokens: int) -> int:
+        """``tokens`` prompt tokens beside ``decoding`` decode tokens, raised to fill the
+        smallest padded size holding them all (``tokens`` past every measured size): the
+        step costs that size whatever it carries."""
+        return min((t for t in self.packed if t >= decoding + tokens), default=decoding + tokens) - decoding
 
     def summary(self) -> str:
         ms = lambda d: ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in sorted(d.items()))  # noqa: E731
@@ -137,7 +144,9 @@ class Pacing:
     def prompt_tokens(self, decoding: int, batch: int = 0) -> int:
         """Prompt tokens for a step beside ``decoding`` decode tokens, once the prompts
         queued and in progress make a batch of ``batch``: the time bound's
-        (``StepTimes.prompt_tokens``), or the arrivals' mean and a quarter more where that
-        is larger."""
+        (``StepTimes.prompt_tokens``), or where the arrivals' mean and a quarter more is
+        larger, that, raised to fill its padded step (a step of 16 decode and 125 prompt
+        tokens would pay for 192 and carry 141)."""
         bound = self.times.prompt_tokens(decoding, self.ratio, self.least, batch)
-        return max(bound, math.ceil(ARRIVAL_HEADROOM * self.arriving))
+        floor = math.ceil(ARRIVAL_HEADROOM * self.arriving)
+        return bound if floor <= bound else self.times.filled(decoding, floor)

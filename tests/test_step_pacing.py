@@ -72,12 +72,15 @@ def test_paced_prompt_tokens_are_the_largest_padded_step_within_the_time():
 def test_the_bound_gives_way_to_prompts_arriving_faster_than_it_lets_them_in():
     """Prompt tokens arriving at ``a`` a step for ``n`` steps make the running mean
     ``a (1 - (1 - w)^n)`` (w = ARRIVAL_WEIGHT); a step takes a quarter more than that where
-    the time bound lets in fewer, and the bound's own where it lets in more; with no more
-    arrivals the mean decays back to the bound."""
+    the time bound lets in fewer, raised to fill the padded step that holds it (or as is,
+    past the largest), and the bound's own where it lets in more; with no more arrivals
+    the mean decays back to the bound."""
+    sizes = [16, 32, 64, 128, 256]
     times = StepTimes({1: 1.0, 16: 2.0}, {16: 1.5, 32: 2.0, 64: 3.0, 128: 4.0, 256: 6.0})
     bound = times.prompt_tokens(16, 2.0, PACED_LEAST_TOKENS)
     assert bound == 128 - 16
-    for a, n in ((64, 40), (200, 100)):
+    chosen = {}
+    for a, n in ((64, 40), (120, 100), (250, 100)):
         pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
         for _ in range(n):
             pacing.arrived(a // 2)
@@ -85,8 +88,14 @@ def test_the_bound_gives_way_to_prompts_arriving_faster_than_it_lets_them_in():
             pacing.step()
         mean = a * (1 - (1 - ARRIVAL_WEIGHT) ** n)
         assert pacing.arriving == pytest.approx(mean)
-        assert pacing.prompt_tokens(16) == max(bound, math.ceil(ARRIVAL_HEADROOM * mean))
-    assert pacing.prompt_tokens(16) > bound  # (200 a step: above what the bound lets in)
+        floor = math.ceil(ARRIVAL_HEADROOM * mean)
+        padded = next((t for t in sizes if t >= 16 + floor), 16 + floor)
+        chosen[a] = pacing.prompt_tokens(16)
+        assert chosen[a] == max(bound, padded - 16)
+    # (64 a step: within the bound; 120: a floor of 145, filled to the 256 step's 240;
+    # 250: a floor past the largest step, taken as is)
+    past = math.ceil(ARRIVAL_HEADROOM * 250 * (1 - (1 - ARRIVAL_WEIGHT) ** 100))
+    assert chosen == {64: bound, 120: 256 - 16, 250: past}
     for _ in range(200):
         pacing.step()
     assert pacing.prompt_tokens(16) == bound
