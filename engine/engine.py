@@ -122,6 +122,13 @@ class EngineObserver(Protocol):
         such as a long prompt's earlier chunks) and prefilled ``prefill_tokens`` prompt
         tokens, in its own forward or beside the decode tokens."""
 
+    def on_iteration(self, kind: str, seconds: float) -> None:
+        """An iteration of the engine's loop took ``seconds`` of wall time, from handing out
+        the last one's tokens to having this one's: the wait between two tokens of a stream
+        running through it. ``kind``: "decode" (decode tokens only), "mixed" (decode tokens
+        and prompt chunks: in one forward, or in a prefill of its own before a decode step
+        queued ahead) or "prefill" (prompt chunks with nothing to decode)."""
+
     def on_first_token(self, seconds: float) -> None: ...
 
     def on_preempt(self) -> None: ...
@@ -443,12 +450,14 @@ class Engine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
+            start = time.perf_counter()
             self._deliver()
             with self._cv:
                 self._reap_cancelled()
                 while not self._stop and not self.running and not self.prefilling and not self.waiting:
                     self._deliver()
                     self._cv.wait()
+                    start = time.perf_counter()  # (an idle wait is no iteration's time)
                 if self._stop:
                     break
                 # With sequences running (and no step queued ahead for them) and prompts to
@@ -462,11 +471,15 @@ class Engine:
             try:
                 if chunks and decoding:
                     self._mixed_step(decoding, chunks)
+                    kind = "mixed"
                 else:
                     prefill_tokens = self._prefill(chunks) if chunks else 0
                     decoded = bool(self.running) and self._decode_step(prefill_tokens)
                     if prefill_tokens and not decoded and self.observer:
                         self.observer.on_step(0, prefill_tokens)  # (chunks with nothing to decode yet)
+                    kind = ("mixed" if prefill_tokens else "decode") if decoded else "prefill" if prefill_tokens else ""
+                if kind and self.observer:
+                    self.observer.on_iteration(kind, time.perf_counter() - start)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
                 self._ahead = None

@@ -28,6 +28,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Prompt tokens a step carries: a paced chunk (16 up) to a whole budget (--max-prefill-tokens:
 # 512 by default, and it may be set higher).
 STEP_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# An engine iteration: a GPU decode step of an 8B model takes 2-12 ms, a step with a
+# 512-token prompt chunk ~20 ms; CPU iterations 50 ms to seconds.
+ITERATION_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
@@ -60,6 +63,9 @@ class Metrics:
                                             "Prompt tokens per engine step that prefilled any (a mixed step's chunks, "
                                             "or a prefill between decode steps)", buckets=STEP_PROMPT_BUCKETS,
                                             registry=r)
+        self.iteration = Histogram("woq_engine_iteration_seconds", "Wall time of an engine iteration by kind: "
+                                   "decode, mixed (decode tokens and prompt chunks) or prefill (prompt chunks alone)",
+                                   ["kind"], buckets=ITERATION_BUCKETS, registry=r)
         self.preemptions = Counter("woq_preemptions", "Sequences preempted for KV blocks (recomputed later)",
                                    registry=r)
         labels = ["path", "layer", "bits", "m_bucket"]
@@ -126,6 +132,9 @@ class Metrics:
         if prefill_tokens:
             self.prefill_tokens.inc(prefill_tokens)
             self.step_prompt_tokens.observe(prefill_tokens)
+
+    def on_iteration(self, kind: str, seconds: float) -> None:
+        self.iteration.labels(kind).observe(seconds)
 
     def on_preempt(self) -> None:
         self.preemptions.inc()

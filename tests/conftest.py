@@ -85,6 +85,9 @@ class PrefillCounter:
         self.prefill_tokens += prefill_tokens
         self.steps.append((batch_size, prefill_tokens))
 
+    def on_iteration(self, kind, seconds):
+        pass
+
     def on_preempt(self):
         pass
 

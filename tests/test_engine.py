@@ -41,6 +41,7 @@ def test_16_concurrent_greedy_requests_equal_each_alone(engine, smollm2_int4):
     steps_seen = []
     engine.observer = type("Obs", (), {
         "on_step": lambda self, b, p: steps_seen.append(b), "on_first_token": lambda self, s: None,
+        "on_iteration": lambda self, kind, s: None,
         "on_token_latency": lambda self, s: None, "on_finish": lambda self, *a: None})()
     barrier = threading.Barrier(len(prompts))
 

@@ -162,6 +162,7 @@ def test_chunked_prefill_engine_matches_transformers(tiny):
     eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=2, max_seq_len=256, max_prefill_tokens=5)
     eng.observer = type("Obs", (), {
         "on_step": lambda self, b, p: steps.append((b, p)), "on_first_token": lambda self, s: None,
+        "on_iteration": lambda self, kind, s: None,
         "on_token_latency": lambda self, s: None, "on_finish": lambda self, *a: None})()
     out = [[], []]
     done = threading.Semaphore(0)
