@@ -56,6 +56,7 @@ GROUPS = [
     ("lm_head / dense: cuBLAS", r"gemm|gemv2|sm90|sm80|cutlass|cublas|Kernel2|splitK"),
     ("persistent decode step (every decoder layer)", r"decode_step_kernel"),
     ("attention, with RoPE + KV write (Triton)", r"_decode_attention"),
+    ("chunk attention (Triton)", r"_chunk_attention|_merge_splits"),
     ("add + RMSNorm (fused)", r"_add_rms_norm"),
     ("RoPE + KV write (fused)", r"_rope_and_cache"),
     ("SiLU * up (fused)", r"_silu_mul"),

@@ -1,6 +1,6 @@
 """The chunk-attention kernel (``kernels/chunk_attention.py``) against fp64: packed chunks
 of several sequences -- decode tokens, whole prompts, chunks after a cached prefix --
-over shuffled block tables (skipped without a GPU)."""
+over shuffled block tables, with and without key splits (skipped without a GPU)."""
 import pytest
 import torch
 from test_gpu_fused import DTYPES, PAGED_ROWS, gather_fp64, paged_case
@@ -30,15 +30,21 @@ def causal_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim, dtype, block_size):
+# key splits: none; 8 (every tile's keys split in a launch of few rows, the small tiles'
+# only in one of more); 3 (not a power of two) for every tile of a few
+@pytest.mark.parametrize("splits,few", [(1, False), (8, True), (8, False), (3, True)],
+                         ids=["unsplit", "split-all", "split-small", "split-3"])
+def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim, dtype, block_size, splits, few):
     """Every packed row attends to exactly its sequence's positions up to its own, read
     through a shuffled table (NaN everywhere else in the pool); rows no tile covers and
     padding tiles (0 tokens) leave the output alone; a programmatic launch gives the same."""
-    from woq.kernels.chunk_attention import chunk_attention
+    from woq.kernels.chunk_attention import SPLIT_ALL_TOKENS, chunk_attention
 
-    cache = paged_case(kv_heads, dim, dtype, block_size, [p + n for n, p in CHUNKS], heads + dim + block_size)
-    offsets = torch.tensor([0] + [n for n, _ in CHUNKS]).cumsum(0).tolist()
-    chunks = [Chunk(o, n, r, p) for o, (n, p), r in zip(offsets, CHUNKS, PAGED_ROWS)]
+    case = CHUNKS[:3] if few else CHUNKS
+    assert (sum(n for n, _ in case) + 2 <= SPLIT_ALL_TOKENS) == few
+    cache = paged_case(kv_heads, dim, dtype, block_size, [p + n for n, p in case], heads + dim + block_size)
+    offsets = torch.tensor([0] + [n for n, _ in case]).cumsum(0).tolist()
+    chunks = [Chunk(o, n, r, p) for o, (n, p), r in zip(offsets, case, PAGED_ROWS)]
     T = offsets[-1]
     tiles = query_tiles(chunks, TILE_TOKENS) + [(T, 0, 0, 0)] * 3  # (and padding)
     tiles = torch.tensor(tiles, dtype=torch.int32, device="cuda")
@@ -46,7 +52,7 @@ def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim
     q = torch.randn(T + 2, heads, dim, device="cuda", generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
     k, v, table = cache.k[0], cache.v[0], cache.block_table
-    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out)
+    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out, splits=splits)
     assert torch.isnan(out[T:]).all()  # (not covered)
     for c in chunks:
         n = c.start + c.tokens
@@ -56,5 +62,5 @@ def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < (3e-3 if dtype == torch.float16 else 2e-2), (c, err)
     again = torch.full_like(q, float("nan"))
-    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, again, programmatic=True)
+    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, again, programmatic=True, splits=splits)
     assert torch.equal(again[:T], out[:T])
