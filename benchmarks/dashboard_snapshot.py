@@ -217,10 +217,12 @@ def main() -> None:
         n = asyncio.run(load(url, model, a.seconds, a.clients, a.max_tokens))
         time.sleep(3)
         end = time.time()
-        # what Prometheus holds at the end, beside the picture: calls and timed samples by
-        # path and layer kind, the roofline gauges
+        # what Prometheus holds at the end, beside the picture: calls, timed samples and their
+        # summed seconds by path, layer kind and M bucket (a mean latency at one M, to set
+        # beside the kernel benchmark's at that M), the roofline gauges
         snapshot = {e: [(r["metric"], float(r["value"][1])) for r in prom.query(e)] for e in (
             CALLS, "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_count)",
+            "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_sum)",
             "woq_kernel_roofline_ratio", "woq_decoder_layer_roofline_ratio", "woq_decode_step_roofline_ratio",
             "woq_build_info")}
         result = dict(requests=n, seconds=a.seconds, clients=a.clients, serve_args=a.serve_args, queries=snapshot)

@@ -271,8 +271,9 @@ def ratio_lines(rows, shapes) -> str:
             own = g(16, f"woq_{fmt}_float16_gemv") or sixteen
             diffs = [abs(b["us"] / a["us"] - 1) for M in sorted({r["M"] for r in rows})
                      if (a := g(M, f"woq_{fmt}_float16")) and (b := g(M, f"woq_{fmt}_bfloat16"))]
+            dtypes = f"; bf16 vs fp16 at most {100 * max(diffs):.1f} %" if diffs else ""  # (both dtypes run)
             out.append(f"- {N}×{K} {fmt}: M=16 ÷ M=1 {sixteen['us'] / one['us']:.2f} served, "
-                       f"{own['us'] / one['us']:.2f} GEMV; bf16 vs fp16 at most {100 * max(diffs):.1f} %\n")
+                       f"{own['us'] / one['us']:.2f} GEMV{dtypes}\n")
     return "".join(out)
 
 

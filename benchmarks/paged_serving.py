@@ -123,11 +123,42 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
-def prompt_steps(url: str) -> tuple[float, float]:
-    """The server's steps that prefilled prompt tokens so far, and those tokens
-    (``woq_step_prompt_tokens``: its count and sum)."""
+def prompt_steps(url: str) -> tuple[float, float, dict[str, float]]:
+    """The server's steps that prefilled prompt tokens so far, those tokens, and the steps
+    by their prompt tokens' upper bound (``woq_step_prompt_tokens``: its count, sum and
+    cumulative buckets)."""
     text = metrics_text(url)
-    return metric(text, "woq_step_prompt_tokens_count") or 0.0, metric(text, "woq_step_prompt_tokens_sum") or 0.0
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith("woq_step_prompt_tokens_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+    return (metric(text, "woq_step_prompt_tokens_count") or 0.0, metric(text, "woq_step_prompt_tokens_sum") or 0.0,
+            buckets)
+
+
+def iterations(url: str) -> dict[str, tuple[float, float]]:
+    """The server's engine iterations so far by kind: (count, seconds)
+    (``woq_engine_iteration_seconds``)."""
+    out: dict[str, list[float]] = {}
+    for line in metrics_text(url).splitlines():
+        for field, i in (("_count{", 0), ("_sum{", 1)):
+            if line.startswith("woq_engine_iteration_seconds" + field):
+                kind = line.split('kind="', 1)[1].split('"', 1)[0]
+                out.setdefault(kind, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+    return {k: (c, t) for k, (c, t) in out.items()}
+
+
+def steps_by_size(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Steps between two ``prompt_steps`` readings by their prompt tokens: "<=16" holds
+    steps of 1-16 tokens, "<=32" of 17-32, ... (the cumulative buckets differenced)."""
+    out, below = {}, 0.0
+    for le in sorted(after, key=lambda le: float(le)):
+        total = after[le] - before.get(le, 0.0)
+        label = "more" if le == "+Inf" else f"<={float(le):.0f}"
+        out[label] = total - below
+        below = total
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -157,6 +188,11 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# The columns of the steps-by-prompt-tokens summary (woq_step_prompt_tokens's buckets)
+SIZE_GROUPS = [("<=16", "<=32", "<=64"), ("<=128",), ("<=256",), ("<=512",),
+               ("<=1024", "<=2048", "<=4096", "<=8192", "more")]
+
+
 def summary(result: dict) -> str:
     names = list(result["servers"])
     rows = []
@@ -166,12 +202,19 @@ def summary(result: dict) -> str:
             if r is None:
                 continue
             per_step = f"{r['prompt_tokens_per_step']:.0f}" if "prompt_tokens_per_step" in r else "-"
+            by = r.get("prompt_steps_by_tokens", {})
+            sizes = (" / ".join(f"{sum(v for k, v in by.items() if k in group):.0f}" for group in SIZE_GROUPS)
+                     if by else "-")
+            it = r.get("iterations", {})
+            kinds = " / ".join(f"{it[k]['count']:.0f} × {it[k]['mean_ms']:.1f}" if k in it else "-"
+                               for k in ("decode", "mixed", "prefill")) if it else "-"
             rows.append([w, n, f"{r['output_tok_per_s']:.0f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
-                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", per_step, str(r["errors"])])
+                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", per_step, sizes, kinds, str(r["errors"])])
     text = [f"GPU: {result['gpu']}. Streamed over HTTP on loopback; servers: "
             + "; ".join(f"`{n}`: `{result['servers'][n]['args']}`" for n in names) + ".\n",
             markdown_table(["workload", "server", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-                            "prompt tokens / step", "errors"], rows)]
+                            "prompt tokens / step", "steps by prompt tokens: 1-64 / 65-128 / 129-256 / 257-512 / more",
+                            "iterations decode / mixed / prefill: count × mean ms", "errors"], rows)]
     chats = [(n, result["servers"][n]["workloads"].get("chat")) for n in names]
     chats = [(n, c) for n, c in chats if c]
     if chats:
@@ -211,15 +254,23 @@ def main() -> None:
         try:
             for w in chosen:
                 t1 = time.perf_counter()
-                steps0, tokens0 = prompt_steps(url)
+                steps0, tokens0, sizes0 = prompt_steps(url)
+                iterations0 = iterations(url)
                 if w == "chat":
                     r = asyncio.run(chat(url, args.model_name))
                 else:
                     r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w]))
-                steps1, tokens1 = prompt_steps(url)
-                # how the server cut the prompts: steps that prefilled any, and their mean tokens
+                steps1, tokens1, sizes1 = prompt_steps(url)
+                # how the server cut the prompts: steps that prefilled any, their mean tokens
+                # and how many took how many
                 r["prompt_steps"] = steps1 - steps0
                 r["prompt_tokens_per_step"] = (tokens1 - tokens0) / max(steps1 - steps0, 1)
+                r["prompt_steps_by_tokens"] = steps_by_size(sizes0, sizes1)
+                # the engine's iterations by kind: how many, and their mean wall time
+                r["iterations"] = {k: {"count": c - iterations0.get(k, (0, 0))[0],
+                                       "mean_ms": 1e3 * (t - iterations0.get(k, (0, 0))[1])
+                                       / max(c - iterations0.get(k, (0, 0))[0], 1)}
+                                   for k, (c, t) in iterations(url).items()}
                 entry["workloads"][w] = r
                 print(f"[{name}] {w} ({time.perf_counter() - t1:.0f} s): {json.dumps(r)[:400]}", flush=True)
             text = metrics_text(url)

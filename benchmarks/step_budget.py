@@ -9,6 +9,10 @@ tokens (B = 0, 16, 64, each after 1,024 cached positions) and one chunk of T pro
 tokens after 1,024 cached positions, as a packed-graph replay (up to the graphs' 512
 tokens; host preparation included, as the engine pays it) and as the eager forward; and
 the decode step (CUDA graph replay) at batches 1 to 128; medians of CUDA-event timings.
+For a few of those steps, the kernels of one graph replay by what they do (torch.profiler)
+with programmatic launches off, so that a step's time can be split between its GEMMs, its
+attention and the rest: launched programmatically, a kernel starts while its predecessor
+runs and its profiled time includes that wait.
 
     python benchmarks/step_budget.py --out docs/bench
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,16 +29,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, save_results  # noqa: E402
 from engine import configs, random_state  # noqa: E402
+from profile_decode import kernels_of  # noqa: E402
 
+from woq.engine.cuda_graphs import PackedGraphs  # noqa: E402
 from woq.engine.engine import Engine  # noqa: E402
 from woq.models.batches import Prefill  # noqa: E402
-from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
 
-TOKENS = [16, 64, 128, 256, 384, 448, 512, 1024, 2048]
+TOKENS = [16, 32, 64, 112, 128, 192, 240, 256, 384, 448, 512, 1024, 2048]
 DECODING = [0, 16, 64]  # decode tokens in the step beside the chunk
 BATCHES = [1, 16, 64, 128]
 PAST = 1024  # cached positions before every step's tokens
 GRAPH_TOKENS = 512
+PROFILED = ["0+16", "16+112", "16+128", "0+128", "0+256", "16+448", "64+64", "64+448"]  # kernels listed
 
 
 def timed(fn, repeats: int = 7) -> float:
@@ -68,7 +76,7 @@ def run() -> dict:
     for r in range(1, max(BATCHES)):
         cache.assign(r, 0, list(range(first + (r - 1) * per_row, first + r * per_row)))
     gen = torch.Generator().manual_seed(0)
-    graph, eager = {}, {}
+    graph, eager, kernels = {}, {}, {}
     with torch.inference_mode():
         past = torch.randint(0, config.vocab_size, (1, PAST), generator=gen).cuda()
         model(past, Prefill.pack([PAST], [row], "cuda"), cache, last_only=True)
@@ -87,8 +95,23 @@ def run() -> dict:
             positions = torch.full((b, 1), PAST, dtype=torch.long, device="cuda")
             slots = torch.arange(b, device="cuda")
             decode[b] = timed(lambda: engine.graphs.run(ids, positions, slots))
+        bind_kernels(model, replace(model.options, programmatic_launch=False))
+        # (new graphs on fresh buffers: a capture runs on whatever the buffers hold, and the
+        # last replay's chunk ends lie past a smaller graph's tokens)
+        g = engine.packed_graphs
+        engine.packed_graphs = PackedGraphs(model, cache, g.max_tokens, g.max_chunks, g.scratch_slot)
+        engine.packed_graphs.capture()
+        plain = {}
+        for key in PROFILED:
+            b, t = map(int, key.split("+"))
+            lens, rows, starts = [1] * b + [t], list(range(1, b + 1)) + [row], [PAST] * (b + 1)
+            tokens = torch.randint(0, config.vocab_size, (b + t,), generator=gen).tolist()
+            plain[key] = timed(lambda: engine.packed_graphs.run(tokens, lens, rows, starts))
+            groups = kernels_of(lambda: engine.packed_graphs.run(tokens, lens, rows, starts))
+            kernels[key] = {g: {"count": v["count"], "us": v["us"]} for g, v in groups.items()}
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "past": PAST,
-            "graph_ms": graph, "eager_ms": eager, "decode_ms": decode}
+            "graph_ms": graph, "eager_ms": eager, "decode_ms": decode, "kernels": kernels,
+            "graph_plain_ms": plain}
 
 
 def summary(r: dict) -> str:
@@ -98,11 +121,21 @@ def summary(r: dict) -> str:
         g = r["graph_ms"].get(key)
         rows.append([b, t, f"{g:.2f}" if g is not None else "-", f"{ms:.2f}"])
     dec = [[b, f"{ms:.2f}"] for b, ms in r["decode_ms"].items()]
+    steps = list(r.get("kernels", {}))
+    groups = sorted({g for k in steps for g in r["kernels"][k]},
+                    key=lambda g: -sum(r["kernels"][k].get(g, {}).get("us", 0) for k in steps))
+    split = [[g] + [f"{r['kernels'][k][g]['us'] / 1e3:.2f} ({r['kernels'][k][g]['count']})" if g in r["kernels"][k]
+                    else "-" for k in steps] for g in groups]
+    split.append(["all kernels"] + [f"{sum(v['us'] for v in r['kernels'][k].values()) / 1e3:.2f}" for k in steps])
+    split.append(["graph replay, plain launches"] + [f"{r['graph_plain_ms'][k]:.2f}" for k in steps])
+    split.append(["graph replay, programmatic launches"] + [f"{r['graph_ms'][k]:.2f}" for k in steps])
     return (f"GPU: {r['gpu']}, torch {r['torch']}. 8B int4 g128 (random weights), fp16. One step: B decode tokens "
             f"and a chunk of T prompt tokens, all after {r['past']} cached positions; packed-graph replay (host "
             "preparation included) and eager forward; median of 7, CUDA events.\n\n"
             + markdown_table(["B decode", "T prompt", "graph ms", "eager ms"], rows)
-            + "\n\nDecode step (graph replay):\n\n" + markdown_table(["batch", "step ms"], dec) + "\n")
+            + "\n\nDecode step (graph replay):\n\n" + markdown_table(["batch", "step ms"], dec)
+            + "\n\nKernels of one graph replay with plain launches (torch.profiler), ms summed "
+            "(kernels), by what they do; columns B+T:\n\n" + markdown_table(["group"] + steps, split) + "\n")
 
 
 def plot(r: dict, path: Path) -> None:
