@@ -123,34 +123,30 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
-def prompt_steps(url: str) -> tuple[float, float, dict[str, float]]:
-    """The server's steps that prefilled prompt tokens so far, those tokens, and the steps
-    by their prompt tokens' upper bound (``woq_step_prompt_tokens``: its count, sum and
-    cumulative buckets)."""
-    text = metrics_text(url)
-    buckets = {}
+def labelled(text: str, series: str, label: str) -> dict[str, float]:
+    """Each sample of ``series`` (a metric name up to its labels) by its ``label``'s value."""
+    out = {}
     for line in text.splitlines():
-        if line.startswith("woq_step_prompt_tokens_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
-    return (metric(text, "woq_step_prompt_tokens_count") or 0.0, metric(text, "woq_step_prompt_tokens_sum") or 0.0,
-            buckets)
+        if line.startswith(series + "{"):
+            out[line.split(f'{label}="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
-def iterations(url: str) -> dict[str, tuple[float, float]]:
-    """The server's engine iterations so far by kind: (count, seconds)
+def step_counters(url: str) -> dict:
+    """The server's step counters so far, from one scrape: the steps that prefilled prompt
+    tokens, those tokens, the steps by their prompt tokens' upper bound (cumulative:
+    ``woq_step_prompt_tokens``), and the engine's iterations and their seconds by kind
     (``woq_engine_iteration_seconds``)."""
-    out: dict[str, list[float]] = {}
-    for line in metrics_text(url).splitlines():
-        for field, i in (("_count{", 0), ("_sum{", 1)):
-            if line.startswith("woq_engine_iteration_seconds" + field):
-                kind = line.split('kind="', 1)[1].split('"', 1)[0]
-                out.setdefault(kind, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
-    return {k: (c, t) for k, (c, t) in out.items()}
+    text = metrics_text(url)
+    return {"steps": metric(text, "woq_step_prompt_tokens_count") or 0.0,
+            "tokens": metric(text, "woq_step_prompt_tokens_sum") or 0.0,
+            "buckets": labelled(text, "woq_step_prompt_tokens_bucket", "le"),
+            "iterations": labelled(text, "woq_engine_iteration_seconds_count", "kind"),
+            "iteration_seconds": labelled(text, "woq_engine_iteration_seconds_sum", "kind")}
 
 
 def steps_by_size(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Steps between two ``prompt_steps`` readings by their prompt tokens: "<=16" holds
+    """Steps between two readings of the cumulative buckets by their prompt tokens: "<=16" holds
     steps of 1-16 tokens, "<=32" of 17-32, ... (the cumulative buckets differenced)."""
     out, below = {}, 0.0
     for le in sorted(after, key=lambda le: float(le)):
@@ -254,23 +250,23 @@ def main() -> None:
         try:
             for w in chosen:
                 t1 = time.perf_counter()
-                steps0, tokens0, sizes0 = prompt_steps(url)
-                iterations0 = iterations(url)
+                before = step_counters(url)
                 if w == "chat":
                     r = asyncio.run(chat(url, args.model_name))
                 else:
                     r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w]))
-                steps1, tokens1, sizes1 = prompt_steps(url)
+                after = step_counters(url)
                 # how the server cut the prompts: steps that prefilled any, their mean tokens
                 # and how many took how many
-                r["prompt_steps"] = steps1 - steps0
-                r["prompt_tokens_per_step"] = (tokens1 - tokens0) / max(steps1 - steps0, 1)
-                r["prompt_steps_by_tokens"] = steps_by_size(sizes0, sizes1)
+                r["prompt_steps"] = after["steps"] - before["steps"]
+                r["prompt_tokens_per_step"] = (after["tokens"] - before["tokens"]) / max(r["prompt_steps"], 1)
+                r["prompt_steps_by_tokens"] = steps_by_size(before["buckets"], after["buckets"])
                 # the engine's iterations by kind: how many, and their mean wall time
-                r["iterations"] = {k: {"count": c - iterations0.get(k, (0, 0))[0],
-                                       "mean_ms": 1e3 * (t - iterations0.get(k, (0, 0))[1])
-                                       / max(c - iterations0.get(k, (0, 0))[0], 1)}
-                                   for k, (c, t) in iterations(url).items()}
+                r["iterations"] = {}
+                for kind, count in after["iterations"].items():
+                    n = count - before["iterations"].get(kind, 0.0)
+                    seconds = after["iteration_seconds"][kind] - before["iteration_seconds"].get(kind, 0.0)
+                    r["iterations"][kind] = {"count": n, "mean_ms": 1e3 * seconds / max(n, 1)}
                 entry["workloads"][w] = r
                 print(f"[{name}] {w} ({time.perf_counter() - t1:.0f} s): {json.dumps(r)[:400]}", flush=True)
             text = metrics_text(url)

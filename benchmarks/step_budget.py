@@ -76,14 +76,20 @@ def run() -> dict:
     for r in range(1, max(BATCHES)):
         cache.assign(r, 0, list(range(first + (r - 1) * per_row, first + r * per_row)))
     gen = torch.Generator().manual_seed(0)
-    graph, eager, kernels = {}, {}, {}
+
+    def step(b: int, t: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Token ids, chunk lengths, rows and first positions of b decode tokens (rows 1..b)
+        and a t-token chunk (row 0), all after PAST cached positions."""
+        tokens = torch.randint(0, config.vocab_size, (b + t,), generator=gen).tolist()
+        return tokens, [1] * b + [t], list(range(1, b + 1)) + [row], [PAST] * (b + 1)
+
+    graph, eager = {}, {}
     with torch.inference_mode():
         past = torch.randint(0, config.vocab_size, (1, PAST), generator=gen).cuda()
         model(past, Prefill.pack([PAST], [row], "cuda"), cache, last_only=True)
         for b in DECODING:
             for t in TOKENS:
-                lens, rows, starts = [1] * b + [t], list(range(1, b + 1)) + [row], [PAST] * (b + 1)
-                tokens = torch.randint(0, config.vocab_size, (b + t,), generator=gen).tolist()
+                tokens, lens, rows, starts = step(b, t)
                 ids = torch.tensor([tokens], device="cuda")
                 batch = Prefill.pack(lens, rows, "cuda", starts)
                 eager[f"{b}+{t}"] = timed(lambda: model(ids, batch, cache, last_only=True))
@@ -101,13 +107,11 @@ def run() -> dict:
         g = engine.packed_graphs
         engine.packed_graphs = PackedGraphs(model, cache, g.max_tokens, g.max_chunks, g.scratch_slot)
         engine.packed_graphs.capture()
-        plain = {}
+        plain, kernels = {}, {}
         for key in PROFILED:
-            b, t = map(int, key.split("+"))
-            lens, rows, starts = [1] * b + [t], list(range(1, b + 1)) + [row], [PAST] * (b + 1)
-            tokens = torch.randint(0, config.vocab_size, (b + t,), generator=gen).tolist()
-            plain[key] = timed(lambda: engine.packed_graphs.run(tokens, lens, rows, starts))
-            groups = kernels_of(lambda: engine.packed_graphs.run(tokens, lens, rows, starts))
+            inputs = step(*map(int, key.split("+")))
+            plain[key] = timed(lambda: engine.packed_graphs.run(*inputs))
+            groups = kernels_of(lambda: engine.packed_graphs.run(*inputs))
             kernels[key] = {g: {"count": v["count"], "us": v["us"]} for g, v in groups.items()}
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "past": PAST,
             "graph_ms": graph, "eager_ms": eager, "decode_ms": decode, "kernels": kernels,

@@ -477,7 +477,9 @@ class Engine:
                     decoded = bool(self.running) and self._decode_step(prefill_tokens)
                     if prefill_tokens and not decoded and self.observer:
                         self.observer.on_step(0, prefill_tokens)  # (chunks with nothing to decode yet)
-                    kind = ("mixed" if prefill_tokens else "decode") if decoded else "prefill" if prefill_tokens else ""
+                    kind = "decode" if decoded else ""
+                    if prefill_tokens:
+                        kind = "mixed" if decoded else "prefill"
                 if kind and self.observer:
                     self.observer.on_iteration(kind, time.perf_counter() - start)
             except Exception as exc:  # never let one bad step kill the server

@@ -60,12 +60,9 @@ class StepTimes:
         the largest padded size within that time, less the decode tokens; at least
         ``least`` (the smallest padded size holding ``decoding + least``, or ``least`` past
         every measured size)."""
-        holding = sorted(t for t in self.packed if t >= decoding + least)
-        if not holding:
-            return least
         limit = ratio * self.decode_seconds(max(batch, decoding))
-        within = [t for t in holding if self.packed[t] <= limit]
-        return (within[-1] if within else holding[0]) - decoding
+        within = [t for t, s in self.packed.items() if t >= decoding + least and s <= limit]
+        return max(within) - decoding if within else self.filled(decoding, least)
 
     def filled(self, decoding: int, tokens: int) -> int:
         """``tokens`` prompt tokens beside ``decoding`` decode tokens, raised to fill the

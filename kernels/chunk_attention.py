@@ -23,28 +23,23 @@ one launch for any mix of chunks up to that count (``engine/cuda_graphs.py``:
 ``SPLITS`` equal runs of whole key tiles, one program each; the programs write their
 unnormalised sums with their max and denominator (fp32), and a second kernel merges the
 tile's splits. A program walks its keys one dependent load-dot-exp-dot round after
-another, so one walking 1,000 keys alone is latency-bound: a step of 16 prompt tokens after
-1,024 cached positions has 8 programs (one tile, 8 KV heads) on 132 SMs, and took 45 µs a
-layer for 1 µs of memory time (H200, docs/bench/chunk_attention.md). Splits give each
-program a fraction of the walk. The partial sums cost a write and a read per row, head and
-split: little beside the keys for a tile of a few tokens (a decode token's 4 query heads,
-8 splits: 32 KB against 0.5 MB of one KV head's keys at 1,024 positions), as much again as
-the keys for a full 16-token tile; and where the tiles already fill the GPU, more programs
-only add their start-up. A split launch cuts the keys of every tile if it has at most
-``SPLIT_ALL_TOKENS`` packed rows, else only those of tiles of up to ``SMALL_TILE`` tokens
-(decode tokens); the other tiles write their rows themselves, as without splits.
+another, so a launch of few tiles, whose programs are few, is latency-bound; splits give
+each program a fraction of the walk. The partial sums cost a write and a read per row,
+head and split: little beside the keys for a tile of a few tokens (a decode token), about
+as much again as the keys for a full 16-token tile; and where the tiles already fill the
+GPU, more programs only add their start-up. So a split launch cuts the keys of every tile
+if it has at most ``SPLIT_ALL_TOKENS`` packed rows, else only those of tiles of up to
+``SMALL_TILE`` tokens; the other tiles write their rows themselves, as without splits.
 
-By default only launches of up to ``SPLIT_TOKENS`` rows split: the packed graph of 16
-tokens, whose tiles cannot fill the GPU. Against the unsplit kernel on the H200 (8B heads,
-1,024 cached positions, docs/bench/chunk_attention.md) splitting as above won 2.15x for
-one 16-token prompt tile, 1.25x for a 128-token chunk alone and 1.34x for 16 decode tokens
-alone, but lost where the tiles were many (0.80x for 16 decode tokens beside a 112-token
-chunk, 0.83-0.97x with 64 decode tokens): which launches gain depends on the tiles in
-them, which a graph's launch does not know on the host (docs/design/attention.md).
-Long chunks of an eager prefill (``models.batches.DENSE_FROM``
-tokens or more) still take SDPA, whose larger tiles read each key fewer times. Why not
-flash attention per chunk: one call per chunk and layer is host time that a step of 64
-sequences cannot afford, and a graph cannot loop over a varying list.
+By default only launches of up to ``SPLIT_TOKENS`` rows split (the packed graph of 16
+tokens, whose tiles cannot fill the GPU): whether a larger launch gains depends on the
+tiles in it, which a graph's launch does not know on the host (the measured gains and
+losses: docs/design/attention.md).
+
+Long chunks of an eager prefill (``models.batches.DENSE_FROM`` tokens or more) still take
+SDPA, whose larger tiles read each key fewer times. Why not flash attention per chunk: one
+call per chunk and layer is host time that a step of 64 sequences cannot afford, and a
+graph cannot loop over a varying list.
 """
 from __future__ import annotations
 
