@@ -102,7 +102,7 @@ def run(a: argparse.Namespace) -> dict:
             decode_tps(engine, vocab, b, params, prompt_tokens=a.prompt)
             timing.drain(wait=True)
             for twin in timing.captured:
-                calls = twin.gemv.every_call() if twin.gemv is not None else []
+                calls = twin.blocks.every_call() if twin.blocks is not None else []
                 if not calls or calls[0][0].m != b:
                     continue
                 seen: dict[str, int] = {}

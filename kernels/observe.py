@@ -11,12 +11,13 @@ the plan itself never knows.
   (``Captured.replayed``; added to the observer in bulk by ``flush``, at a scrape). A graph
   is also captured a second time with one call of each kind timed (path, layer kind, bits,
   shape: the decoder layers repeat them), and with event nodes around the whole step: its
-  *timed twin*. A GEMV call is timed by its blocks' ``%globaltimer`` stamps (``GemvStamps``:
-  the second decoder layer's, see there), other calls by event nodes around the first call
-  of their kind. One replay in ``sample_every`` of each graph runs its twin instead, which keeps the
-  latencies flowing while the fast graph itself stays free of event nodes (an event node between two
-  kernels ends their programmatic overlap, and adds its launch to the call it times: the
-  GEMVs, most of a decode step, are stamped for that reason; docs/design/metrics.md).
+  *timed twin*. A GEMV or mixed-GEMM call is timed by its blocks' ``%globaltimer`` stamps
+  (``BlockStampRows``: the second decoder layer's, see there), other calls by event nodes
+  around the first call of their kind. One replay in ``sample_every`` of each graph runs
+  its twin instead, which keeps the latencies flowing while the fast graph itself stays
+  free of event nodes (an event node between two kernels ends their programmatic overlap,
+  and adds its launch to the call it times: the GEMVs and mixed GEMMs, most of a step,
+  are stamped for that reason; docs/design/metrics.md).
 * **The persistent decode step** is one kernel for every decoder layer. Its stages are
   counted as the layers' calls (path ``decode_step``), and a timed step has the kernel
   stamp ``%globaltimer`` at the end of each stage (``StageStamps``): the gap between two
@@ -32,7 +33,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from .plans import GEMV, Epilogue
+from .plans import GEMV, MIXED_GEMM, Epilogue
 
 _M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -99,7 +100,7 @@ class Captured:
     offered: int = 0  # a timed twin: replays of its graph pair (take_timed), timed or not
     in_flight: torch.cuda.Event | None = None  # a timed replay not yet read back
     step: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None  # a timed twin's (batch, start, end)
-    gemv: "GemvStamps | None" = None  # a timed twin's GEMV calls' stamps
+    blocks: "BlockStampRows | None" = None  # a timed twin's GEMV and mixed-GEMM calls' block stamps
 
     def replayed(self) -> None:
         self.replays += 1
@@ -116,19 +117,19 @@ class Captured:
         self.step = (batch, self.step[1], end)
 
     def end_capture(self) -> None:
-        """Inside a timed twin's capture, after its forward: the GEMV stamps' copy out."""
-        if self.gemv is not None and self.gemv.calls:
-            self.gemv.copy_out()
+        """Inside a timed twin's capture, after its forward: the block stamps' copy out."""
+        if self.blocks is not None and self.blocks.calls:
+            self.blocks.copy_out()
 
     def weight_bytes(self) -> int:
         return sum(call.weight_bytes() * n for call, n in self.counts.items() if call.layer != "attention")
 
 
-class GemvStamps:
-    """The block stamps of a timed twin's GEMV calls: row i of ``buffer`` (int64, zeroed once
-    before the capture) is call i's ``[blocks, 2]`` (start, end) pairs, rewritten by the same
-    blocks at every replay (a graph's grids are fixed); blocks that never write leave zeros.
-    Copied to pinned host memory at the end of each timed replay.
+class BlockStampRows:
+    """The block stamps of a timed twin's GEMV and mixed-GEMM calls: row i of ``buffer``
+    (int64, zeroed once before the capture) is call i's ``[blocks, 2]`` (start, end) pairs,
+    rewritten by the same blocks at every replay (a graph's grids are fixed); blocks that
+    never write leave zeros. Copied to pinned host memory at the end of each timed replay.
 
     The first ``layers`` calls of each kind are stamped (``KernelTiming``'s
     ``stamped_layers``) and the last of them reported: by default the second decoder
@@ -137,7 +138,10 @@ class GemvStamps:
     wait, during whatever ran before it; the first layer's qkv follows the embedding, not a
     previous layer's down, and is slower than every later layer's (docs/design/metrics.md)."""
 
-    KINDS, BLOCKS = 4, 4096  # GEMV layer kinds a twin stamps (then events); blocks a call stamps at most
+    # Layer kinds a twin stamps (qkv, o, gate_up, down: each on one path in a graph, its M
+    # fixed), then events; blocks a call stamps at most (a GEMM's grid is one resident wave
+    # or tiles x splits, a GEMV's a wave)
+    KINDS, BLOCKS = 4, 4096
 
     def __init__(self, device: torch.device, layers: int):
         self.buffer = torch.zeros(self.KINDS * layers, 2 * self.BLOCKS, dtype=torch.int64, device=device)
@@ -202,8 +206,8 @@ class KernelTiming:
     (its layers share the sampling)."""
 
     def __init__(self, observer: KernelObserver, sample_every: int = 1, stamped_layers: int = 2):
-        """``stamped_layers``: how many of each GEMV kind's calls a timed twin stamps, the
-        last of them reported (``GemvStamps``)."""
+        """``stamped_layers``: how many of each GEMV or mixed-GEMM kind's calls a timed twin
+        stamps, the last of them reported (``BlockStampRows``)."""
         self.observer = observer
         self.sample_every = max(1, sample_every)
         self.stamped_layers = max(1, stamped_layers)
@@ -218,7 +222,7 @@ class KernelTiming:
     # -- eager calls -------------------------------------------------------------------------
     def run(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor],
             on_cuda: bool) -> torch.Tensor:
-        """``compute(stamps)`` makes the call; ``stamps`` (a GEMV's block stamps) or None."""
+        """``compute(stamps)`` makes the call; ``stamps`` (a GEMV's or GEMM's block stamps) or None."""
         if on_cuda and torch.cuda.is_current_stream_capturing():
             return self._captured_call(call, compute)
         if self._quiet:
@@ -290,7 +294,7 @@ class KernelTiming:
                 c.in_flight = None
                 for call, start, end in c.events:
                     self.observer.time(call, start.elapsed_time(end) / 1e3)
-                for s in c.stamps + ([c.gemv] if c.gemv is not None else []):
+                for s in c.stamps + ([c.blocks] if c.blocks is not None else []):
                     for call, seconds in s.latencies():
                         self.observer.time(call, seconds)
                 if c.step is not None:
@@ -318,7 +322,7 @@ class KernelTiming:
         of each kind timed)."""
         captured = Captured()
         if timed:  # (allocated before the capture: zeroing inside it would add a kernel node)
-            captured.gemv = GemvStamps(torch.device("cuda", torch.cuda.current_device()), self.stamped_layers)
+            captured.blocks = BlockStampRows(torch.device("cuda", torch.cuda.current_device()), self.stamped_layers)
         self._recording, self._timed_capture = captured, timed
         try:
             yield captured
@@ -334,8 +338,8 @@ class KernelTiming:
         self._recording.counts[call] += 1
         if not self._timed_capture:
             return compute(None)
-        if call.path == GEMV and occurrence < self.stamped_layers:
-            stamps = self._recording.gemv.take(call)
+        if call.path in (GEMV, MIXED_GEMM) and occurrence < self.stamped_layers:
+            stamps = self._recording.blocks.take(call)
             if stamps is not None:
                 return compute(stamps)
         if occurrence:

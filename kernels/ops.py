@@ -118,16 +118,17 @@ def gemv(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, max_b
 
 
 def gemm(x: torch.Tensor, gw: GpuWeight, bias: torch.Tensor | None = None, config: int = -1,
-         splits: int = 0) -> torch.Tensor:
+         splits: int = 0, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """The mixed GEMM (any M; per-channel, g64, g128 weights) with tile ``config`` (-1: by M)
-    and ``splits`` (0: stream-K over one resident wave, else blocks per output tile)."""
+    and ``splits`` (0: stream-K over one resident wave, else blocks per output tile).
+    ``stamps``: as the GEMV's, each block's ``%globaltimer`` start and end."""
     if not supports_mixed_gemm(gw):
         raise ValueError(f"the mixed GEMM takes per-channel or g{limits().gemm_groups} weights on sm_80+, "
                          f"not g{gw.group_size}")
     _check_x(x, gw, 1 << 24)
     s = scratch(x.device)
     return torch.ops.woq.gemm(kernel_rows(x), gw.qweight, gw.scales, gw.zeros, bias, gw.bits, gw.group_size, gw.N,
-                              gw.K, config, splits, s.workspace, s.counters)
+                              gw.K, config, splits, s.workspace, s.counters, stamps)
 
 
 def dense_gemv_max_rows(weight: torch.Tensor) -> int:

@@ -176,7 +176,8 @@ class KernelPlan:
 
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
-        """``stamps``: a timed GEMV call's block stamps (``ops.gemv``; other paths take none)."""
+        """``stamps``: a timed call's block stamps (``ops.gemv``, ``ops.gemm``; dequantize +
+        cuBLAS takes none)."""
         from . import ops
 
         m, gw = x.shape[0], self.gw
@@ -189,7 +190,7 @@ class KernelPlan:
             if fused:
                 return y
         elif path == MIXED_GEMM:
-            y = ops.gemm(x, gw, self.bias, *self.gemm_launch(m))
+            y = ops.gemm(x, gw, self.bias, *self.gemm_launch(m), stamps=stamps)
         else:
             if x.dtype != gw.dtype:
                 raise TypeError(f"activations are {x.dtype}, the weight was packed for {gw.dtype}")

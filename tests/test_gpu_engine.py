@@ -213,8 +213,8 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
     """Under CUDA graphs each replay adds the calls its graph recorded at capture, so the
     kernel metrics count what an eager engine counts for the same requests (prefill graphs
     off on both: a graph prefill pads its prompt); one replay in ``sample_every`` runs the
-    graph's timed twin, which times one call of each kind (a GEMV by its blocks' stamps,
-    others by event nodes) and (decode) the whole step."""
+    graph's timed twin, which times one call of each kind (a GEMV or mixed GEMM by its
+    blocks' stamps, others by event nodes) and (decode) the whole step."""
     from dataclasses import replace
 
     from conftest import random_llama
@@ -258,6 +258,47 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
         assert timed and all(s is not None and 0 < s < 0.1 for _, s in timed)
         assert 2 <= len(graph.steps) <= 6  # (16 replays, one in 4 timed: its twin's whole step too)
         assert all(b == batch and 0 < s < 0.1 and w > 0 for b, s, w in graph.steps)
+
+
+def test_a_timed_twin_stamps_its_mixed_gemm_calls():
+    """A graph whose layers run the mixed GEMM (a 40-token packed forward): its timed twin
+    times each kind's GEMM by block stamps, not event nodes, and reports every kind with a
+    latency within its replay's wall time."""
+    from conftest import random_llama
+    from woq.engine.cuda_graphs import capture_graphs
+    from woq.kernels import plans
+    from woq.kernels.observe import KernelTiming
+    from woq.kernels.options import RuntimeOptions
+    from woq.models.batches import Prefill
+    from woq.models.kv_cache import KVCache
+
+    # (untuned: the GEMV up to its 16 rows, the mixed GEMM to 128, whatever these small shapes measure)
+    model = random_llama(torch.float16, "cuda", 256, options=RuntimeOptions(tune=False, shipped_tables=False))
+    cfg = model.cfg
+    cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, 256, cfg.head_dim, model.dtype, model.device)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), device="cuda")
+    batch = Prefill.pack([40], [0], model.device, [0], dense_from=1 << 30)  # (the chunk kernel, as packed graphs)
+    tally = _Tally()
+    timing = KernelTiming(tally, sample_every=1)
+    model.observe_kernels(timing)
+    try:
+        graph = capture_graphs(lambda n: model(ids, batch, cache, last_only=True), [40], timing)[40]
+        twin = graph.twin_calls
+        stamped = {c.layer for c in twin.blocks.calls}
+        assert stamped == {"qkv", "o", "gate_up", "down"} and all(c.path == plans.MIXED_GEMM
+                                                                 for c in twin.blocks.calls)
+        assert not [c for c, _, _ in twin.events if c.path == plans.MIXED_GEMM]  # (no event node around a GEMM)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()  # (sample_every 1: the twin)
+        end.record()
+        torch.cuda.synchronize()
+        timing.drain(wait=True)
+    finally:
+        model.observe_kernels(None)
+    gemm = {c.layer: s for c, s in tally.timed if c.path == plans.MIXED_GEMM}
+    assert set(gemm) == {"qkv", "o", "gate_up", "down"}
+    assert all(0 < s <= start.elapsed_time(end) / 1e3 for s in gemm.values())
 
 
 @pytest.mark.slow

@@ -196,6 +196,36 @@ def test_gemv_block_stamps_change_no_bits_and_lie_within_the_call(pipeline, m):
     assert (few.view(-1, 2)[:, 0] > 0).all()
 
 
+@pytest.mark.parametrize("config,splits,m", [(9, 0, 16), (5, 0, 24), (8, 0, 200), (3, 0, 64), (4, 3, 40)])
+def test_gemm_block_stamps_change_no_bits_and_lie_within_the_call(config, splits, m):
+    """The mixed GEMM launched with block stamps (a timed twin's GEMM, kernels/observe.py)
+    computes the same bits, stream-K or split-K, wgmma or mma; the blocks that ran stamp a
+    start no later than their end, and the stamped span lies within the call's event-timed
+    span."""
+    if config not in ops.gemm_configs():
+        pytest.skip(f"tile config {config} is not built for this GPU")
+    qw, _, g = _case(4104, 4096, 4, 128, False, torch.float16, seed=11)
+    gw = ops.prepare(pack_for_gpu(qw, torch.float16))
+    x = torch.randn(m, 4096, device="cuda", generator=g).half()
+    plain = ops.gemm(x, gw, config=config, splits=splits)
+    stamps = torch.zeros(2 * 4096, dtype=torch.int64, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    y = ops.gemm(x, gw, config=config, splits=splits, stamps=stamps)
+    end.record()
+    torch.cuda.synchronize()
+    assert torch.equal(y, plain)
+    pairs = stamps.view(-1, 2)
+    used = pairs[pairs[:, 0] > 0]
+    assert len(used) > 0 and (used[:, 1] >= used[:, 0]).all() and (pairs[len(used):] == 0).all()
+    span_ms = (used[:, 1].max() - used[:, 0].min()).item() / 1e6
+    assert 0 < span_ms <= start.elapsed_time(end) + 0.002  # (+2 us: the two clocks' resolutions)
+    few = torch.zeros(2, dtype=torch.int64, device="cuda")  # room for one block only
+    assert torch.equal(ops.gemm(x, gw, config=config, splits=splits, stamps=few), plain)
+    torch.cuda.synchronize()
+    assert (few > 0).all()
+
+
 def test_misaligned_activations_are_realigned_or_refused():
     """A view of x that does not start on a 16-byte boundary: the op wrappers (which every
     layer's plan calls) copy it; the raw op refuses it with a clear error (its copies move

@@ -187,8 +187,10 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // This block's run of units L = tile * nstages + stage (32-bit: see the GEMV).
   const UnitPartition part_of(p.units, gridDim.x);
   const int L_begin = part_of.begin(blockIdx.x), L_end = part_of.begin(blockIdx.x + 1);
+  const BlockStamps stamps(p);  // (a timed launch: as the GEMV's, launch.cuh)
   if (L_begin >= L_end) {  // (the launcher sizes the grid so that this never happens)
     wait_for_prior_grid();
+    stamps.start();
     return;
   }
   // The output tile of unit L: its first row and its first n-tile.
@@ -645,6 +647,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     }
   }
   wait_for_prior_grid();
+  stamps.start();
 #pragma unroll
   for (int q = 0; q < kGemmMaxStages - 1; ++q) {
     if (q < ahead) {

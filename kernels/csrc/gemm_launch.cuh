@@ -39,6 +39,8 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   const int resident = plan.resident;  // blocks per SM
   GemmParams p;
   set_operands(p, a);
+  p.stamps = a.stamps;
+  p.stamps_len = a.stamps_len;
   p.nstages = (w.K_pad + Stage::kK - 1) / Stage::kK;
   p.m_tiles = (a.M + Shape::kBM - 1) / Shape::kBM;
   const long long columns = (p.n_tiles + Shape::kTiles - 1) / Shape::kTiles;

@@ -56,7 +56,7 @@ struct KernelOperands {
   int M, N, K, K_pad;
   int n_tiles, groups_pad;
   bool swiglu;          // GEMV only: y = silu(gate) * up, [M, N / 2] (gemv.cuh, swiglu_column)
-  unsigned long long* stamps;  // GEMV only: null, or [stamps_len] = [gridDim.x][2] (BlockStamps)
+  unsigned long long* stamps;  // GEMV and GEMM: null, or [stamps_len] = [gridDim.x][2] (BlockStamps)
   int stamps_len;
 };
 

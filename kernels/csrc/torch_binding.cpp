@@ -78,6 +78,16 @@ void check_activations(const at::Tensor& x, const std::optional<at::Tensor>& bia
   if (bias) check(bias->scalar_type() == x.scalar_type() && bias->numel() == n && bias->is_contiguous(), "bad bias");
 }
 
+// A timed launch's block stamps (launch.cuh, BlockStamps; blocks past its length write none).
+template <typename Args>
+void set_stamps(Args& a, const std::optional<at::Tensor>& stamps) {
+  if (!stamps) return;
+  check(stamps->is_cuda() && stamps->scalar_type() == at::kLong && stamps->is_contiguous() && stamps->numel() <= (1 << 30),
+        "stamps must be a contiguous CUDA int64 tensor");
+  a.stamps = reinterpret_cast<unsigned long long*>(stamps->data_ptr<int64_t>());
+  a.stamps_len = static_cast<int>(stamps->numel());
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                     const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                     int64_t group_size, int64_t n, int64_t k, int64_t max_blocks, int64_t k_warps, int64_t pipeline,
@@ -125,12 +135,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.workspace = workspace.data_ptr<float>();
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
-  if (stamps) {  // (blocks past its length write none)
-    check(stamps->is_cuda() && stamps->scalar_type() == at::kLong && stamps->is_contiguous() && stamps->numel() <= (1 << 30),
-          "stamps must be a contiguous CUDA int64 tensor");
-    a.stamps = reinterpret_cast<unsigned long long*>(stamps->data_ptr<int64_t>());
-    a.stamps_len = static_cast<int>(stamps->numel());
-  }
+  set_stamps(a, stamps);
   const cudaError_t err = woq::launch_gemv(a, at::cuda::getCurrentCUDAStream());
   check(!stream || err != cudaErrorInvalidConfiguration,
         "gemv launch failed: the register stream's x rows do not fit this GPU's shared memory at M=" + str(a.M));
@@ -369,7 +374,7 @@ void decode_step(at::Tensor& h, const at::Tensor& positions, const at::Tensor& s
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, int64_t config, int64_t splits, at::Tensor& workspace,
-                at::Tensor& counters) {
+                at::Tensor& counters, const std::optional<at::Tensor>& stamps) {
   check_activations(x, bias, n, k, 1 << 24, "the mixed GEMM takes 1 to 2^24 rows");
   check(config >= -1 && config <= 9, "config must be -1 (by M) or 0..9, got " + str(config));
   check(splits >= 0 && splits <= 64, "splits must be 0 (by shape) .. 64, got " + str(splits));
@@ -390,6 +395,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   a.workspace_floats = workspace.numel();
   a.counters = counters.data_ptr<int>();
   a.counters_len = counters.numel();
+  set_stamps(a, stamps);
   const cudaError_t err = woq::launch_gemm(a, at::cuda::getCurrentCUDAStream());
   check(err != cudaErrorInvalidConfiguration, "mixed GEMM launch failed: not even a 2-stage ring of tile config " +
                                                   str(config) + " fits this GPU's shared memory (a smaller tile would)");
@@ -601,7 +607,7 @@ TORCH_LIBRARY(woq, m) {
       "Tensor(c!)? stamps=None) -> Tensor");
   m.def(
       "gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, int n, "
-      "int k, int config, int splits, Tensor(a!) workspace, Tensor(b!) counters) -> Tensor");
+      "int k, int config, int splits, Tensor(a!) workspace, Tensor(b!) counters, Tensor(c!)? stamps=None) -> Tensor");
   m.def(
       "dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int bits, int group_size, int n, int k, "
       "Tensor(a!) out) -> ()");

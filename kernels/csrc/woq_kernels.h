@@ -232,6 +232,8 @@ struct GemmArgs {
   int* counters;     // one per output tile, zero-initialised (fewer: one block per tile)
   long long counters_len;
   DType dtype;
+  unsigned long long* stamps = nullptr;  // a timed launch: each block's start and end (launch.cuh, BlockStamps)
+  int stamps_len = 0;
 };
 
 struct DequantArgs {
