@@ -14,8 +14,9 @@ installed in between) can be run by a second invocation on the same machine:
   after a 1,000-token system prompt all share, 64 tokens out a turn; TTFT of the first
   turn and of the later turns (whose history an earlier request prefilled).
 
-Prompts of different requests differ from their first token (no prefix is shared but the
-chat's). Writes JSON, a markdown table and a PNG (tokens/s and ITL p99 against concurrency).
+Prompts of different requests differ from their first token, within a workload and across
+workloads (no prefix is shared but the chat's). Writes JSON, a markdown table and a PNG (tokens/s
+and ITL p99 against concurrency).
 
     python benchmarks/paged_serving.py --server "before=--model M --max-batch-size 64"   # (old tree)
     python benchmarks/paged_serving.py --server "after=--model M" --server "no-prefix=--model M --no-prefix-caching"
@@ -54,9 +55,12 @@ def start(name: str, args: str) -> tuple[subprocess.Popen, str]:
     return start_server(args.split(), Path(f"/tmp/paged_serving_{name}.log"))
 
 
-async def workload(url: str, model: str, clients: int, requests: int, lengths: tuple[int, int], out: int) -> dict:
+async def workload(url: str, model: str, clients: int, requests: int, lengths: tuple[int, int], out: int,
+                   first: int = 0) -> dict:
+    """``first``: the number of the first request's prompt; each workload has its own range,
+    so that no workload finds another's prompts in a server's prefix cache."""
     rng = random.Random(0)
-    prompts = [prompt_of(rng.randint(*lengths), i) for i in range(requests)]
+    prompts = [prompt_of(rng.randint(*lengths), first + i) for i in range(requests)]
     results, wall = await send_all(url, model, clients, prompts, out, timeout=900)
     ok = [r for r in results if "error" not in r]
     errors = sorted({r["error"] for r in results if "error" in r})
@@ -254,7 +258,8 @@ def main() -> None:
                 if w == "chat":
                     r = asyncio.run(chat(url, args.model_name))
                 else:
-                    r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w]))
+                    first = 1000 * list(WORKLOADS).index(w)  # (each workload its own prompts)
+                    r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w], first=first))
                 after = step_counters(url)
                 # how the server cut the prompts: steps that prefilled any, their mean tokens
                 # and how many took how many
