@@ -32,8 +32,8 @@ from .decode import DecodeRunner
 @dataclass(eq=False)
 class Graph:
     """One captured graph and its output; with kernel metrics on, also its timed twin (the
-    same work with the first linear-layer call of each kind timed -- a GEMV by its blocks'
-    stamps, others by event pairs -- and event nodes around a decode step,
+    same work with the first linear-layer call of each kind timed -- a GEMV or mixed GEMM by
+    its blocks' stamps, others by event pairs -- and event nodes around a decode step,
     ``kernels/observe.py``) and the calls each one replays."""
 
     graph: torch.cuda.CUDAGraph
@@ -240,10 +240,13 @@ class PackedGraphs:
     def _bucket(self, tokens: int) -> int:
         return next((b for b in self.buckets if b >= tokens), self.buckets[-1])
 
-    def run(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int]) -> torch.Tensor:
+    def run(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int],
+            fed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[chunks, V]`` of the last token of each chunk: chunk i is ``lens[i]``
         of ``ids`` (in order), at positions ``starts[i]...`` of block-table row ``slots[i]``
-        (``fits``: at most ``max_tokens`` in all)."""
+        (``fits``: at most ``max_tokens`` in all). ``fed``: ids on the device for the first
+        ``len(fed)`` tokens, in place of those of ``ids`` (a step queued before the host has
+        them: the engine's ``_queue_mixed``)."""
         n, c = len(ids), len(lens)
         if not self.fits(n, c):
             raise ValueError(f"a packed graph takes up to {self.max_tokens} tokens in {self.max_chunks} chunks, "
@@ -251,21 +254,23 @@ class PackedGraphs:
         t = self._bucket(n)
         batch = Prefill.pack(lens, slots, "cpu", starts, tiled=False)
         tiles = query_tiles(list(batch.chunks), TILE_TOKENS)  # (every chunk: a graph has no SDPA calls)
-        dev = self.ids.device
-        # (small copies from pageable host memory: each waits for the GPU's queued work, which
-        # before a packed step is at most a decode step queued ahead)
-        self.ids[0, :n].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[0, :n].copy_(batch.positions[0], non_blocking=True)
-        self.slots[:n].copy_(batch.slots, non_blocking=True)
+        # (copies from pinned memory, queued: one from pageable memory would wait for the
+        # GPU's queued work, a step queued ahead included; torch's pinned-memory cache keeps
+        # each buffer until its copy has run)
+        self.ids[0, :n].copy_(torch.tensor(ids).pin_memory(), non_blocking=True)
+        if fed is not None:
+            self.ids[0, :len(fed)].copy_(fed)
+        self.positions[0, :n].copy_(batch.positions[0].pin_memory(), non_blocking=True)
+        self.slots[:n].copy_(batch.slots.pin_memory(), non_blocking=True)
         if n < t:
             self.ids[0, n:t] = 0
             self.positions[0, n:t] = 0
             self.slots[n:t] = self.scratch_slot
-        self.last[:c].copy_(batch.last_index, non_blocking=True)
+        self.last[:c].copy_(batch.last_index.pin_memory(), non_blocking=True)
         self.last[c:self._chunks(t)] = 0  # (an earlier replay's rows may lie past this bucket's)
         w = self._tiles(t)
         padded = torch.tensor(tiles + [(0, 0, 0, 0)] * (w - len(tiles)), dtype=torch.int32)  # (0 tokens: padding)
-        self.tiles[:w].copy_(padded.to(dev, non_blocking=True))
+        self.tiles[:w].copy_(padded.pin_memory(), non_blocking=True)
         out = self.graphs[t].replay()
         self.replays += 1
         return out[:c]

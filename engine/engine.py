@@ -29,7 +29,12 @@ scheduling). A sequence that turns out to have ended (end of sequence, stop stri
 cancelled) had one step too many computed for it: that step is dropped, and the next
 step is launched from the host's state. Its KV write went to a position past the
 sequence's end, in a slot that a later prefill overwrites and that decode attention
-never reads past a sequence's length.
+never reads past a sequence's length. Mixed steps are queued the same way, one behind
+the other, while prompts are left to mix (``_queue_mixed``): the next step's decode
+tokens are fed on the device with this step's ids and its prompt chunks planned before
+this step's ids are read; a row of a sequence that ended meanwhile is dropped, the rest
+of that step kept. Every input a queued step takes from the host is copied from pinned
+memory: a copy from pageable memory would wait for the step queued before it.
 
 Sinks run on this thread, but a step's events are handed out only once the next step's
 kernels are queued (``_deliver`` between the launch and the wait for its tokens): what a
@@ -196,6 +201,17 @@ class _Launched:
         return self.host[: len(self.seqs)].tolist()
 
 
+@dataclass
+class _QueuedMixed:
+    """A mixed step queued behind another one (``Engine._queue_mixed``): its sampled rows
+    (``step``: the decode rows first, then the sequences its chunks started), its decode
+    rows and the prompt tokens its chunks carry."""
+
+    step: _Launched
+    decoding: list[_Sequence]
+    prompt_tokens: int
+
+
 def kv_blocks_for_budget(model: CausalLM, fraction: float, block_size: int, prefill_tokens: int) -> tuple[int, str]:
     """How many KV blocks of ``block_size`` positions fit in ``fraction`` of the GPU's memory
     after what is in use now (weights, other processes) and the activation peak of a prefill
@@ -246,6 +262,7 @@ class Engine:
         block_size: int = 16,
         prefix_caching: bool = True,
         mixed_step_ratio: float = 0.0,
+        overlap_mixed_steps: bool | None = None,
         mirror: Leader | None = None,
     ):
         """``max_num_seqs``: sequences running at once (default 256 on CUDA, 64 elsewhere);
@@ -256,7 +273,10 @@ class Engine:
         decode steps, by step times measured here, unless prompts arrive faster than that
         lets them in (``step_pacing.py``; 0: the token budget alone). ``mirror``: on rank 0
         of a tensor-parallel group, what announces each model call to the other ranks
-        (``tensor_parallel.py``)."""
+        (``tensor_parallel.py``). ``overlap_mixed_steps``: queue a mixed step behind the one
+        whose tokens the host is about to read (``_queue_mixed``; None: where that overlaps
+        anything, on CUDA with packed graphs; on the CPU, where steps run as they are
+        called, it only delays each step's tokens by one step)."""
         if mirror is not None:
             model = mirror.lead(model)
         self.model = model
@@ -332,6 +352,11 @@ class Engine:
         self._pinned_next = 0
         self.look_ahead_steps = 0  # look-ahead steps queued ...
         self.look_ahead_dropped = 0  # ... and those dropped because the batch changed
+        # A mixed step queued behind the one being read (``_queue_mixed``), and how many were.
+        self.overlap_mixed = self.packed_graphs is not None if overlap_mixed_steps is None else overlap_mixed_steps
+        self._queued: _QueuedMixed | None = None
+        self.mixed_steps_queued = 0  # mixed steps queued ahead ...
+        self.mixed_rows_dropped = 0  # ... and their rows of sequences that had ended by then
         self._cv = threading.Condition()
         self._stop = False
         self._ids = itertools.count()
@@ -450,26 +475,33 @@ class Engine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
+            # (the last iteration's events are handed out by this one's step, once its kernels
+            # are queued: ``_deliver``)
             start = time.perf_counter()
-            self._deliver()
             with self._cv:
                 self._reap_cancelled()
-                while not self._stop and not self.running and not self.prefilling and not self.waiting:
+                while (not self._stop and not self.running and not self.prefilling and not self.waiting
+                       and self._queued is None):
                     self._deliver()
                     self._cv.wait()
                     start = time.perf_counter()  # (an idle wait is no iteration's time)
                 if self._stop:
                     break
+                queued, self._queued = self._queued, None
                 # With sequences running (and no step queued ahead for them) and prompts to
                 # prefill, the decode tokens ride in the prefill's forward: one forward a
                 # step, within the token budget. The running sequences get their next
                 # positions' blocks before newcomers are admitted.
-                decoding = []
-                if self.running and self._ahead is None and (self.prefilling or self.waiting):
-                    decoding = self._make_room([s for s in self.running if not s.cancelled])
-                chunks = self._prefill_chunks(len(decoding))
+                decoding, chunks = [], []
+                if queued is None:
+                    if self.running and self._ahead is None and (self.prefilling or self.waiting):
+                        decoding = self._make_room([s for s in self.running if not s.cancelled])
+                    chunks = self._prefill_chunks(len(decoding))
             try:
-                if chunks and decoding:
+                if queued is not None:
+                    self._queued_step(queued)
+                    kind = "mixed"
+                elif chunks and decoding:
                     self._mixed_step(decoding, chunks)
                     kind = "mixed"
                 else:
@@ -484,7 +516,7 @@ class Engine:
                     self.observer.on_iteration(kind, time.perf_counter() - start)
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine step failed")
-                self._ahead = None
+                self._ahead = self._queued = None
                 failed = [s for s, _, _ in chunks] + self.running + self.prefilling
                 for seq in {id(s): s for s in failed}.values():
                     self._finish(seq, "error", error=f"generation failed: {type(exc).__name__}")
@@ -585,16 +617,21 @@ class Engine:
         for seq in [s for s in self.running + self.prefilling if s.cancelled]:
             self._finish(seq, "abort")
 
-    def _packed_forward(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int]) -> torch.Tensor:
+    def _packed_forward(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int],
+                        fed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[chunks, V]`` of each chunk's last token, from one packed forward of the
         chunks (``lens[i]`` of ``ids`` at positions ``starts[i]...`` of row ``slots[i]``): a
-        graph replay where one fits, else the eager forward."""
+        graph replay where one fits, else the eager forward. ``fed``: ids on the device for
+        the first ``len(fed)`` tokens, in place of those of ``ids``."""
         graphs = self.packed_graphs
         if graphs is not None and graphs.fits(len(ids), len(lens)):
-            return graphs.run(ids, lens, slots, starts)
+            return graphs.run(ids, lens, slots, starts, fed)
         dev = self.model.device
         batch = Prefill.pack(lens, slots, dev, starts)
-        return self.model(torch.tensor([ids], device=dev), batch, self.cache, last_only=True)
+        tokens = torch.tensor([ids], device=dev)
+        if fed is not None:
+            tokens[0, :len(fed)] = fed
+        return self.model(tokens, batch, self.cache, last_only=True)
 
     def _prefill(self, chunks: list[tuple[_Sequence, int, int]]) -> int:
         """Prefill ``chunks`` in one packed forward and start the sequences whose context is
@@ -605,7 +642,9 @@ class Engine:
         first, rows = self._prefilled(chunks, contexts)
         if first:
             self.kv.flush()
-            self._emit_tokens(first, logits[rows], first)
+            self._emit_tokens(first, logits[self._rows(rows)], first)
+        else:
+            self._deliver()  # the previous step's events, while this one runs
         return sum(n for _, _, n in chunks)
 
     def _mixed_step(self, seqs: list[_Sequence], chunks: list[tuple[_Sequence, int, int]]) -> None:
@@ -623,7 +662,90 @@ class Engine:
         if self.observer:
             self.observer.on_step(len(seqs), sum(n for _, _, n in chunks))
         decoded = len(seqs)
-        self._emit_tokens(seqs + first, logits[list(range(decoded)) + [decoded + r for r in rows]], first)
+        step = self._sample(seqs + first, logits[self._rows(list(range(decoded)) + [decoded + r for r in rows])], first)
+        self._queue_mixed(step)
+        self._deliver()  # the previous step's events, while this step's kernels run
+        self._accept_all(step.seqs, step.token_ids(), step.logprobs)
+
+    def _queue_mixed(self, step: _Launched) -> None:
+        """With ``overlap_mixed``, queue the next mixed step behind ``step`` (a mixed step
+        whose ids the host has not read): the host's part of ``step`` (reading its ids,
+        detokenizing, handing out events) then runs while the GPU computes the next one,
+        as a decode step queued ahead does (module docstring). Its decode rows are
+        ``step``'s sequences that go on past this token (by length), fed on the device with
+        the ids ``step`` sampled, one position further; its prompt chunks are planned now
+        (``_prefill_chunks``). Nothing is queued with no prompt left to mix (the next step
+        decodes: its own look-ahead), nor where the next iteration may have to decide on
+        the host: a row needing a block that is not free (no preemption ahead), a running
+        sequence outside ``step`` (resumed after a preemption: its token is on the host), a
+        grammar or penalties (their state follows the host's tokens), or a step larger than
+        the packed graphs (on CUDA). A sequence
+        that ends with ``step``'s token (end of sequence, a stop string, cancelled) had one
+        token too many computed: it is dropped when the queued step is read
+        (``_queued_step``); its KV write went past its end, in a block no one else reads
+        before a later step overwrites it."""
+        if not self.overlap_mixed or not (self.prefilling or self._may_admit()):
+            return
+        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s, 1)]
+        seqs = [step.seqs[i] for i in rows]
+        if not seqs or any(s.matcher is not None or s.params.penalized for s in seqs):
+            return
+        if any(not s.cancelled and not any(s is x for x in step.seqs) for s in self.running):
+            return
+        graphs = self.packed_graphs
+        most = len(seqs) + max(self.max_prefill_tokens - len(seqs), self.max_prefill_tokens // 4, 1)
+        if self.model.device.type == "cuda" and (graphs is None or most > graphs.max_tokens):
+            return
+        if not self._room_ahead(seqs):
+            return
+        chunks = self._prefill_chunks(len(seqs))
+        if not chunks:
+            return
+        self.kv.flush()  # (the blocks of sequences admitted now)
+        contexts = [s.context() for s, _, _ in chunks]
+        ids, lens, slots, starts = self._chunk_inputs(chunks, contexts)
+        fed = step.tokens[self._rows(rows)]
+        logits = self._packed_forward([0] * len(seqs) + ids, [1] * len(seqs) + lens, [s.slot for s in seqs] + slots,
+                                      [s.next_position + 1 for s in seqs] + starts, fed)
+        first, started = self._prefilled(chunks, contexts)
+        self.kv.flush()
+        decoded = len(seqs)
+        picked = logits[self._rows(list(range(decoded)) + [decoded + r for r in started])]
+        self._queued = _QueuedMixed(self._sample(seqs + first, picked, first, ahead=decoded), seqs,
+                                    sum(n for _, _, n in chunks))
+        self.mixed_steps_queued += 1
+
+    def _queued_step(self, queued: _QueuedMixed) -> None:
+        """Read a mixed step queued by ``_queue_mixed``, after queuing the next one behind it;
+        the rows of sequences that ended since are dropped."""
+        self.steps += 1
+        if self.observer:
+            self.observer.on_step(len(queued.decoding), queued.prompt_tokens)
+        step = queued.step
+        self._queue_mixed(step)
+        self._deliver()  # the previous step's events, while the GPU works
+        tokens = step.token_ids()
+        logprobs = step.logprobs
+        now = time.perf_counter()
+        for i, (seq, tok) in enumerate(zip(step.seqs, tokens)):
+            if seq.finished:  # (ended with the step before: this row was one too many)
+                self.mixed_rows_dropped += 1
+                continue
+            k = seq.params.logprobs
+            self._accept(seq, tok, now, None if k is None else [logprobs.row(i, k, tok)])
+
+    def _goes_on(self, seq: _Sequence, ahead: int) -> bool:
+        """Whether ``seq`` decodes again after ``ahead`` more tokens (not ended by length)."""
+        return (len(seq.generated) + ahead < seq.params.max_tokens
+                and seq.next_position + ahead < self.max_seq_len)
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an index on the model's device (from pinned memory on CUDA: a list
+        index, or a copy from pageable memory, would wait for the GPU's queued work)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        if self.model.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.model.device, non_blocking=True)
 
     @staticmethod
     def _chunk_inputs(chunks: list[tuple[_Sequence, int, int]],
@@ -766,9 +888,10 @@ class Engine:
         """Whether every row's next token is its logits' argmax (no processor, no log-probabilities)."""
         return all(s.params.greedy and not s.params.processed and s.params.logprobs is None for s in seqs)
 
-    def _batch_sampling(self, seqs: list[_Sequence]) -> BatchSampling | None:
+    def _batch_sampling(self, seqs: list[_Sequence], ahead: int = 0) -> BatchSampling | None:
         """The rows' sampling on the device; None where every row is plain greedy (nothing
-        to ship: the draw is an argmax)."""
+        to ship: the draw is an argmax). The first ``ahead`` rows draw one token further
+        than the host has them."""
         if self._plain_greedy(seqs):
             return None
         p = [s.params for s in seqs]
@@ -777,8 +900,9 @@ class Engine:
                                         self.model.device)
         # (called once the step's forward is queued: the grammars' masks are filled while it runs)
         masks = self.grammars.masks([s.matcher for s in seqs]) if any(s.matcher is not None for s in seqs) else None
-        return BatchSampling.of(p, [s.seed for s in seqs], [len(s.generated) for s in seqs], [s.slot for s in seqs],
-                                self.eos, self.model.device, masks)
+        steps = [len(s.generated) + (i < ahead) for i, s in enumerate(seqs)]
+        return BatchSampling.of(p, [s.seed for s in seqs], steps, [s.slot for s in seqs], self.eos, self.model.device,
+                                masks)
 
     def _queue_tokens(self, seqs: list[_Sequence], logits: torch.Tensor | None, sampling: BatchSampling | None,
                       graph: bool, tokens: torch.Tensor | None = None) -> _Launched:
@@ -803,13 +927,20 @@ class Engine:
     def _emit_tokens(self, seqs: list[_Sequence], logits: torch.Tensor, started: list[_Sequence]) -> None:
         """Sample a token for each of ``seqs`` from its row of ``logits`` and accept them;
         ``started``: those of them sampling their first token."""
-        sampling = self._batch_sampling(seqs)
+        step = self._sample(seqs, logits, started)
+        self._deliver()  # the previous step's events, while this step's kernels run
+        self._accept_all(seqs, step.token_ids(), step.logprobs)
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, started: list[_Sequence],
+                ahead: int = 0) -> _Launched:
+        """Queue the sampling of a token for each of ``seqs`` from its row of ``logits``;
+        ``started``: those of them sampling their first token; the first ``ahead`` of them
+        one token further than the host has them (a step queued ahead)."""
+        sampling = self._batch_sampling(seqs, ahead)
         for seq in started:
             if seq.params.repetition_penalty != 1.0:  # (the repetition penalty counts the prompt too)
                 self.history.start(seq.slot, seq.prompt_ids)
-        step = self._queue_tokens(seqs, logits, sampling, graph=False)
-        self._deliver()  # the previous step's events, while this step's kernels run
-        self._accept_all(seqs, step.token_ids(), step.logprobs)
+        return self._queue_tokens(seqs, logits, sampling, graph=False)
 
     def _accept_all(self, seqs: list[_Sequence], tokens: list[int], logprobs: Logprobs | None = None) -> None:
         now = time.perf_counter()

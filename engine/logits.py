@@ -81,7 +81,11 @@ class BatchSampling:
         """``mask``: the rows' grammar masks on the host (``GrammarMatchers.masks``), where a
         row has a grammar."""
         def t(values, dtype=None):
-            return torch.tensor(values, dtype=dtype, device=device)
+            # (on CUDA from pinned memory, queued: a copy from pageable memory would wait for
+            # the GPU's queued work, a step queued ahead included)
+            if device.type != "cuda":
+                return torch.tensor(values, dtype=dtype, device=device)
+            return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
         processors = None
         if any(p.processed for p in params):

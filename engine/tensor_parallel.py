@@ -126,9 +126,13 @@ class _LeadingPackedGraphs:
     def __getattr__(self, name):
         return getattr(self._graphs, name)
 
-    def run(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int]) -> torch.Tensor:
-        self._leader.announce(("packed_graph", ids, lens, slots, starts))
-        return self._graphs.run(ids, lens, slots, starts)
+    def run(self, ids: list[int], lens: list[int], slots: list[int], starts: list[int],
+            fed: torch.Tensor | None = None) -> torch.Tensor:
+        self._leader.announce(("packed_graph", ids, lens, slots, starts, 0 if fed is None else len(fed)))
+        if fed is not None:  # (a step queued ahead: its decode ids on the device, as run_next's)
+            fed = fed.to(torch.long)
+            dist.broadcast(fed, src=0)
+        return self._graphs.run(ids, lens, slots, starts, fed)
 
 
 class _LeadingCache:
@@ -184,6 +188,10 @@ def follow(model, channel: ControlChannel) -> None:
             dist.broadcast(ids, src=0)
             graphs.run_next(ids)
         elif kind == "packed_graph":
-            packed.run(*message[1:])
+            fed = None
+            if message[5]:
+                fed = torch.empty(message[5], dtype=torch.long, device=device)
+                dist.broadcast(fed, src=0)
+            packed.run(*message[1:5], fed)
         else:
             raise ValueError(f"unknown announcement {kind!r}")

@@ -101,6 +101,34 @@ class PrefillCounter:
         pass
 
 
+def run_to_end(engine, requests: list, timeout: float = 300) -> list[list]:
+    """Queue every (prompt ids, SamplingParams) of ``requests`` on ``engine`` (not started:
+    all of them arrive before its first step), start it, wait for them all and shut it
+    down; each request's ids, then its finish reason."""
+    import threading
+
+    out: list[list] = [[] for _ in requests]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            out[i].extend(ev.token_ids)
+            if ev.finish_reason:
+                out[i].append(ev.finish_reason)
+                done.release()
+        return sink
+
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, sink_for(i))
+    engine.start()
+    try:
+        for _ in requests:
+            assert done.acquire(timeout=timeout)
+    finally:
+        engine.shutdown()
+    return out
+
+
 def metric_value(text: str, name: str, **labels) -> float:
     """The value of the series ``name{labels}`` in a Prometheus text exposition (0 if absent)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -154,26 +154,12 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     prompts = [_chat(lm.tokenizer, f"Describe the number {i} in two sentences.") for i in range(10)]
 
     def run(graphs: bool):
+        from conftest import run_to_end
+
         eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_num_seqs=4, max_seq_len=512, cuda_graphs=graphs)
-        out: list[list] = [[] for _ in prompts]
-        done = threading.Semaphore(0)
-
-        def sink_for(i):
-            def sink(ev):
-                out[i].extend(ev.token_ids)
-                if ev.finish_reason:
-                    out[i].append(ev.finish_reason)
-                    done.release()
-            return sink
-
-        for i, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=48, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i)
-            eng.submit(p, params, sink_for(i))
-        eng.start()
-        for _ in prompts:
-            assert done.acquire(timeout=120)
-        eng.shutdown()
-        return out, eng
+        requests = [(p, SamplingParams(max_tokens=48, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i))
+                    for i, p in enumerate(prompts)]
+        return run_to_end(eng, requests, timeout=120), eng
 
     graph_out, graph_eng = run(True)
     eager_out, eager_eng = run(False)
@@ -181,6 +167,23 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     assert sum(o[-1] == "stop" for o in eager_out) >= 3  # ended by the id, not by length
     assert graph_eng.look_ahead_steps > 0 and graph_eng.look_ahead_dropped > 0
     assert eager_eng.look_ahead_steps == 0
+
+
+def test_queued_mixed_steps_under_graphs_give_the_tokens_of_steps_read_one_by_one():
+    """tests/test_mixed_overlap.py's check through the packed graphs (a random-weight
+    Llama, token ids only): each mixed step is queued behind the one being read, fed its
+    decode ids on the device and its inputs from pinned memory; the same ids and finish
+    reasons as the same graphs read step by step, the row of a sequence that stopped
+    dropped, no block left held; and the eager engine's (no graphs, nothing queued ahead)."""
+    from conftest import random_llama
+    from test_mixed_overlap import check_overlap, run_requests
+
+    model = random_llama(torch.float16, "cuda", 256)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (34, 20, 29, 21, 26)]
+    requests, got = check_overlap(model, None, prompts)
+    eager, eng = run_requests(model, None, None, requests, cuda_graphs=False)
+    assert eng.packed_graphs is None and eng.mixed_steps_queued == 0 and eager == got
 
 
 class _Tally:
