@@ -679,11 +679,11 @@ class Engine:
         the host: a row needing a block that is not free (no preemption ahead), a running
         sequence outside ``step`` (resumed after a preemption: its token is on the host), a
         grammar or penalties (their state follows the host's tokens), or a step larger than
-        the packed graphs (on CUDA). A sequence
-        that ends with ``step``'s token (end of sequence, a stop string, cancelled) had one
-        token too many computed: it is dropped when the queued step is read
-        (``_queued_step``); its KV write went past its end, in a block no one else reads
-        before a later step overwrites it."""
+        the packed graphs (on CUDA). A sequence that ends with ``step``'s token (end of
+        sequence, a stop string, cancelled) had one token too many computed: it is dropped
+        when the queued step is read (``_queued_step``); its KV write went past its end,
+        into a block that only a later step, queued after it, can give to another
+        sequence."""
         if not self.overlap_mixed or not (self.prefilling or self._may_admit()):
             return
         rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s, 1)]
@@ -696,9 +696,10 @@ class Engine:
         most = len(seqs) + max(self.max_prefill_tokens - len(seqs), self.max_prefill_tokens // 4, 1)
         if self.model.device.type == "cuda" and (graphs is None or most > graphs.max_tokens):
             return
-        if not self._room_ahead(seqs):
-            return
-        chunks = self._prefill_chunks(len(seqs))
+        with self._cv:  # (admission reads the queue that ``submit`` appends to, as in ``_loop``)
+            if not self._room_ahead(seqs):
+                return
+            chunks = self._prefill_chunks(len(seqs))
         if not chunks:
             return
         self.kv.flush()  # (the blocks of sequences admitted now)
