@@ -50,6 +50,14 @@ def check_overlap(model, tokenizer, prompts: list[list[int]],
     return requests, want
 
 
+def _prompts(tok) -> list[list[int]]:
+    """Five prompts of 20-34 SmolLM2 tokens: 2-3 chunks of a 16-token budget each."""
+    texts = ["Count from one to ten in French, then in Spanish, then in German, separated by commas.",
+             "Write a list of fruits:", "Name three rivers in Europe and say where each one flows into the sea.",
+             "What is the capital of Italy?", "List some tools a carpenter uses every day in the workshop."]
+    return [tok(f"{t} Answer briefly, in plain words, and do not repeat the question.")["input_ids"] for t in texts]
+
+
 def test_queued_mixed_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_int4):
     """Prompts of 20-50 tokens go in chunks of a 16-token budget beside the streams already
     decoding, so mixed steps follow each other and each is queued behind the last. Against
@@ -57,9 +65,72 @@ def test_queued_mixed_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_int
     reasons, with sequences ending by length (known ahead), by a stop id (known only once
     read: the queued step's row for it is dropped) and seeded sampling beside greedy."""
     tok = smollm2_int4.tokenizer
-    texts = ["Count from one to ten in French, then in Spanish, then in German, separated by commas.",
-             "Write a list of fruits:", "Name three rivers in Europe and say where each one flows into the sea.",
-             "What is the capital of Italy?", "List some tools a carpenter uses every day in the workshop."]
-    prompts = [tok(f"{t} Answer briefly, in plain words, and do not repeat the question.")["input_ids"]
-               for t in texts]
+    prompts = _prompts(tok)
     check_overlap(smollm2_int4.model, tok, prompts)
+
+
+def _run_with_events(model, tokenizer, overlap: bool, requests, kv_blocks: int,
+                     cancel_after: int) -> tuple[list, Engine]:
+    """``requests``: (prompt, params, choices) queued before the engine starts, in a pool of
+    ``kv_blocks`` blocks; request 1 is cancelled from its sink (on the engine thread, so at
+    the same point of its stream in both engines) once it has ``cancel_after`` tokens.
+    Per choice: its ids, its log-probabilities (rounded), then its finish reason."""
+    import threading
+
+    from woq.models.kv_cache import KVCache
+
+    cfg = model.cfg
+    per_block = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype) * 16
+    eng = Engine(model, tokenizer, {tokenizer.eos_token_id}, max_num_seqs=8, max_seq_len=256, max_prefill_tokens=16,
+                 kv_cache_gib=kv_blocks * per_block / (1 << 30), overlap_mixed_steps=overlap)
+    assert eng.kv_blocks_total == kv_blocks
+    out: dict[tuple[int, int], list] = {}
+    done = threading.Semaphore(0)
+    ids: dict[int, str] = {}
+
+    def sink_for(r: int, c: int):
+        out[r, c] = []
+
+        def sink(ev):
+            out[r, c].extend(ev.token_ids)
+            out[r, c].extend(round(lp.logprob, 4) for lp in ev.logprobs or [])
+            if r == 1 and c == 0 and len([t for t in out[r, c] if isinstance(t, int)]) >= cancel_after:
+                eng.cancel(ids[1])
+            if ev.finish_reason:
+                out[r, c].append(ev.finish_reason)
+                done.release()
+        return sink
+
+    for r, (prompt, params, n) in enumerate(requests):
+        ids[r] = eng.submit(prompt, params, sink_for(r, 0), choices=[sink_for(r, c) for c in range(1, n)])
+    eng.start()
+    try:
+        for _ in out:
+            assert done.acquire(timeout=300)
+    finally:
+        eng.shutdown()
+    return [out[k] for k in sorted(out)], eng
+
+
+def test_queued_mixed_steps_beside_preemption_choices_logprobs_and_a_cancel(smollm2_int4):
+    """Queued mixed steps where the pool is too small for every sequence (preemptions, and
+    steps not queued for want of a free block), beside a request of two choices that share
+    its prefill, a request asking for log-probabilities, and a request cancelled while
+    others are prefilled: the same ids, log-probabilities and finish reasons as steps read
+    one by one, and no block or row left held."""
+    tok = smollm2_int4.tokenizer
+    prompts = _prompts(tok)
+    requests = [(prompts[0], SamplingParams(max_tokens=28, temperature=0, ignore_eos=True, logprobs=2), 1),
+                (prompts[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), 1),
+                (prompts[2], SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True), 2),
+                (prompts[3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), 1),
+                (prompts[4], SamplingParams(max_tokens=26, temperature=0, ignore_eos=True), 1)]
+    want, serial = _run_with_events(smollm2_int4.model, tok, False, requests, kv_blocks=14, cancel_after=5)
+    got, overlapped = _run_with_events(smollm2_int4.model, tok, True, requests, kv_blocks=14, cancel_after=5)
+    assert got == want
+    assert want[1][-1] == "abort" and all(o[-1] == "length" for i, o in enumerate(want) if i != 1)
+    assert serial.preemptions > 0 and overlapped.preemptions > 0 and overlapped.mixed_steps_queued > 0
+    assert overlapped.mixed_rows_dropped > 0  # (the cancelled request's row in a step queued behind)
+    for eng in (serial, overlapped):
+        assert eng.kv_blocks_used == 0 and sorted(eng.kv.free_rows) == list(range(8))
+        eng.kv.pool.check()
