@@ -69,6 +69,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..kernels.device import to_device
 from ..models.batches import TILE_TOKENS, Decode, Prefill
 from ..models.kv_cache import KVCache
 from .kv_blocks import BlockPool
@@ -204,11 +205,11 @@ class _Launched:
 @dataclass
 class _QueuedMixed:
     """A mixed step queued behind another one (``Engine._queue_mixed``): its sampled rows
-    (``step``: the decode rows first, then the sequences its chunks started), its decode
-    rows and the prompt tokens its chunks carry."""
+    (``step``: the decode rows first, then the sequences its chunks started), how many of
+    them are decode rows, and the prompt tokens its chunks carry."""
 
     step: _Launched
-    decoding: list[_Sequence]
+    decoded: int
     prompt_tokens: int
 
 
@@ -538,7 +539,7 @@ class Engine:
         waiting requests admitted now (a row and their context's blocks free; a cached
         prefix is not prefilled again); the last one taken may get only a chunk of its
         context."""
-        chunks, budget = [], max(self.max_prefill_tokens - decoding, self.max_prefill_tokens // 4, 1)
+        chunks, budget = [], self._step_budget(decoding)
         # Paced (step_pacing.py): running streams wait for this step, so its time is bounded
         # by theirs. A prefill of its own, between a decode step queued ahead and the next,
         # is paced as if it carried their tokens.
@@ -570,6 +571,11 @@ class Engine:
             chunks.append((seq, seq.prefilled, n))
             budget -= n
         return chunks
+
+    def _step_budget(self, decoding: int) -> int:
+        """Prompt tokens a step may take beside ``decoding`` decode tokens, before pacing:
+        the budget less them, but a quarter of it at least, so that prompts are not starved."""
+        return max(self.max_prefill_tokens - decoding, self.max_prefill_tokens // 4, 1)
 
     def _measure_steps(self) -> StepTimes:
         """The time of a decode step at every batch size the engine pads to and of a packed
@@ -686,14 +692,14 @@ class Engine:
         sequence."""
         if not self.overlap_mixed or not (self.prefilling or self._may_admit()):
             return
-        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s, 1)]
+        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s)]
         seqs = [step.seqs[i] for i in rows]
         if not seqs or any(s.matcher is not None or s.params.penalized for s in seqs):
             return
         if any(not s.cancelled and not any(s is x for x in step.seqs) for s in self.running):
             return
-        graphs = self.packed_graphs
-        most = len(seqs) + max(self.max_prefill_tokens - len(seqs), self.max_prefill_tokens // 4, 1)
+        graphs = self.packed_graphs  # (pacing only lowers the budget: the step's tokens are at most these)
+        most = len(seqs) + self._step_budget(len(seqs))
         if self.model.device.type == "cuda" and (graphs is None or most > graphs.max_tokens):
             return
         with self._cv:  # (admission reads the queue that ``submit`` appends to, as in ``_loop``)
@@ -712,7 +718,7 @@ class Engine:
         self.kv.flush()
         decoded = len(seqs)
         picked = logits[self._rows(list(range(decoded)) + [decoded + r for r in started])]
-        self._queued = _QueuedMixed(self._sample(seqs + first, picked, first, ahead=decoded), seqs,
+        self._queued = _QueuedMixed(self._sample(seqs + first, picked, first, ahead=decoded), decoded,
                                     sum(n for _, _, n in chunks))
         self.mixed_steps_queued += 1
 
@@ -721,32 +727,21 @@ class Engine:
         the rows of sequences that ended since are dropped."""
         self.steps += 1
         if self.observer:
-            self.observer.on_step(len(queued.decoding), queued.prompt_tokens)
+            self.observer.on_step(queued.decoded, queued.prompt_tokens)
         step = queued.step
         self._queue_mixed(step)
         self._deliver()  # the previous step's events, while the GPU works
-        tokens = step.token_ids()
-        logprobs = step.logprobs
-        now = time.perf_counter()
-        for i, (seq, tok) in enumerate(zip(step.seqs, tokens)):
-            if seq.finished:  # (ended with the step before: this row was one too many)
-                self.mixed_rows_dropped += 1
-                continue
-            k = seq.params.logprobs
-            self._accept(seq, tok, now, None if k is None else [logprobs.row(i, k, tok)])
+        self.mixed_rows_dropped += self._accept_all(step.seqs, step.token_ids(), step.logprobs)
 
-    def _goes_on(self, seq: _Sequence, ahead: int) -> bool:
-        """Whether ``seq`` decodes again after ``ahead`` more tokens (not ended by length)."""
-        return (len(seq.generated) + ahead < seq.params.max_tokens
-                and seq.next_position + ahead < self.max_seq_len)
+    def _goes_on(self, seq: _Sequence) -> bool:
+        """Whether ``seq`` decodes again after the token its step in flight samples (not
+        ended by length with it)."""
+        return len(seq.generated) + 1 < seq.params.max_tokens and seq.next_position + 1 < self.max_seq_len
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
-        """``rows`` as an index on the model's device (from pinned memory on CUDA: a list
-        index, or a copy from pageable memory, would wait for the GPU's queued work)."""
-        index = torch.tensor(rows, dtype=torch.long)
-        if self.model.device.type != "cuda":
-            return index
-        return index.pin_memory().to(self.model.device, non_blocking=True)
+        """``rows`` as an index on the model's device, queued (a list index would wait for
+        the GPU's queued work: ``to_device``)."""
+        return to_device(torch.tensor(rows, dtype=torch.long), self.model.device)
 
     @staticmethod
     def _chunk_inputs(chunks: list[tuple[_Sequence, int, int]],
@@ -874,8 +869,7 @@ class Engine:
         if any(s.matcher is not None for s in step.seqs):  # (its next mask needs this step's token)
             return False
         # no sequence ends by length with this step's token (its next step would be past it)
-        return all(len(s.generated) + 1 < s.params.max_tokens and s.next_position + 1 < self.max_seq_len
-                   for s in step.seqs)
+        return all(self._goes_on(s) for s in step.seqs)
 
     def _may_admit(self) -> bool:
         """Whether the head of the queue may be admitted at the next iteration (a row and
@@ -943,11 +937,18 @@ class Engine:
                 self.history.start(seq.slot, seq.prompt_ids)
         return self._queue_tokens(seqs, logits, sampling, graph=False)
 
-    def _accept_all(self, seqs: list[_Sequence], tokens: list[int], logprobs: Logprobs | None = None) -> None:
-        now = time.perf_counter()
+    def _accept_all(self, seqs: list[_Sequence], tokens: list[int], logprobs: Logprobs | None = None) -> int:
+        """Accept each sequence's token; a sequence that has ended since its step was queued
+        (a mixed step queued ahead: ``_queued_step``) had a row too many, dropped. Returns
+        the rows dropped."""
+        now, dropped = time.perf_counter(), 0
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            if seq.finished:
+                dropped += 1
+                continue
             k = seq.params.logprobs
             self._accept(seq, tok, now, None if k is None else [logprobs.row(i, k, tok)])
+        return dropped
 
     def _accept(self, seq: _Sequence, token: int, now: float, logprobs: list[TokenLogprob] | None = None) -> None:
         if self.observer:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.device import to_device
 from .grammar import apply_masks
 from .sampling import SamplingParams, greedy, sample_some
 
@@ -81,11 +82,7 @@ class BatchSampling:
         """``mask``: the rows' grammar masks on the host (``GrammarMatchers.masks``), where a
         row has a grammar."""
         def t(values, dtype=None):
-            # (on CUDA from pinned memory, queued: a copy from pageable memory would wait for
-            # the GPU's queued work, a step queued ahead included)
-            if device.type != "cuda":
-                return torch.tensor(values, dtype=dtype, device=device)
-            return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)  # (queued: a step may be queued ahead)
 
         processors = None
         if any(p.processed for p in params):
@@ -100,8 +97,7 @@ class BatchSampling:
                 penalties=(t([p.presence_penalty for p in params], torch.float32),
                            t([p.frequency_penalty for p in params], torch.float32),
                            t([p.repetition_penalty for p in params], torch.float32)) if penalized else None,
-                mask=None if mask is None else mask.pin_memory().to(device, non_blocking=True)
-                if device.type == "cuda" else mask)
+                mask=None if mask is None else to_device(mask, device))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return BatchSampling(
             t([p.temperature for p in params], torch.float32), t([p.top_k for p in params], torch.long),

@@ -142,8 +142,8 @@ class Pacing:
         """Prompt tokens for a step beside ``decoding`` decode tokens, once the prompts
         queued and in progress make a batch of ``batch``: the time bound's
         (``StepTimes.prompt_tokens``), or where the arrivals' mean and a quarter more is
-        larger, that, raised to fill its padded step (a step of 16 decode and 125 prompt
-        tokens would pay for 192 and carry 141)."""
+        larger, that, raised to fill its padded step (16 decode and 125 prompt tokens pad
+        to the 192-token step: it carries 176 prompt tokens, as it costs 192 anyway)."""
         bound = self.times.prompt_tokens(decoding, self.ratio, self.least, batch)
         floor = math.ceil(ARRIVAL_HEADROOM * self.arriving)
         return bound if floor <= bound else self.times.filled(decoding, floor)

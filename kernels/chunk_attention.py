@@ -65,6 +65,18 @@ def _splits_of(n, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(n, hkv, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
+    """A tile's rows for KV head ``hkv`` (the same in both kernels): row i is token
+    i // GROUP_PAD of the tile and query head i % GROUP_PAD of the group. Each row's token,
+    query head and whether it is a real one (of the ``n`` tokens, of the ``GROUP`` heads),
+    and the head dimension's offsets."""
+    i = tl.arange(0, ROWS)
+    tok = i // GROUP_PAD
+    g = i % GROUP_PAD
+    return tok, hkv * GROUP + g, (tok < n) & (g < GROUP), tl.arange(0, D)
+
+
+@triton.jit
 def _chunk_attention_kernel(
     Q, K, V, Table, Tiles, Out, Part, Stats,
     stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh, scale,
@@ -86,13 +98,7 @@ def _chunk_attention_kernel(
         tl.extra.cuda.gdc_wait()
     used = _splits_of(n, SPLITS, SPLIT_ALL)
     if (n > 0) & (split < used):
-        # row i of the tile: token i // GROUP_PAD of the tile, query head i % GROUP_PAD of the group
-        i = tl.arange(0, ROWS)
-        tok = i // GROUP_PAD
-        g = i % GROUP_PAD
-        live = (tok < n) & (g < GROUP)
-        head = hkv * GROUP + g
-        d = tl.arange(0, D)
+        tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
         q = tl.load(Q + (row0 + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=live[:, None], other=0.0)
         qpos = pos0 + tok
@@ -152,12 +158,7 @@ def _merge_splits_kernel(Tiles, Part, Stats, Out, stride_ot, stride_oh,
     if PDL:
         tl.extra.cuda.gdc_wait()
     if (n > 0) & (_splits_of(n, SPLITS, SPLIT_ALL) > 1):  # (a tile of one split wrote its rows itself)
-        i = tl.arange(0, ROWS)
-        tok = i // GROUP_PAD
-        g = i % GROUP_PAD
-        live = (tok < n) & (g < GROUP)
-        head = hkv * GROUP + g
-        d = tl.arange(0, D)
+        tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
         out_row = (row0 + tok).to(tl.int64)
         base = (out_row * HEADS + head) * SPLITS
         m = tl.full([ROWS], float("-inf"), tl.float32)

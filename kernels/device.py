@@ -19,3 +19,12 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``; on CUDA copied from pinned memory, queued behind the GPU's
+    work: a copy from pageable memory waits for that work to finish (a step queued ahead
+    included), and torch's pinned-memory cache keeps the buffer until its copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from ..kernels.device import to_device
+
 
 class KVCache:
     def __init__(
@@ -73,12 +75,7 @@ class KVCache:
     def assign_entries(self, entries: torch.Tensor) -> None:
         """Write table entries ``entries`` (CPU int32 ``[n, 3]``: row, index, block) in one
         copy to the device."""
-        if self.block_table.is_cuda:
-            # (from pinned memory, asynchronously: a copy from pageable memory would wait for
-            # the GPU's queued work, a step queued ahead included; torch's pinned-memory
-            # cache keeps the buffer until the copy has run)
-            entries = entries.pin_memory()
-        dev = entries.to(self.block_table.device, non_blocking=True)
+        dev = to_device(entries, self.block_table.device)  # (queued: a step may be queued ahead)
         self.block_table[dev[:, 0].long(), dev[:, 1].long()] = dev[:, 2]
 
     def copy_block(self, src: int, dst: int) -> None:
