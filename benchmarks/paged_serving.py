@@ -209,11 +209,14 @@ def summary(result: dict) -> str:
             kinds = " / ".join(f"{it[k]['count']:.0f} × {it[k]['mean_ms']:.1f}" if k in it else "-"
                                for k in ("decode", "mixed", "prefill")) if it else "-"
             rows.append([w, n, f"{r['output_tok_per_s']:.0f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
-                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", per_step, sizes, kinds, str(r["errors"])])
+                         f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
+                         f"{r['itl_p99_ms'] / r['itl_p50_ms']:.2f}" if r["itl_p50_ms"] else "-",
+                         per_step, sizes, kinds, str(r["errors"])])
     text = [f"GPU: {result['gpu']}. Streamed over HTTP on loopback; servers: "
             + "; ".join(f"`{n}`: `{result['servers'][n]['args']}`" for n in names) + ".\n",
             markdown_table(["workload", "server", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-                            "prompt tokens / step", "steps by prompt tokens: 1-64 / 65-128 / 129-256 / 257-512 / more",
+                            "ITL p99 / p50", "prompt tokens / step",
+                            "steps by prompt tokens: 1-64 / 65-128 / 129-256 / 257-512 / more",
                             "iterations decode / mixed / prefill: count × mean ms", "errors"], rows)]
     chats = [(n, result["servers"][n]["workloads"].get("chat")) for n in names]
     chats = [(n, c) for n, c in chats if c]
