@@ -667,11 +667,8 @@ class Engine:
         self.steps += 1
         if self.observer:
             self.observer.on_step(len(seqs), sum(n for _, _, n in chunks))
-        decoded = len(seqs)
-        step = self._sample(seqs + first, logits[self._rows(list(range(decoded)) + [decoded + r for r in rows])], first)
-        self._queue_mixed(step)
-        self._deliver()  # the previous step's events, while this step's kernels run
-        self._accept_all(step.seqs, step.token_ids(), step.logprobs)
+        step = self._sample(seqs + first, self._sampled_rows(logits, len(seqs), rows), first)
+        self._read_mixed(step)
 
     def _queue_mixed(self, step: _Launched) -> None:
         """With ``overlap_mixed``, queue the next mixed step behind ``step`` (a mixed step
@@ -696,7 +693,8 @@ class Engine:
         seqs = [step.seqs[i] for i in rows]
         if not seqs or any(s.matcher is not None or s.params.penalized for s in seqs):
             return
-        if any(not s.cancelled and not any(s is x for x in step.seqs) for s in self.running):
+        in_step = {id(s) for s in step.seqs}
+        if any(not s.cancelled and id(s) not in in_step for s in self.running):
             return
         graphs = self.packed_graphs  # (pacing only lowers the budget: the step's tokens are at most these)
         most = len(seqs) + self._step_budget(len(seqs))
@@ -717,7 +715,7 @@ class Engine:
         first, started = self._prefilled(chunks, contexts)
         self.kv.flush()
         decoded = len(seqs)
-        picked = logits[self._rows(list(range(decoded)) + [decoded + r for r in started])]
+        picked = self._sampled_rows(logits, decoded, started)
         self._queued = _QueuedMixed(self._sample(seqs + first, picked, first, ahead=decoded), decoded,
                                     sum(n for _, _, n in chunks))
         self.mixed_steps_queued += 1
@@ -728,10 +726,20 @@ class Engine:
         self.steps += 1
         if self.observer:
             self.observer.on_step(queued.decoded, queued.prompt_tokens)
-        step = queued.step
+        self.mixed_rows_dropped += self._read_mixed(queued.step)
+
+    def _read_mixed(self, step: _Launched) -> int:
+        """Queue the next mixed step behind ``step`` (``_queue_mixed``), hand out the last
+        step's events while the GPU works, then read and accept ``step``'s tokens. Returns
+        the rows dropped (``_accept_all``)."""
         self._queue_mixed(step)
-        self._deliver()  # the previous step's events, while the GPU works
-        self.mixed_rows_dropped += self._accept_all(step.seqs, step.token_ids(), step.logprobs)
+        self._deliver()
+        return self._accept_all(step.seqs, step.token_ids(), step.logprobs)
+
+    def _sampled_rows(self, logits: torch.Tensor, decoded: int, started: list[int]) -> torch.Tensor:
+        """The rows of a mixed step's ``logits`` to sample: its ``decoded`` decode rows, then
+        the chunks at ``started`` (those that completed a context)."""
+        return logits[self._rows(list(range(decoded)) + [decoded + r for r in started])]
 
     def _goes_on(self, seq: _Sequence) -> bool:
         """Whether ``seq`` decodes again after the token its step in flight samples (not
