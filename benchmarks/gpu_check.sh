@@ -6,7 +6,7 @@
 # machine: benchmarks/ab_files.sh)
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
-#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget chunkattn paged pacing
+#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget chunkattn decodeattn paged pacing
 #               engineload dashboard tune
 #   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
 #               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`), tp70b (4 GPUs)
@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast: it can take shared GPUs out
 PY=python3
 
 # The maintained benchmarks' results, as named in docs/bench (the `docs` stage).
-RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place gemv_in_place_server sampling_cost paged_serving paged_serving_pacing step_budget chunk_attention engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
+RESULTS="kernels kernels_msweep engine decode_profile serving_h100_smollm2_int4 serving_cpu_int4 serving_cpu_int8 startup_h100_llama3-8b_int4 startup_cpu_smollm2_int4 metrics_overhead gemv_in_place gemv_in_place_server sampling_cost paged_serving paged_serving_pacing step_budget chunk_attention decode_attention engine_load all_reduce tensor_parallel_steps tensor_parallel tensor_parallel_smollm2 tensor_parallel_steps_70b"
 
 if [ "$*" != docs ]; then
   # The carried wheels (benchmarks/fetch_gpu_wheels.sh): .whl always, .peers for the kernel benchmarks.
@@ -71,6 +71,7 @@ for stage in "$@"; do
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     chunkattn) run chunkattn $PY benchmarks/chunk_attention.py --out "$OUT" ;;
+    decodeattn) run decodeattn $PY benchmarks/decode_attention.py --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
     pacing)  # prompt chunks paced by step times (--mixed-step-ratio) against the token budget alone, one machine

@@ -235,7 +235,7 @@ def summary(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server", action="append", required=True, help="NAME[@TREE]=woq serve arguments")
+    ap.add_argument("--server", action="append", required=True, help="NAME=woq serve arguments")
     ap.add_argument("--workloads", default=",".join([*WORKLOADS, "chat"]))
     ap.add_argument("--model-name", default="bench")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))

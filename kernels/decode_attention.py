@@ -207,11 +207,19 @@ def tiles(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
     the kernel's cost is the latency it adds between two GEMVs -- take tiles of 128 tokens
     without pipelining: fewer programs, each with little shared memory and more of its
     tokens loaded before the wait (its first tile). More pairs take tiles of 64 with 3
-    stages, for bandwidth (measured: docs/design/attention.md).
+    stages, for bandwidth (measured: docs/design/attention.md, benchmarks/decode_attention.py).
     """
     if batch * kv_heads * 4 < sm_count(device):
         return 128, 1
     return 64, 3
+
+
+def default_launch(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:
+    """(tile tokens, stages, splits) of a launch over ``batch`` sequences that names none:
+    ``tiles``, and enough shares to fill the GPU at batch 1, few at large batches."""
+    block, stages = tiles(batch, kv_heads, device)
+    splits = min(16, math.ceil(2 * sm_count(device) / (batch * kv_heads)))
+    return block, stages, triton.next_power_of_2(splits)
 
 
 # One int32 per (sequence, KV head), zero between launches (each launch's merging programs
@@ -242,11 +250,9 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
     assert block_table.stride(1) == 1, "block-table rows must be contiguous"
     assert bs & (bs - 1) == 0, f"cache block size {bs} is not a power of two"
     group = H // Hkv
-    if splits is None:  # enough programs to fill the GPU at batch 1, few at large batches
-        splits = min(16, math.ceil(2 * sm_count(q_src.device) / (B * Hkv)))
-    splits = triton.next_power_of_2(splits)  # (the merge loads the shares' [SPLITS] as one block)
-    default_block, default_stages = tiles(B, Hkv, q_src.device)
+    default_block, default_stages, default_splits = default_launch(B, Hkv, q_src.device)
     block, stages = block or default_block, stages or default_stages
+    splits = triton.next_power_of_2(splits or default_splits)  # (the merge loads the shares' [SPLITS] as one block)
     # (no fill: the merge reads only the shares that saw a token, and each of those wrote)
     part = torch.empty(B, splits, H, D, device=q_src.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q_src.device, dtype=torch.float32)
