@@ -12,28 +12,45 @@ CUDA graph of calls that rotate over copies of the cache (together past L2, as a
 bandwidth. Batches of a few sequences are not here: there the kernel sits between two
 GEMVs and what it costs is the latency it adds to the step (``profile_decode.py``).
 
+A setting that wins alone still has to win in the decode step: ``--step`` also times the
+step of an 8B int4 g128 model (random weights, CUDA graph replays with programmatic
+launches, as the engine runs it) at 16-128 sequences of 576 and 1,024 positions under each
+setting of the large batches' tiles (``RuntimeOptions.decode_attention``), alternating them
+in rounds in one process.
+
     python benchmarks/decode_attention.py --out docs/bench
+    python benchmarks/decode_attention.py --step 64/3,32/3,32/2,128/2 --out docs/bench
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import math
+import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copies_to_defeat_l2, markdown_table, save_results  # noqa: E402
+from engine import configs, random_state  # noqa: E402
 
+from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from woq.engine.decode import DecodeRunner  # noqa: E402
 from woq.kernels.decode_attention import default_launch, rope_cache_attention  # noqa: E402
+from woq.kernels.options import DecodeAttentionOptions  # noqa: E402
 from woq.kernels.timing import graph_time_us, measure_copy_bandwidth  # noqa: E402
+from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
+from woq.models.kv_cache import KVCache  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = [8, 16, 32, 64, 128, 256]
 LENGTHS = [256, 1024, 4096]
 GRID = list(itertools.product([32, 64, 128], [1, 2, 3], [1, 2, 4, 8]))  # (tile tokens, stages, splits)
+STEP_BATCHES = [16, 32, 64, 128]
+STEP_POSITIONS = [576, 1024]
 
 
 def case(batch: int, length: int, bandwidth: float) -> dict:
@@ -76,20 +93,90 @@ def case(batch: int, length: int, bandwidth: float) -> dict:
             "grid_us": grid}
 
 
-def run() -> dict:
-    bandwidth = measure_copy_bandwidth()
-    cases = []
-    for batch in BATCHES:
-        for length in LENGTHS:
-            c = case(batch, length, bandwidth)
-            print({k: v for k, v in c.items() if k != "grid_us"}, flush=True)
-            cases.append(c)
-            torch.cuda.empty_cache()
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bandwidth,
-            "cases": cases}
+def step_ms(settings: list[str], rounds: int = 2) -> dict:
+    """{setting: {"B@positions": median ms of the decode step}}: the 8B int4 model's step
+    replayed as a CUDA graph, the large batches' attention tiles set by each setting
+    ("tiles/stages") in turn, ``rounds`` times over (medians across rounds)."""
+    config = configs()["llama3-8b"]
+    model = build_model(config, random_state(config), QuantConfig("int4", 128), torch.float16, "cuda",
+                        max(STEP_POSITIONS) + 16, progress=False)
+    torch.cuda.empty_cache()
+    rows = max(STEP_BATCHES) + 1  # (the last: the graphs' padding rows)
+    cache = KVCache(config.num_hidden_layers, rows, config.num_key_value_heads, max(STEP_POSITIONS) + 16,
+                    config.hidden_size // config.num_attention_heads, model.dtype, model.device)
+    base = model.options
+    times: dict[str, dict[str, list[float]]] = {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for setting in settings:
+                tile, stages = map(int, setting.split("/"))
+                bind_kernels(model, replace(base, decode_attention=DecodeAttentionOptions(tile, stages)))
+                graphs = DecodeGraphs(DecodeRunner(model, cache), max(STEP_BATCHES), scratch_slot=rows - 1)
+                graphs.capture()
+                for past in STEP_POSITIONS:
+                    for b in STEP_BATCHES:
+                        ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+                        positions = torch.full((b, 1), past, dtype=torch.long, device="cuda")
+                        slots = torch.arange(b, device="cuda")
+                        ms = graph_ms(lambda: graphs.run(ids, positions, slots))
+                        times.setdefault(setting, {}).setdefault(f"{b}@{past}", []).append(ms)
+                del graphs
+                torch.cuda.empty_cache()
+                print(setting, {k: round(v[-1], 3) for k, v in times[setting].items()}, flush=True)
+    return {s: {k: statistics.median(v) for k, v in per.items()} for s, per in times.items()}
+
+
+def graph_ms(fn, reps: int = 50) -> float:
+    """Median ms of ``fn`` (CUDA events), after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def run(kernel: bool, step: list[str]) -> dict:
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if kernel:
+        bandwidth = measure_copy_bandwidth()
+        cases = []
+        for batch in BATCHES:
+            for length in LENGTHS:
+                c = case(batch, length, bandwidth)
+                print({k: v for k, v in c.items() if k != "grid_us"}, flush=True)
+                cases.append(c)
+                torch.cuda.empty_cache()
+        out.update(copy_bandwidth=bandwidth, cases=cases)
+    if step:
+        out["step_ms"] = step_ms(step)
+    return out
 
 
 def summary(r: dict) -> str:
+    text = ""
+    if "cases" in r:
+        text += kernel_summary(r)
+    if "step_ms" in r:
+        settings = list(r["step_ms"])
+        first = r["step_ms"][settings[0]]
+        rows = [[key] + [f"{r['step_ms'][s][key]:.3f}" + (f" ({r['step_ms'][s][key] / first[key]:.3f})" if i else "")
+                         for i, s in enumerate(settings)] for key in first]
+        text += (f"\nDecode step, {r['gpu']}: 8B int4 g128 (random weights), fp16, CUDA graph replays with "
+                 "programmatic launches; ms, median over rounds of medians of 50 replays, the settings "
+                 "(tiles / stages of the large batches' attention) alternating in one process; in brackets "
+                 "against the first setting. Rows: B sequences @ positions.\n\n"
+                 + markdown_table(["B@positions"] + settings, rows) + "\n")
+    return text
+
+
+def kernel_summary(r: dict) -> str:
     rows = [[c["batch"], c["length"], f"{c['memory_us']:.1f}", c["default"], f"{c['default_us']:.1f}",
              f"{c['memory_us'] / c['default_us']:.2f}", c["best"], f"{c['best_us']:.1f}",
              f"{c['default_us'] / c['best_us']:.2f}"] for c in r["cases"]]
@@ -111,6 +198,8 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "cases" not in r:
+        return
     fig, axes = plt.subplots(1, len(LENGTHS), figsize=(11, 3.6))
     for ax, length in zip(axes, LENGTHS):
         cs = [c for c in r["cases"] if c["length"] == length]
@@ -132,8 +221,12 @@ def plot(r: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--step", default="", help="tiles/stages settings to time in the decode step, the first the "
+                    "reference (e.g. 64/3,32/3)")
+    ap.add_argument("--no-kernel", action="store_true", help="skip the kernel's grid")
     args = ap.parse_args()
-    save_results(args.out, "decode_attention", run(), summary, plot)
+    step = [s for s in args.step.split(",") if s]
+    save_results(args.out, "decode_attention", run(not args.no_kernel, step), summary, plot)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import triton.language as tl
 from . import pdl
 from .device import sm_count
 from .fused import LAUNCH_NEXT, rope_rotate
+from .options import DecodeAttentionOptions
 
 
 @triton.jit
@@ -199,25 +200,28 @@ def _decode_attention_kernel(
             tl.extra.cuda.gdc_launch_dependents()
 
 
-def tiles(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
+def tiles(batch: int, kv_heads: int, device: torch.device,
+          wide: DecodeAttentionOptions = DecodeAttentionOptions()) -> tuple[int, int]:
     """(tokens per tile -- the least a share holds --, software-pipeline stages of the tile
     loop) for a launch over ``batch`` sequences.
 
     Few (sequence, KV head) pairs -- under a quarter of the SMs: a small batch, where
     the kernel's cost is the latency it adds between two GEMVs -- take tiles of 128 tokens
     without pipelining: fewer programs, each with little shared memory and more of its
-    tokens loaded before the wait (its first tile). More pairs take tiles of 64 with 3
-    stages, for bandwidth (measured: docs/design/attention.md, benchmarks/decode_attention.py).
+    tokens loaded before the wait (its first tile). More pairs take ``wide``'s tiles (by
+    default 64 tokens with 3 stages), for bandwidth (measured: docs/design/attention.md,
+    benchmarks/decode_attention.py).
     """
     if batch * kv_heads * 4 < sm_count(device):
         return 128, 1
-    return 64, 3
+    return wide.tile_tokens, wide.stages
 
 
-def default_launch(batch: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:
+def default_launch(batch: int, kv_heads: int, device: torch.device,
+                   wide: DecodeAttentionOptions = DecodeAttentionOptions()) -> tuple[int, int, int]:
     """(tile tokens, stages, splits) of a launch over ``batch`` sequences that names none:
     ``tiles``, and enough shares to fill the GPU at batch 1, few at large batches."""
-    block, stages = tiles(batch, kv_heads, device)
+    block, stages = tiles(batch, kv_heads, device, wide)
     splits = min(16, math.ceil(2 * sm_count(device) / (batch * kv_heads)))
     return block, stages, triton.next_power_of_2(splits)
 
@@ -242,7 +246,7 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
             block_table: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, B: int, H: int, D: int,
             splits: int | None, block: int | None, stages: int | None,
             rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, launch_next: str = "start",
-            programmatic: bool = False) -> torch.Tensor:
+            programmatic: bool = False, wide: DecodeAttentionOptions = DecodeAttentionOptions()) -> torch.Tensor:
     Hkv, bs = k_cache.shape[1], k_cache.shape[2]
     # (k and v share one set of strides, a position's D values are contiguous, so are a
     # table row's entries)
@@ -250,7 +254,7 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
     assert block_table.stride(1) == 1, "block-table rows must be contiguous"
     assert bs & (bs - 1) == 0, f"cache block size {bs} is not a power of two"
     group = H // Hkv
-    default_block, default_stages, default_splits = default_launch(B, Hkv, q_src.device)
+    default_block, default_stages, default_splits = default_launch(B, Hkv, q_src.device, wide)
     block, stages = block or default_block, stages or default_stages
     splits = triton.next_power_of_2(splits or default_splits)  # (the merge loads the shares' [SPLITS] as one block)
     # (no fill: the merge reads only the shares that saw a token, and each of those wrote)
@@ -273,7 +277,8 @@ def _launch(q_src: torch.Tensor, stride_qh: int, k_cache: torch.Tensor, v_cache:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, splits: int | None = None, block: int | None = None,
-                     stages: int | None = None, programmatic: bool = False) -> torch.Tensor:
+                     stages: int | None = None, programmatic: bool = False,
+                     wide: DecodeAttentionOptions = DecodeAttentionOptions()) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over ``lengths[b]`` cached
     positions of block-table row ``slots[b]``; ``[B, H, D]``. ``k_cache``/``v_cache``: one
     layer's blocks ``[N, Hkv, BS, D]`` (BS a power of two), ``block_table``: int32 ``[rows,
@@ -282,19 +287,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``splits`` (rounded up to a power of two; default: from the batch and the GPU's SMs)
     shares per sequence and KV head, each at least ``block`` tokens (a power of two >= 16)
     unless the length is shorter, their tile loop pipelined over ``stages`` (defaults of
-    both: ``tiles``); the launch does not depend on the lengths (CUDA-graph safe).
+    both: ``tiles``, with ``wide`` at large batches); the launch does not depend on the
+    lengths (CUDA-graph safe).
     """
     B, H, D = q.shape
     q = q.contiguous()
     return _launch(q, q.stride(1), k_cache, v_cache, block_table, slots, lengths, B, H, D, splits, block, stages,
-                   None, programmatic=programmatic)
+                   None, programmatic=programmatic, wide=wide)
 
 
 def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, heads: int, head_dim: int, splits: int | None = None,
                          block: int | None = None, stages: int | None = None, launch_next: str = "start",
-                         programmatic: bool = False) -> torch.Tensor:
+                         programmatic: bool = False,
+                         wide: DecodeAttentionOptions = DecodeAttentionOptions()) -> torch.Tensor:
     """A decode step's attention from the qkv projection ``qkv`` ``[B, (H + 2 Hkv) D]``:
     q and k rotated at ``positions`` ``[B]`` (``cos``/``sin``: ``[max_len, D]`` tables, as
     ``fused.rope_and_cache`` takes them), k and v stored at that position of block-table
@@ -302,4 +309,4 @@ def rope_cache_attention(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
     ``lengths[b]`` (> ``positions[b]``) positions; ``[B, H, D]``."""
     assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
     return _launch(qkv, head_dim, k_cache, v_cache, block_table, slots, lengths, qkv.shape[0], heads, head_dim,
-                   splits, block, stages, (positions, cos, sin), launch_next, programmatic)
+                   splits, block, stages, (positions, cos, sin), launch_next, programmatic, wide)

@@ -32,6 +32,16 @@ class DecodeStepOptions:
 
 
 @dataclass(frozen=True)
+class DecodeAttentionOptions:
+    """The decode-attention kernel's tiles (``kernels/decode_attention.py``) at batches where
+    it is bound by bandwidth: (sequence, KV head) pairs at least a quarter of the SMs.
+    Smaller batches take 128-token tiles without pipelining (``decode_attention.tiles``)."""
+
+    tile_tokens: int = 64  # keys a program loads per step of its walk (a power of two >= 16)
+    stages: int = 3  # software-pipeline stages of that walk
+
+
+@dataclass(frozen=True)
 class RuntimeOptions:
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Measure the kernels' launches for a weight shape new to this GPU (once, cached in
@@ -48,6 +58,7 @@ class RuntimeOptions:
     # Rows of x the dense GEMV takes for an unquantized layer on CUDA (0: cuBLAS only).
     dense_gemv_rows: int = 2
     decode_step: DecodeStepOptions = field(default_factory=DecodeStepOptions)
+    decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
 
     def tuning_dir(self) -> Path:
         return self.cache_dir / "tuning"

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..kernels.options import DecodeAttentionOptions
 from .batches import TILE_TOKENS, Batch, Causal, Prefill
 from .kv_cache import KVCache
 
@@ -60,12 +61,13 @@ class Heads:
 
 class _Attention:
     """What every implementation holds: its pass's batch, the head shape, RoPE, the cache,
-    the fused kernels (``kernels/fused.py``; None: the torch ops) and whether they launch
-    programmatically."""
+    the fused kernels (``kernels/fused.py``; None: the torch ops), whether they launch
+    programmatically and the decode-attention kernel's tiles at large batches."""
 
-    def __init__(self, batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool):
+    def __init__(self, batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool,
+                 wide: DecodeAttentionOptions = DecodeAttentionOptions()):
         self.batch, self.h, self.rope, self.cache = batch, heads, rope, cache
-        self.fused, self.programmatic = fused, programmatic
+        self.fused, self.programmatic, self.wide = fused, programmatic, wide
 
     def context(self):
         """Entered once around a whole forward (switching SDPA backends costs host time)."""
@@ -154,7 +156,7 @@ class FusedDecodeAttention(_Attention):
         b, B = self.batch, qkv.shape[0]
         out = rope_cache_attention(qkv, b.positions.view(B), b.slots, b.lengths, self.rope.cos, self.rope.sin,
                                    self.cache.k[layer], self.cache.v[layer], self.cache.block_table, self.h.heads,
-                                   self.h.head_dim, programmatic=self.programmatic)
+                                   self.h.head_dim, programmatic=self.programmatic, wide=self.wide)
         return out.view(B, -1)
 
 
@@ -175,7 +177,7 @@ class TorchDecodeAttention(_Attention):
             from ..kernels.decode_attention import decode_attention
 
             out = decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], self.cache.block_table,
-                                   b.slots, b.lengths, programmatic=self.programmatic)
+                                   b.slots, b.lengths, programmatic=self.programmatic, wide=self.wide)
             return out.reshape(B, H * D)
         length = int(b.lengths.max())
         k, v = self.cache.read(layer, b.slots, length)
@@ -185,9 +187,11 @@ class TorchDecodeAttention(_Attention):
         return out.transpose(1, 2).reshape(B, H * D)
 
 
-def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool):
+def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool,
+                  wide: DecodeAttentionOptions = DecodeAttentionOptions()):
     """The attention implementation of a pass of this kind (``fused``: the fused-kernel
-    module on CUDA, else None)."""
+    module on CUDA, else None; ``wide``: the decode-attention kernel's tiles at large
+    batches)."""
     if isinstance(batch, Causal):
         kind = CausalAttention
     elif cache is None:
@@ -196,4 +200,4 @@ def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | Non
         kind = PrefillAttention
     else:
         kind = FusedDecodeAttention if fused is not None else TorchDecodeAttention
-    return kind(batch, heads, rope, cache, fused, programmatic)
+    return kind(batch, heads, rope, cache, fused, programmatic, wide)

@@ -309,6 +309,35 @@ def test_rope_cache_attention_paged_equals_rope_kernel_then_attention(heads, kv_
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tile,stages", [(32, 3), (128, 2)])
+def test_decode_attention_wide_option_sets_the_launch(dtype, tile, stages):
+    """``DecodeAttentionOptions`` sets the tiles of a launch over enough (sequence, KV head)
+    pairs to be bound by bandwidth: the same sums as naming them in the launch, and the
+    fp64 reference over each sequence's live positions."""
+    from woq.kernels.decode_attention import decode_attention, tiles
+    from woq.kernels.device import sm_count
+    from woq.kernels.options import DecodeAttentionOptions
+
+    heads, kv_heads, dim = 32, 8, 128
+    if len(PAGED_ROWS) * kv_heads * 4 < sm_count(torch.device("cuda")):
+        pytest.skip("this GPU's SMs take these 6 sequences as a small batch")
+    wide = DecodeAttentionOptions(tile, stages)
+    assert tiles(len(PAGED_ROWS), kv_heads, torch.device("cuda"), wide) == (tile, stages)
+    cache = paged_case(kv_heads, dim, dtype, 16, PAGED_LENGTHS, tile + stages)
+    g = torch.Generator(device="cuda").manual_seed(tile)
+    q = torch.randn(len(PAGED_ROWS), heads, dim, device="cuda", dtype=dtype, generator=g)
+    slots = torch.tensor(PAGED_ROWS, device="cuda")
+    lengths = torch.tensor(PAGED_LENGTHS, device="cuda")
+    k, v, table = cache.k[0], cache.v[0], cache.block_table
+    out = decode_attention(q, k, v, table, slots, lengths, wide=wide)
+    assert torch.equal(out, decode_attention(q, k, v, table, slots, lengths, block=tile, stages=stages))
+    for b, (row, n) in enumerate(zip(PAGED_ROWS, PAGED_LENGTHS)):
+        ref = attention_fp64(q[b], gather_fp64(k, table, row, n), gather_fp64(v, table, row, n))
+        err = ((out[b].double() - ref).norm() / ref.norm()).item()
+        assert err < (3e-3 if dtype == torch.float16 else 2e-2), (n, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_model_decode_fused_equals_torch_ops(dtype):
     """A whole model: a packed prefill of two prompts, then decode steps, through the fused
     kernels give the logits of the torch ops (``RuntimeOptions.fused_ops`` off) within
