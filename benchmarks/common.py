@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,6 +30,23 @@ def time_calls(fns: Sequence[Callable[[], object]], calls_per_graph: int = 20, r
     from woq.kernels.timing import graph_time_us
 
     return graph_time_us(fns, calls_per_graph, reps)
+
+
+def event_ms(fn: Callable[[], object], repeats: int = 7, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn`` timed with CUDA events, after ``warmup`` calls (a whole
+    step, host preparation included, where ``time_calls`` times kernels in a graph)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def _rank_main(rank: int, size: int, port: int, out: str, target: Callable, args: tuple) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copies_to_defeat_l2, markdown_table, save_results  # noqa: E402
+from common import copies_to_defeat_l2, event_ms, markdown_table, save_results  # noqa: E402
 from engine import configs, random_state  # noqa: E402
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -118,28 +118,12 @@ def step_ms(settings: list[str], rounds: int = 2) -> dict:
                         ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
                         positions = torch.full((b, 1), past, dtype=torch.long, device="cuda")
                         slots = torch.arange(b, device="cuda")
-                        ms = graph_ms(lambda: graphs.run(ids, positions, slots))
+                        ms = event_ms(lambda: graphs.run(ids, positions, slots), repeats=50, warmup=3)
                         times.setdefault(setting, {}).setdefault(f"{b}@{past}", []).append(ms)
                 del graphs
                 torch.cuda.empty_cache()
                 print(setting, {k: round(v[-1], 3) for k, v in times[setting].items()}, flush=True)
     return {s: {k: statistics.median(v) for k, v in per.items()} for s, per in times.items()}
-
-
-def graph_ms(fn, reps: int = 50) -> float:
-    """Median ms of ``fn`` (CUDA events), after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def run(kernel: bool, step: list[str]) -> dict:

@@ -19,7 +19,6 @@ runs and its profiled time includes that wait.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, save_results  # noqa: E402
+from common import event_ms as timed, markdown_table, save_results  # noqa: E402
 from engine import configs, random_state  # noqa: E402
 from profile_decode import kernels_of  # noqa: E402
 
@@ -42,20 +41,6 @@ BATCHES = [1, 16, 64, 128]
 PAST = 1024  # cached positions before every step's tokens
 GRAPH_TOKENS = 512
 PROFILED = ["0+16", "16+112", "16+128", "0+128", "0+256", "16+448", "64+64", "64+448"]  # kernels listed
-
-
-def timed(fn, repeats: int = 7) -> float:
-    """Median milliseconds of ``fn`` (CUDA events)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def run() -> dict:
