@@ -3,7 +3,9 @@
 Each ``--server NAME=ARGS`` (``ARGS``: ``woq serve`` arguments) is started in turn, given
 every workload, and stopped; all streamed over HTTP on loopback. Results are merged into
 the output's JSON, so that a server of another source tree (the code before a change,
-installed in between) can be run by a second invocation on the same machine:
+installed in between) can be run by a second invocation on the same machine; each server's
+tree (where ``woq`` imports from, as the server is spawned) is printed and recorded, so
+that a server that did not run the tree installed for it shows:
 
 * ``c1``: 128-token prompts, 128 out, one client (batch-1 inter-token latency);
 * ``p515_c16`` / ``p515_c64``: 515-token prompts, 128 out, 16 / 64 clients;
@@ -233,6 +235,14 @@ def summary(result: dict) -> str:
     return "\n".join(text)
 
 
+def served_tree() -> str:
+    """The source tree a server started from here runs: where ``woq``'s kernels import from
+    in a child process of this directory, as ``woq serve`` is spawned (an editable install of
+    another tree has been seen not to take from a checkout's root)."""
+    code = "import os, woq.kernels; print(os.path.dirname(os.path.dirname(os.path.abspath(woq.kernels.__file__))))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", action="append", required=True, help="NAME=woq serve arguments")
@@ -251,9 +261,12 @@ def main() -> None:
     for spec in args.server:
         name, serve_args = spec.split("=", 1)
         serve_args += f" --served-model-name {args.model_name}"
+        tree = served_tree()
+        print(f"[{name}] serves the tree at {tree}", flush=True)
         t0 = time.perf_counter()
         proc, url = start(name, serve_args)
-        entry = result["servers"][name] = {"args": serve_args, "start_s": time.perf_counter() - t0, "workloads": {}}
+        entry = result["servers"][name] = {"args": serve_args, "tree": tree, "start_s": time.perf_counter() - t0,
+                                           "workloads": {}}
         try:
             for w in chosen:
                 t1 = time.perf_counter()
