@@ -19,7 +19,7 @@ setting of the large batches' tiles (``RuntimeOptions.decode_attention``), alter
 in rounds in one process.
 
     python benchmarks/decode_attention.py --out docs/bench
-    python benchmarks/decode_attention.py --step 64/3,32/3,32/2,128/2 --out docs/bench
+    python benchmarks/decode_attention.py --step 32/3,64/3,32/2,128/2 --out docs/bench
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--step", default="", help="tiles/stages settings to time in the decode step, the first the "
-                    "reference (e.g. 64/3,32/3)")
+                    "reference (e.g. 32/3,64/3)")
     ap.add_argument("--no-kernel", action="store_true", help="skip the kernel's grid")
     args = ap.parse_args()
     step = [s for s in args.step.split(",") if s]

@@ -71,7 +71,7 @@ for stage in "$@"; do
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     chunkattn) run chunkattn $PY benchmarks/chunk_attention.py --out "$OUT" ;;
-    decodeattn) run decodeattn $PY benchmarks/decode_attention.py --step ${DECODEATTN_STEP:-64/3,32/3,32/2,128/2} --out "$OUT" ;;
+    decodeattn) run decodeattn $PY benchmarks/decode_attention.py --step ${DECODEATTN_STEP:-32/3,64/3,32/2,128/2} --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
     pacing)  # prompt chunks paced by step times (--mixed-step-ratio) against the token budget alone, one machine

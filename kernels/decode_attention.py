@@ -33,7 +33,7 @@ lengths and positions, the cached k and v of the first tile, the RoPE rows -- is
 before ``griddepcontrol.wait``; a program whose share is past the length leaves at once
 instead of holding an SM the next GEMV's blocks could take; at small batches, tiles of
 128 tokens without software pipelining keep its shared memory small for the same reason
-(``tiles``; larger batches are bandwidth-bound and take pipelined tiles of 64).
+(``tiles``; larger batches are bandwidth-bound and take pipelined tiles of 32).
 The kernel lets the o projection launch at its start (``launch_next``). Measurements of
 these choices and of the alternatives tried (other tile sizes and stage counts, fewer
 shares, later launches of o, fewer registers to share an SM with a GEMV block) are in
@@ -209,7 +209,7 @@ def tiles(batch: int, kv_heads: int, device: torch.device,
     the kernel's cost is the latency it adds between two GEMVs -- take tiles of 128 tokens
     without pipelining: fewer programs, each with little shared memory and more of its
     tokens loaded before the wait (its first tile). More pairs take ``wide``'s tiles (by
-    default 64 tokens with 3 stages), for bandwidth (measured: docs/design/attention.md,
+    default 32 tokens with 3 stages), for bandwidth (measured: docs/design/attention.md,
     benchmarks/decode_attention.py).
     """
     if batch * kv_heads * 4 < sm_count(device):

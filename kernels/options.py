@@ -37,7 +37,7 @@ class DecodeAttentionOptions:
     it is bound by bandwidth: (sequence, KV head) pairs at least a quarter of the SMs.
     Smaller batches take 128-token tiles without pipelining (``decode_attention.tiles``)."""
 
-    tile_tokens: int = 64  # keys a program loads per step of its walk (a power of two >= 16)
+    tile_tokens: int = 32  # keys a program loads per step of its walk (a power of two >= 16)
     stages: int = 3  # software-pipeline stages of that walk
 
 

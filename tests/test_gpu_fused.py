@@ -309,7 +309,7 @@ def test_rope_cache_attention_paged_equals_rope_kernel_then_attention(heads, kv_
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tile,stages", [(32, 3), (128, 2)])
+@pytest.mark.parametrize("tile,stages", [(64, 3), (128, 2)])  # (not the default 32/3)
 def test_decode_attention_wide_option_sets_the_launch(dtype, tile, stages):
     """``DecodeAttentionOptions`` sets the tiles of a launch over enough (sequence, KV head)
     pairs to be bound by bandwidth: the same sums as naming them in the launch, and the
