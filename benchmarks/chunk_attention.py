@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, save_results  # noqa: E402
+from common import copy_bandwidth, markdown_table, save_results  # noqa: E402
 
 from woq.engine.cuda_graphs import prefill_buckets  # noqa: E402
 from woq.kernels.chunk_attention import SPLITS, chunk_attention  # noqa: E402
-from woq.kernels.timing import graph_time_us, measure_copy_bandwidth  # noqa: E402
+from woq.kernels.timing import graph_time_us  # noqa: E402
 from woq.models.batches import TILE_TOKENS, Chunk, query_tiles  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 32, 8, 128, 16, 32
@@ -63,7 +63,7 @@ def case(decode: int, prompt: int, past: int) -> dict:
 
 
 def run() -> dict:
-    bandwidth = measure_copy_bandwidth()
+    bandwidth = copy_bandwidth()
     results = []
     for decode, prompt, past in CASES:
         r = case(decode, prompt, past)

@@ -12,11 +12,16 @@ from typing import Callable, Sequence
 import torch
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    from woq.kernels.timing import measure_copy_bandwidth
+def copy_bandwidth() -> float:
+    """The current GPU's device-to-device copy bandwidth in bytes/s (read plus written), the
+    value the server sets its roofline gauges against: measured once per GPU model and
+    cached in the cache directory (``woq.kernels.timing.copy_bandwidth``). One measurement
+    moves by up to ~5 % from process to process on the same H200 (docs/design/metrics.md),
+    so a benchmark that measured its own would not compare with the live gauges."""
+    from woq.kernels.options import default_cache_dir
+    from woq.kernels.timing import copy_bandwidth as cached
 
-    return measure_copy_bandwidth(None, nbytes, reps)
+    return cached(torch.device("cuda", torch.cuda.current_device()), default_cache_dir())
 
 
 def copies_to_defeat_l2(nbytes: int, factor: int = 4, cap: int = 64) -> int:

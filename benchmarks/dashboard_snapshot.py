@@ -82,10 +82,18 @@ class Prometheus:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def load(url: str, model: str, seconds: float, clients: int = 4, max_tokens: int = 24) -> int:
-    """Streaming chat requests from ``clients`` concurrent clients for ``seconds``."""
+FILLER = "the quick brown fox jumps over the lazy dog while a small cat watches from the old wall".split()
+
+
+async def load(url: str, model: str, seconds: float, clients: int = 4, max_tokens: int = 24,
+               prompt_words: int = 0) -> int:
+    """Streaming chat requests from ``clients`` concurrent clients for ``seconds``; each
+    question follows ``prompt_words`` words of filler (about a token each), which sets the
+    contexts the decode steps run at (the attention's tiles, and the o projection after it,
+    depend on them: docs/design/metrics.md)."""
     deadline = time.monotonic() + seconds
     done = 0
+    context = " ".join(FILLER[j % len(FILLER)] for j in range(prompt_words))
 
     async def client(i: int):
         nonlocal done
@@ -93,7 +101,8 @@ async def load(url: str, model: str, seconds: float, clients: int = 4, max_token
             n = 0
             while time.monotonic() < deadline:
                 body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.7, "seed": n,
-                        "messages": [{"role": "user", "content": f"Tell me a fact about the number {i * 100 + n}."}]}
+                        "messages": [{"role": "user",
+                                      "content": f"{context} Tell me a fact about the number {i * 100 + n}."}]}
                 async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                     async for _ in r.aiter_lines():
                         pass
@@ -205,6 +214,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--prompt-words", type=int, default=0, help="filler words before each question (longer contexts)")
     ap.add_argument("--timing-every", type=int, default=1, help="the server's --kernel-timing-every")
     ap.add_argument("--eager-check", type=int, default=0, metavar="REQUESTS",
                     help="also count the calls of REQUESTS fixed requests on a graph and an eager server")
@@ -214,7 +224,7 @@ def main() -> None:
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         start = time.time()
-        n = asyncio.run(load(url, model, a.seconds, a.clients, a.max_tokens))
+        n = asyncio.run(load(url, model, a.seconds, a.clients, a.max_tokens, a.prompt_words))
         time.sleep(3)
         end = time.time()
         # what Prometheus holds at the end, beside the picture: calls, timed samples and their
@@ -225,7 +235,8 @@ def main() -> None:
             "sum by (path, layer, m_bucket) (woq_kernel_latency_seconds_sum)",
             "woq_kernel_roofline_ratio", "woq_decoder_layer_roofline_ratio", "woq_decode_step_roofline_ratio",
             "woq_build_info")}
-        result = dict(requests=n, seconds=a.seconds, clients=a.clients, serve_args=a.serve_args, queries=snapshot)
+        result = dict(requests=n, seconds=a.seconds, clients=a.clients, prompt_words=a.prompt_words,
+                      serve_args=a.serve_args, queries=snapshot)
         empty = [e for e in expressions() if not prom.query(e)]
         print(f"{n} requests; {len(expressions()) - len(empty)}/{len(expressions())} dashboard queries returned data")
         for e in empty:

@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copies_to_defeat_l2, event_ms, markdown_table, save_results  # noqa: E402
+from common import copies_to_defeat_l2, copy_bandwidth, event_ms, markdown_table, save_results  # noqa: E402
 from engine import configs, random_state  # noqa: E402
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from woq.engine.decode import DecodeRunner  # noqa: E402
 from woq.kernels.decode_attention import default_launch, rope_cache_attention  # noqa: E402
 from woq.kernels.options import DecodeAttentionOptions  # noqa: E402
-from woq.kernels.timing import graph_time_us, measure_copy_bandwidth  # noqa: E402
+from woq.kernels.timing import graph_time_us  # noqa: E402
 from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
 
@@ -129,7 +129,7 @@ def step_ms(settings: list[str], rounds: int = 2) -> dict:
 def run(kernel: bool, step: list[str]) -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if kernel:
-        bandwidth = measure_copy_bandwidth()
+        bandwidth = copy_bandwidth()
         cases = []
         for batch in BATCHES:
             for length in LENGTHS:
