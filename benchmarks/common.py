@@ -110,6 +110,33 @@ def save_results(out: Path, name: str, result: dict, summary, plot=None) -> None
     print(summary(result))
 
 
+def alternating_ms(settings: list[str], prepare: Callable[[str], dict[str, Callable[[], object]]],
+                   rounds: int = 2) -> dict[str, dict[str, float]]:
+    """{setting: {key: ms}}: every round, each setting in turn -- ``prepare(setting)`` sets it
+    up and returns the calls to time by key (``event_ms``, 50 repeats) -- and the median of
+    each across rounds. Alternating in one process keeps the settings' conditions alike."""
+    times: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for setting in settings:
+            calls = prepare(setting)
+            for key, fn in calls.items():
+                times.setdefault(setting, {}).setdefault(key, []).append(event_ms(fn, repeats=50, warmup=3))
+            del calls  # (and the graphs they replay)
+            torch.cuda.empty_cache()
+            print(setting, {k: round(v[-1], 3) for k, v in times[setting].items()}, flush=True)
+    return {s: {k: statistics.median(v) for k, v in per.items()} for s, per in times.items()}
+
+
+def settings_table(times: dict[str, dict[str, float]], row_label: str) -> str:
+    """``{setting: {row: ms}}`` as a table of a column per setting, each later column's
+    ratio to the first in brackets."""
+    settings = list(times)
+    first = times[settings[0]]
+    rows = [[key] + [f"{times[s][key]:.3f}" + (f" ({times[s][key] / first[key]:.3f})" if i else "")
+                     for i, s in enumerate(settings)] for key in first]
+    return markdown_table([row_label] + settings, rows)
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         return f"{v:.1f}" if isinstance(v, float) else str(v)

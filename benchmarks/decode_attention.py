@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copies_to_defeat_l2, copy_bandwidth, event_ms, markdown_table, save_results  # noqa: E402
+from common import (alternating_ms, copies_to_defeat_l2, copy_bandwidth, markdown_table,  # noqa: E402
+                    save_results, settings_table)
 from engine import configs, random_state  # noqa: E402
 
 from woq.engine.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -105,25 +105,23 @@ def step_ms(settings: list[str], rounds: int = 2) -> dict:
     cache = KVCache(config.num_hidden_layers, rows, config.num_key_value_heads, max(STEP_POSITIONS) + 16,
                     config.hidden_size // config.num_attention_heads, model.dtype, model.device)
     base = model.options
-    times: dict[str, dict[str, list[float]]] = {}
+
+    def prepare(setting: str) -> dict:
+        tile, stages = map(int, setting.split("/"))
+        bind_kernels(model, replace(base, decode_attention=DecodeAttentionOptions(tile, stages)))
+        graphs = DecodeGraphs(DecodeRunner(model, cache), max(STEP_BATCHES), scratch_slot=rows - 1)
+        graphs.capture()
+        calls = {}
+        for past in STEP_POSITIONS:
+            for b in STEP_BATCHES:
+                ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+                positions = torch.full((b, 1), past, dtype=torch.long, device="cuda")
+                slots = torch.arange(b, device="cuda")
+                calls[f"{b}@{past}"] = lambda a=(ids, positions, slots): graphs.run(*a)
+        return calls
+
     with torch.inference_mode():
-        for _ in range(rounds):
-            for setting in settings:
-                tile, stages = map(int, setting.split("/"))
-                bind_kernels(model, replace(base, decode_attention=DecodeAttentionOptions(tile, stages)))
-                graphs = DecodeGraphs(DecodeRunner(model, cache), max(STEP_BATCHES), scratch_slot=rows - 1)
-                graphs.capture()
-                for past in STEP_POSITIONS:
-                    for b in STEP_BATCHES:
-                        ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
-                        positions = torch.full((b, 1), past, dtype=torch.long, device="cuda")
-                        slots = torch.arange(b, device="cuda")
-                        ms = event_ms(lambda: graphs.run(ids, positions, slots), repeats=50, warmup=3)
-                        times.setdefault(setting, {}).setdefault(f"{b}@{past}", []).append(ms)
-                del graphs
-                torch.cuda.empty_cache()
-                print(setting, {k: round(v[-1], 3) for k, v in times[setting].items()}, flush=True)
-    return {s: {k: statistics.median(v) for k, v in per.items()} for s, per in times.items()}
+        return alternating_ms(settings, prepare, rounds)
 
 
 def run(kernel: bool, step: list[str]) -> dict:
@@ -148,15 +146,11 @@ def summary(r: dict) -> str:
     if "cases" in r:
         text += kernel_summary(r)
     if "step_ms" in r:
-        settings = list(r["step_ms"])
-        first = r["step_ms"][settings[0]]
-        rows = [[key] + [f"{r['step_ms'][s][key]:.3f}" + (f" ({r['step_ms'][s][key] / first[key]:.3f})" if i else "")
-                         for i, s in enumerate(settings)] for key in first]
         text += (f"\nDecode step, {r['gpu']}: 8B int4 g128 (random weights), fp16, CUDA graph replays with "
                  "programmatic launches; ms, median over rounds of medians of 50 replays, the settings "
                  "(tiles / stages of the large batches' attention) alternating in one process; in brackets "
                  "against the first setting. Rows: B sequences @ positions.\n\n"
-                 + markdown_table(["B@positions"] + settings, rows) + "\n")
+                 + settings_table(r["step_ms"], "B@positions") + "\n")
     return text
 
 

@@ -43,35 +43,46 @@ GRAPH_TOKENS = 512
 PROFILED = ["0+16", "16+112", "16+128", "0+128", "0+256", "16+448", "64+64", "64+448"]  # kernels listed
 
 
-def run() -> dict:
+def packed_rig(decode_rows: int, context: int):
+    """An 8B int4 g128 model (random weights, fp16, CUDA) with an engine whose packed graphs
+    take up to ``GRAPH_TOKENS`` tokens: (model, engine, fill, step). ``fill()``
+    prefills row 0's ``PAST`` positions; ``step(b, t)`` gives the packed graphs' inputs for
+    b decode tokens (rows 1..b, blocks of their own) and a t-token chunk (row 0), all after
+    ``PAST`` cached positions."""
     config = configs()["llama3-8b"]
     state = random_state(config)
-    context = PAST + max(TOKENS) + 16
     model = build_model(config, state, QuantConfig("int4", 128), torch.float16, "cuda", context, progress=False)
     del state
     torch.cuda.empty_cache()
-    engine = Engine(model, None, set(), max_num_seqs=max(BATCHES), max_seq_len=context,
+    engine = Engine(model, None, set(), max_num_seqs=decode_rows, max_seq_len=context,
                     max_prefill_tokens=GRAPH_TOKENS)
     cache = engine.cache
     row = 0
     cache.assign(row, 0, list(range(1, 1 + cache.blocks_per_row)))
     per_row = PAST // cache.block_size + 1  # (the decode rows: blocks of their own for PAST + 1 positions)
     first = 1 + cache.blocks_per_row
-    assert first + per_row * max(BATCHES) <= cache.num_blocks, "the KV pool is too small for the decode rows"
-    for r in range(1, max(BATCHES)):
+    assert first + per_row * decode_rows <= cache.num_blocks, "the KV pool is too small for the decode rows"
+    for r in range(1, decode_rows):
         cache.assign(r, 0, list(range(first + (r - 1) * per_row, first + r * per_row)))
     gen = torch.Generator().manual_seed(0)
 
+    def fill() -> None:
+        past = torch.randint(0, config.vocab_size, (1, PAST), generator=gen).cuda()
+        model(past, Prefill.pack([PAST], [row], "cuda"), cache, last_only=True)
+
     def step(b: int, t: int) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Token ids, chunk lengths, rows and first positions of b decode tokens (rows 1..b)
-        and a t-token chunk (row 0), all after PAST cached positions."""
         tokens = torch.randint(0, config.vocab_size, (b + t,), generator=gen).tolist()
         return tokens, [1] * b + [t], list(range(1, b + 1)) + [row], [PAST] * (b + 1)
 
+    return model, engine, fill, step
+
+
+def run() -> dict:
+    model, engine, fill, step = packed_rig(max(BATCHES), PAST + max(TOKENS) + 16)
+    cache = engine.cache
     graph, eager = {}, {}
     with torch.inference_mode():
-        past = torch.randint(0, config.vocab_size, (1, PAST), generator=gen).cuda()
-        model(past, Prefill.pack([PAST], [row], "cuda"), cache, last_only=True)
+        fill()
         for b in DECODING:
             for t in TOKENS:
                 tokens, lens, rows, starts = step(b, t)

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .options import ChunkAttentionOptions
 
 
 SPLITS = 8  # key splits of a split tile
@@ -177,14 +178,16 @@ def _merge_splits_kernel(Tiles, Part, Stats, Out, stride_ot, stride_oh,
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     tiles: torch.Tensor, tile_tokens: int, out: torch.Tensor | None = None,
-                    programmatic: bool = False, splits: int | None = None) -> torch.Tensor:
+                    programmatic: bool = False, splits: int | None = None,
+                    walk: ChunkAttentionOptions = ChunkAttentionOptions()) -> torch.Tensor:
     """Causal attention of the packed queries ``q`` ``[T, H, D]`` over the cache, for the
     rows that ``tiles`` (int32 ``[W, 4]``: first row, tokens <= ``tile_tokens`` (a power of
     two), first position, block-table row) cover; written into ``out`` ``[T, H, D]`` (new if None;
     rows no tile covers are left as they are). ``k_cache``/``v_cache``: one layer's blocks
     ``[N, Hkv, BS, D]``; ``block_table``: int32 ``[rows, blocks_per_row]``. ``splits``: key
-    splits of a split tile (None: ``SPLITS`` up to ``SPLIT_TOKENS`` rows, else 1). The
-    launch depends on ``W`` and ``T`` only (CUDA-graph safe)."""
+    splits of a split tile (None: ``SPLITS`` up to ``SPLIT_TOKENS`` rows, else 1);
+    ``walk``: keys a step and pipeline stages of an unsplit launch. The launch depends on
+    ``W`` and ``T`` only (CUDA-graph safe)."""
     T, H, D = q.shape
     Hkv, bs = k_cache.shape[1], k_cache.shape[2]
     assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1, "k and v caches of one layout"
@@ -196,7 +199,9 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         splits = SPLITS if T <= SPLIT_TOKENS else 1
     split_all = T <= SPLIT_ALL_TOKENS
     group_pad = triton.next_power_of_2(H // Hkv)
-    block_n = max(bs, 64 if D <= 128 else 32)  # keys per step: whole blocks, ~16 KB of k
+    # keys per step: whole blocks, ~16 KB of k at 64 keys of head_dim 128
+    keys, stages = (walk.keys_per_step, walk.stages) if splits == 1 else (64, 2)
+    block_n = max(bs, keys if D <= 128 else keys // 2)
     warps = 4 if tile_tokens * group_pad * D <= 8192 else 8
     if tiles.shape[0]:
         # (the partial sums of every row, head and split, and their max and denominator)
@@ -207,7 +212,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1), 1.0 / math.sqrt(D),
             HEADS=H, HKV=Hkv, GROUP_PAD=group_pad, D=D, BLOCK_M=tile_tokens, BLOCK_N=block_n, BS=bs,
-            SPLITS=splits, SPLIT_ALL=split_all, num_warps=warps, num_stages=2,
+            SPLITS=splits, SPLIT_ALL=split_all, num_warps=warps, num_stages=stages,
             **pdl.triton_kwargs(q.device, programmatic),
         )
         if splits > 1:

@@ -42,6 +42,17 @@ class DecodeAttentionOptions:
 
 
 @dataclass(frozen=True)
+class ChunkAttentionOptions:
+    """The chunk-attention kernel's walk over the keys (``kernels/chunk_attention.py``) in
+    launches that do not split keys: the mixed steps and prefills of more than
+    ``chunk_attention.SPLIT_TOKENS`` packed rows. Split launches keep 64 keys a step and 2
+    stages (measured: docs/design/attention.md)."""
+
+    keys_per_step: int = 64  # keys a program loads per step (head_dim <= 128; half beyond)
+    stages: int = 2  # software-pipeline stages of that walk
+
+
+@dataclass(frozen=True)
 class RuntimeOptions:
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Measure the kernels' launches for a weight shape new to this GPU (once, cached in
@@ -59,6 +70,7 @@ class RuntimeOptions:
     dense_gemv_rows: int = 2
     decode_step: DecodeStepOptions = field(default_factory=DecodeStepOptions)
     decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
+    chunk_attention: ChunkAttentionOptions = field(default_factory=ChunkAttentionOptions)
 
     def tuning_dir(self) -> Path:
         return self.cache_dir / "tuning"

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from ..kernels.options import DecodeAttentionOptions
+from ..kernels.options import RuntimeOptions
 from .batches import TILE_TOKENS, Batch, Causal, Prefill
 from .kv_cache import KVCache
 
@@ -61,13 +61,15 @@ class Heads:
 
 class _Attention:
     """What every implementation holds: its pass's batch, the head shape, RoPE, the cache,
-    the fused kernels (``kernels/fused.py``; None: the torch ops), whether they launch
-    programmatically and the decode-attention kernel's tiles at large batches."""
+    the fused kernels (``kernels/fused.py``; None: the torch ops) and, from the model's
+    options, whether they launch programmatically, the decode-attention kernel's tiles at
+    large batches and the chunk kernel's walk over the keys."""
 
-    def __init__(self, batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool,
-                 wide: DecodeAttentionOptions = DecodeAttentionOptions()):
-        self.batch, self.h, self.rope, self.cache = batch, heads, rope, cache
-        self.fused, self.programmatic, self.wide = fused, programmatic, wide
+    def __init__(self, batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused,
+                 options: RuntimeOptions):
+        self.batch, self.h, self.rope, self.cache, self.fused = batch, heads, rope, cache, fused
+        self.programmatic = options.programmatic_launch
+        self.wide, self.walk = options.decode_attention, options.chunk_attention
 
     def context(self):
         """Entered once around a whole forward (switching SDPA backends costs host time)."""
@@ -129,7 +131,7 @@ class PrefillAttention(_Attention):
             from ..kernels.chunk_attention import chunk_attention
 
             chunk_attention(q, self.cache.k[layer], self.cache.v[layer], self.cache.block_table, b.tiles,
-                            TILE_TOKENS, out, programmatic=self.programmatic)
+                            TILE_TOKENS, out, programmatic=self.programmatic, walk=self.walk)
         elif not b.chunks:
             raise ValueError("a packed pass without host chunks needs the chunk kernel (CUDA, fused kernels)")
         qt = q.transpose(0, 1)  # [H, T, D]
@@ -187,11 +189,10 @@ class TorchDecodeAttention(_Attention):
         return out.transpose(1, 2).reshape(B, H * D)
 
 
-def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused, programmatic: bool,
-                  wide: DecodeAttentionOptions = DecodeAttentionOptions()):
+def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused,
+                  options: RuntimeOptions):
     """The attention implementation of a pass of this kind (``fused``: the fused-kernel
-    module on CUDA, else None; ``wide``: the decode-attention kernel's tiles at large
-    batches)."""
+    module on CUDA, else None; ``options``: the model's)."""
     if isinstance(batch, Causal):
         kind = CausalAttention
     elif cache is None:
@@ -200,4 +201,4 @@ def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | Non
         kind = PrefillAttention
     else:
         kind = FusedDecodeAttention if fused is not None else TorchDecodeAttention
-    return kind(batch, heads, rope, cache, fused, programmatic, wide)
+    return kind(batch, heads, rope, cache, fused, options)

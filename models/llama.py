@@ -173,9 +173,8 @@ class CausalLM(nn.Module):
         fused = _fused_module() if x.is_cuda and self.options.fused_ops else None
         programmatic = self.options.programmatic_launch
         reduce = self.tp.all_reduce if self.tp is not None and self.tp.size > 1 else None
-        attention = attention_for(batch, self.heads, self.rope, cache, fused, programmatic,
-                                  self.options.decode_attention)
-        return Pass(attention, fused, programmatic, reduce)
+        return Pass(attention_for(batch, self.heads, self.rope, cache, fused, self.options), fused, programmatic,
+                    reduce)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings; vocab-parallel, each rank looks up the tokens it holds

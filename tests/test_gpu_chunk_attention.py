@@ -27,6 +27,32 @@ def causal_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -
     return (p @ vv).transpose(0, 1)
 
 
+def packed_case(heads: int, kv_heads: int, dim: int, dtype, block_size: int, case: list[tuple[int, int]]):
+    """One chunk per row of PAGED_ROWS (``case``: tokens, first position) over a paged pool
+    (NaN outside the rows' blocks): q ``[T + 2, heads, dim]`` (2 rows no tile covers), the
+    layer's k, v and table, the query tiles (and 3 padding tiles), the chunks and T."""
+    cache = paged_case(kv_heads, dim, dtype, block_size, [p + n for n, p in case], heads + dim + block_size)
+    offsets = torch.tensor([0] + [n for n, _ in case]).cumsum(0).tolist()
+    chunks = [Chunk(o, n, r, p) for o, (n, p), r in zip(offsets, case, PAGED_ROWS)]
+    T = offsets[-1]
+    tiles = query_tiles(chunks, TILE_TOKENS) + [(T, 0, 0, 0)] * 3  # (and padding)
+    tiles = torch.tensor(tiles, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    q = torch.randn(T + 2, heads, dim, device="cuda", generator=g).to(dtype)
+    return q, cache.k[0], cache.v[0], cache.block_table, tiles, chunks, T
+
+
+def assert_causal(out, q, k, v, table, chunks, dtype) -> None:
+    """Each chunk's rows of ``out`` against the fp64 reference over its sequence's keys."""
+    for c in chunks:
+        n = c.start + c.tokens
+        ref = causal_fp64(q[c.row:c.row + c.tokens], gather_fp64(k, table, c.slot, n), gather_fp64(v, table, c.slot, n),
+                          c.start)
+        got = out[c.row:c.row + c.tokens].double()
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < (3e-3 if dtype == torch.float16 else 2e-2), (c, err)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -42,25 +68,31 @@ def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim
 
     case = CHUNKS[:3] if few else CHUNKS
     assert (sum(n for n, _ in case) + 2 <= SPLIT_ALL_TOKENS) == few
-    cache = paged_case(kv_heads, dim, dtype, block_size, [p + n for n, p in case], heads + dim + block_size)
-    offsets = torch.tensor([0] + [n for n, _ in case]).cumsum(0).tolist()
-    chunks = [Chunk(o, n, r, p) for o, (n, p), r in zip(offsets, case, PAGED_ROWS)]
-    T = offsets[-1]
-    tiles = query_tiles(chunks, TILE_TOKENS) + [(T, 0, 0, 0)] * 3  # (and padding)
-    tiles = torch.tensor(tiles, dtype=torch.int32, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(dim)
-    q = torch.randn(T + 2, heads, dim, device="cuda", generator=g).to(dtype)
+    q, k, v, table, tiles, chunks, T = packed_case(heads, kv_heads, dim, dtype, block_size, case)
     out = torch.full_like(q, float("nan"))
-    k, v, table = cache.k[0], cache.v[0], cache.block_table
     chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out, splits=splits)
     assert torch.isnan(out[T:]).all()  # (not covered)
-    for c in chunks:
-        n = c.start + c.tokens
-        ref = causal_fp64(q[c.row:c.row + c.tokens], gather_fp64(k, table, c.slot, n), gather_fp64(v, table, c.slot, n),
-                          c.start)
-        got = out[c.row:c.row + c.tokens].double()
-        err = ((got - ref).norm() / ref.norm()).item()
-        assert err < (3e-3 if dtype == torch.float16 else 2e-2), (c, err)
+    assert_causal(out, q, k, v, table, chunks, dtype)
     again = torch.full_like(q, float("nan"))
     chunk_attention(q, k, v, table, tiles, TILE_TOKENS, again, programmatic=True, splits=splits)
     assert torch.equal(again[:T], out[:T])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("keys,stages", [(32, 3), (32, 2), (128, 2)])  # (not the default 64/2)
+def test_chunk_attention_walk_option_sets_an_unsplit_launch(dtype, dim, keys, stages):
+    """``ChunkAttentionOptions`` sets how an unsplit launch walks the keys (keys a step, never
+    under a cache block; stages): the fp64 reference still holds for every chunk, and a
+    split launch ignores it (the same sums as the default's)."""
+    from woq.kernels.chunk_attention import chunk_attention
+    from woq.kernels.options import ChunkAttentionOptions
+
+    walk = ChunkAttentionOptions(keys, stages)
+    q, k, v, table, tiles, chunks, T = packed_case(8, 2, dim, dtype, 16, CHUNKS)
+    out = torch.full_like(q, float("nan"))
+    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out, splits=1, walk=walk)
+    assert torch.isnan(out[T:]).all()
+    assert_causal(out, q, k, v, table, chunks, dtype)
+    split = chunk_attention(q, k, v, table, tiles, TILE_TOKENS, splits=8, walk=walk)
+    assert torch.equal(split[:T], chunk_attention(q, k, v, table, tiles, TILE_TOKENS, splits=8)[:T])
