@@ -125,10 +125,9 @@ def summary(r: dict) -> str:
     text = kernel_summary(r) if "cases" in r else ""
     if "step_ms" in r:
         text += (f"\nPacked steps, {r['gpu']}: 8B int4 g128 (random weights), fp16, packed-graph replays with "
-                 "programmatic launches, B decode tokens and a T-token chunk after 1,024 cached positions; ms, "
-                 "median over rounds of medians of 50 replays, the settings (keys a step / stages of the "
-                 "unsplit launches) alternating in one process; in brackets against the first setting.\n\n"
-                 + settings_table(r["step_ms"], "B+T") + "\n")
+                 "programmatic launches, B decode tokens and a T-token chunk after 1,024 cached positions; "
+                 "settings: keys a step / stages of the unsplit launches. " + settings_table(r["step_ms"], "B+T")
+                 + "\n")
     return text
 
 

@@ -16,8 +16,8 @@ def copy_bandwidth() -> float:
     """The current GPU's device-to-device copy bandwidth in bytes/s (read plus written), the
     value the server sets its roofline gauges against: measured once per GPU model and
     cached in the cache directory (``woq.kernels.timing.copy_bandwidth``). One measurement
-    moves by up to ~5 % from process to process on the same H200 (docs/design/metrics.md),
-    so a benchmark that measured its own would not compare with the live gauges."""
+    moves from process to process by more than a benchmark and a live gauge may differ
+    (docs/design/metrics.md), so a benchmark does not measure its own."""
     from woq.kernels.options import default_cache_dir
     from woq.kernels.timing import copy_bandwidth as cached
 
@@ -128,13 +128,14 @@ def alternating_ms(settings: list[str], prepare: Callable[[str], dict[str, Calla
 
 
 def settings_table(times: dict[str, dict[str, float]], row_label: str) -> str:
-    """``{setting: {row: ms}}`` as a table of a column per setting, each later column's
-    ratio to the first in brackets."""
+    """``alternating_ms``' result as markdown: how it was timed, then a column per setting,
+    each later column's ratio to the first in brackets."""
     settings = list(times)
     first = times[settings[0]]
     rows = [[key] + [f"{times[s][key]:.3f}" + (f" ({times[s][key] / first[key]:.3f})" if i else "")
                      for i, s in enumerate(settings)] for key in first]
-    return markdown_table([row_label] + settings, rows)
+    return ("ms, median over rounds of medians of 50 runs, the settings alternating in one process; in brackets "
+            "against the first setting.\n\n" + markdown_table([row_label] + settings, rows))
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

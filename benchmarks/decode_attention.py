@@ -147,10 +147,8 @@ def summary(r: dict) -> str:
         text += kernel_summary(r)
     if "step_ms" in r:
         text += (f"\nDecode step, {r['gpu']}: 8B int4 g128 (random weights), fp16, CUDA graph replays with "
-                 "programmatic launches; ms, median over rounds of medians of 50 replays, the settings "
-                 "(tiles / stages of the large batches' attention) alternating in one process; in brackets "
-                 "against the first setting. Rows: B sequences @ positions.\n\n"
-                 + settings_table(r["step_ms"], "B@positions") + "\n")
+                 "programmatic launches; settings: tiles / stages of the large batches' attention; rows: B "
+                 "sequences @ positions. " + settings_table(r["step_ms"], "B@positions") + "\n")
     return text
 
 
