@@ -16,7 +16,7 @@ launches, as the engine runs its mixed steps; ``step_budget.packed_rig``) under 
 setting of the unsplit launches' walk, alternating them in rounds in one process.
 
     python benchmarks/chunk_attention.py --out docs/bench
-    python benchmarks/chunk_attention.py --step 64/2,64/3,32/3 --out docs/bench
+    python benchmarks/chunk_attention.py --step 64/3,64/2,32/3 --out docs/bench
 """
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 32, 8, 128, 16, 32
 # (decode tokens, prompt tokens, cached positions before each)
 CASES = [(0, 16, 1024), (16, 112, 1024), (0, 128, 1024), (64, 64, 1024), (16, 448, 1024), (64, 448, 1024),
          (0, 512, 1024), (16, 0, 1024), (64, 0, 1024), (0, 512, 6144), (16, 112, 6144)]
-# (keys a step, stages) of an unsplit launch's walk over the keys; the first the default's
-WALKS = [(64, 2), (64, 3), (32, 3), (32, 2), (128, 2)]
+_DEFAULT_WALK = (ChunkAttentionOptions().keys_per_step, ChunkAttentionOptions().stages)
+# (keys a step, stages) of an unsplit launch's walk over the keys; the first, the default's, is the reference
+WALKS = [_DEFAULT_WALK] + [w for w in [(64, 2), (64, 3), (32, 3), (32, 2), (128, 2)] if w != _DEFAULT_WALK]
 STEP_CASES = ["16+112", "16+448", "64+64", "64+448", "0+128", "0+512"]  # packed steps: B decode + T prompt tokens
 
 
@@ -173,7 +174,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--step", default="", help="keys/stages walks of the unsplit launches to time in the packed "
-                    "steps, the first the reference (e.g. 64/2,64/3,32/3)")
+                    "steps, the first the reference (e.g. 64/3,64/2,32/3)")
     ap.add_argument("--no-kernel", action="store_true", help="skip the kernel's cases")
     args = ap.parse_args()
     step = [s for s in args.step.split(",") if s]

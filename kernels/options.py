@@ -49,7 +49,7 @@ class ChunkAttentionOptions:
     stages (measured: docs/design/attention.md)."""
 
     keys_per_step: int = 64  # keys a program loads per step (head_dim <= 128; half beyond)
-    stages: int = 2  # software-pipeline stages of that walk
+    stages: int = 3  # software-pipeline stages of that walk
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_chunk_attention_attends_causally_through_the_table(heads, kv_heads, dim
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("keys,stages", [(32, 3), (32, 2), (128, 2)])  # (not the default 64/2)
+@pytest.mark.parametrize("keys,stages", [(64, 2), (32, 3), (128, 2)])  # (not the default 64/3)
 def test_chunk_attention_walk_option_sets_an_unsplit_launch(dtype, dim, keys, stages):
     """``ChunkAttentionOptions`` sets how an unsplit launch walks the keys (keys a step, never
     under a cache block; stages): the fp64 reference still holds for every chunk, and a
