@@ -7,13 +7,14 @@
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
 #   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget chunkattn decodeattn paged pacing
-#               engineload dashboard tune
+#               engineload dashboard tune served
 #   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
 #               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`), tp70b (4 GPUs)
 #   results:    docs (run here, not on the GPU machine: copies the fetched results over
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
-# DASHBOARD_ARGS SERVING_NAME PYTEST_K DECODEATTN_STEP CHUNKATTN_STEP.
+# DASHBOARD_ARGS SERVING_NAME PYTEST_K DECODEATTN_STEP CHUNKATTN_STEP SERVED_NAME SERVED_ARGS
+# SERVED_WORKLOADS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -74,6 +75,8 @@ for stage in "$@"; do
     decodeattn) run decodeattn $PY benchmarks/decode_attention.py --step ${DECODEATTN_STEP:-32/3,64/3,32/2,128/2} --out "$OUT" ;;
     engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
+    served)  # one 8B int4 server, chosen workloads: a side of a served A/B (benchmarks/ab_files.sh, B_ENV=SERVED_NAME=...)
+      run served bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server '${SERVED_NAME:-served}=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning ${SERVED_ARGS:-}' --workloads ${SERVED_WORKLOADS:-c1,p515_c16,p515_c64} --out $OUT --name paged_serving_served" ;;
     pacing)  # prompt chunks paced by step times (--mixed-step-ratio) against the token budget alone, one machine
       run pacing bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'budget=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'paced2=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --mixed-step-ratio 2 --log-level warning' --workloads c1,p515_c16,p515_c64,mixed_c128 --out $OUT --name paged_serving_pacing" ;;
     tp)  # (tp1-per-op: one GPU through a kernel per op, the 8B greedy check's noise floor)

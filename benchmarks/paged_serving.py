@@ -66,8 +66,18 @@ async def workload(url: str, model: str, clients: int, requests: int, lengths: t
     results, wall = await send_all(url, model, clients, prompts, out, timeout=900)
     ok = [r for r in results if "error" not in r]
     errors = sorted({r["error"] for r in results if "error" in r})
+    stats = level_stats(ok, wall)
     return {"clients": clients, "requests": requests, "errors": len(results) - len(ok), "error_kinds": errors[:3],
-            **level_stats(ok, wall)}
+            **stats, "itl_slow_gaps": slow_gaps(ok, 2e-3 * stats["itl_p50_ms"])}
+
+
+def slow_gaps(ok: list[dict], threshold: float) -> dict:
+    """Where the streams' gaps longer than ``threshold`` seconds lie: a stream's first gap
+    (after its first token), its last, or between; and their mean length, ms."""
+    slow = [(i, len(r["itl"]), x) for r in ok for i, x in enumerate(r["itl"]) if x > threshold]
+    return {"threshold_ms": 1e3 * threshold, "count": len(slow), "gaps": sum(len(r["itl"]) for r in ok),
+            "first": sum(1 for i, _, _ in slow if i == 0), "last": sum(1 for i, n, _ in slow if 0 < i == n - 1),
+            "mean_ms": 1e3 * sum(x for _, _, x in slow) / len(slow) if slow else 0.0}
 
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], out: int) -> dict:
@@ -138,29 +148,53 @@ def labelled(text: str, series: str, label: str) -> dict[str, float]:
     return out
 
 
+def iteration_buckets(text: str) -> dict[str, dict[str, float]]:
+    """``woq_engine_iteration_seconds``' cumulative buckets by kind: {kind: {le: count}}."""
+    out: dict[str, dict[str, float]] = {}
+    series = "woq_engine_iteration_seconds_bucket{"
+    for line in text.splitlines():
+        if line.startswith(series):
+            labels = dict(part.split("=", 1) for part in line[len(series):line.index("}")].split(","))
+            out.setdefault(labels["kind"].strip('"'), {})[labels["le"].strip('"')] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def step_counters(url: str) -> dict:
     """The server's step counters so far, from one scrape: the steps that prefilled prompt
     tokens, those tokens, the steps by their prompt tokens' upper bound (cumulative:
-    ``woq_step_prompt_tokens``), and the engine's iterations and their seconds by kind
-    (``woq_engine_iteration_seconds``)."""
+    ``woq_step_prompt_tokens``), and the engine's iterations, their seconds and their
+    cumulative buckets by kind (``woq_engine_iteration_seconds``)."""
     text = metrics_text(url)
     return {"steps": metric(text, "woq_step_prompt_tokens_count") or 0.0,
             "tokens": metric(text, "woq_step_prompt_tokens_sum") or 0.0,
             "buckets": labelled(text, "woq_step_prompt_tokens_bucket", "le"),
             "iterations": labelled(text, "woq_engine_iteration_seconds_count", "kind"),
-            "iteration_seconds": labelled(text, "woq_engine_iteration_seconds_sum", "kind")}
+            "iteration_seconds": labelled(text, "woq_engine_iteration_seconds_sum", "kind"),
+            "iteration_buckets": iteration_buckets(text)}
 
 
-def steps_by_size(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Steps between two readings of the cumulative buckets by their prompt tokens: "<=16" holds
-    steps of 1-16 tokens, "<=32" of 17-32, ... (the cumulative buckets differenced)."""
+def steps_by_size(before: dict[str, float], after: dict[str, float], scale: float = 1.0) -> dict[str, float]:
+    """Steps between two readings of cumulative buckets, by their upper bound times
+    ``scale``: "<=16" holds steps of 1-16 prompt tokens, "<=32" of 17-32, ...; with scale
+    1000, iterations by milliseconds (the cumulative buckets differenced)."""
     out, below = {}, 0.0
     for le in sorted(after, key=lambda le: float(le)):
         total = after[le] - before.get(le, 0.0)
-        label = "more" if le == "+Inf" else f"<={float(le):.0f}"
+        label = "more" if le == "+Inf" else f"<={float(le) * scale:g}"
         out[label] = total - below
         below = total
     return out
+
+
+def bucket_quantile(by_bucket: dict[str, float], q: float) -> str:
+    """The bucket (a label of ``steps_by_size``, in its order) that holds the q-quantile of
+    the counted values: an upper bound on that quantile."""
+    total, seen = sum(by_bucket.values()), 0.0
+    for label, n in by_bucket.items():
+        seen += n
+        if total and seen >= q * total:
+            return label
+    return "-"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -210,16 +244,22 @@ def summary(result: dict) -> str:
             it = r.get("iterations", {})
             kinds = " / ".join(f"{it[k]['count']:.0f} × {it[k]['mean_ms']:.1f}" if k in it else "-"
                                for k in ("decode", "mixed", "prefill")) if it else "-"
+            decode = it.get("decode", {})
+            decode_pct = f"{decode['p50_ms']} / {decode['p99_ms']}" if "p99_ms" in decode else "-"
+            sg = r.get("itl_slow_gaps")
+            slow = f"{sg['count']} of {sg['gaps']} ({sg['first']} / {sg['last']}), {sg['mean_ms']:.1f}" if sg else "-"
             rows.append([w, n, f"{r['output_tok_per_s']:.0f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
                          f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
                          f"{r['itl_p99_ms'] / r['itl_p50_ms']:.2f}" if r["itl_p50_ms"] else "-",
-                         per_step, sizes, kinds, str(r["errors"])])
+                         slow, per_step, sizes, kinds, decode_pct, str(r["errors"])])
     text = [f"GPU: {result['gpu']}. Streamed over HTTP on loopback; servers: "
             + "; ".join(f"`{n}`: `{result['servers'][n]['args']}`" for n in names) + ".\n",
             markdown_table(["workload", "server", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-                            "ITL p99 / p50", "prompt tokens / step",
+                            "ITL p99 / p50", "gaps > 2x p50 (first / last of a stream), mean ms",
+                            "prompt tokens / step",
                             "steps by prompt tokens: 1-64 / 65-128 / 129-256 / 257-512 / more",
-                            "iterations decode / mixed / prefill: count × mean ms", "errors"], rows)]
+                            "iterations decode / mixed / prefill: count × mean ms",
+                            "decode iterations p50 / p99: bucket, ms", "errors"], rows)]
     chats = [(n, result["servers"][n]["workloads"].get("chat")) for n in names]
     chats = [(n, c) for n, c in chats if c]
     if chats:
@@ -287,7 +327,12 @@ def main() -> None:
                 for kind, count in after["iterations"].items():
                     n = count - before["iterations"].get(kind, 0.0)
                     seconds = after["iteration_seconds"][kind] - before["iteration_seconds"].get(kind, 0.0)
-                    r["iterations"][kind] = {"count": n, "mean_ms": 1e3 * seconds / max(n, 1)}
+                    by_ms = steps_by_size(before["iteration_buckets"].get(kind, {}),
+                                          after["iteration_buckets"].get(kind, {}), scale=1e3)
+                    # (the p50 / p99 as bucket bounds: the engine's share of a stream's slow gaps)
+                    r["iterations"][kind] = {"count": n, "mean_ms": 1e3 * seconds / max(n, 1), "by_ms": by_ms,
+                                             "p50_ms": bucket_quantile(by_ms, 0.5),
+                                             "p99_ms": bucket_quantile(by_ms, 0.99)}
                 entry["workloads"][w] = r
                 print(f"[{name}] {w} ({time.perf_counter() - t1:.0f} s): {json.dumps(r)[:400]}", flush=True)
             text = metrics_text(url)
