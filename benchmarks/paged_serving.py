@@ -73,11 +73,13 @@ async def workload(url: str, model: str, clients: int, requests: int, lengths: t
 
 def slow_gaps(ok: list[dict], threshold: float) -> dict:
     """Where the streams' gaps longer than ``threshold`` seconds lie: a stream's first gap
-    (after its first token), its last, or between; and their mean length, ms."""
+    (after its first token), its last, or between; their mean length, ms; and the first 64
+    of them as (gap index in its stream, ms), which shows a period if they have one."""
     slow = [(i, len(r["itl"]), x) for r in ok for i, x in enumerate(r["itl"]) if x > threshold]
     return {"threshold_ms": 1e3 * threshold, "count": len(slow), "gaps": sum(len(r["itl"]) for r in ok),
             "first": sum(1 for i, _, _ in slow if i == 0), "last": sum(1 for i, n, _ in slow if 0 < i == n - 1),
-            "mean_ms": 1e3 * sum(x for _, _, x in slow) / len(slow) if slow else 0.0}
+            "mean_ms": 1e3 * sum(x for _, _, x in slow) / len(slow) if slow else 0.0,
+            "at": [(i, round(1e3 * x, 2)) for i, _, x in slow[:64]]}
 
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], out: int) -> dict:

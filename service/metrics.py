@@ -6,10 +6,11 @@ lists every metric with its unit and labels.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..kernels.observe import KernelCall, KernelTiming, m_bucket
@@ -73,20 +74,17 @@ class Metrics:
                                         "Latency of sampled quantized-linear calls by dispatch path",
                                         labels, buckets=KERNEL_BUCKETS, registry=r)
         self.kernel_calls = Counter("woq_kernel_calls", "Linear-layer calls by dispatch path", labels, registry=r)
-        self.kernel_roofline = Gauge("woq_kernel_roofline_ratio",
-                                     "Bytes a kernel path must move per second of its sampled calls, as a fraction of the "
-                                     "GPU's measured copy bandwidth", ["path", "layer"], registry=r)
-        self.layer_roofline = Gauge("woq_decoder_layer_roofline_ratio",
-                                    "Bytes one call of each layer kind of a kernel path must move per second of those "
-                                    "calls (each kind's sampled mean), as a fraction of the GPU's measured copy "
-                                    "bandwidth", ["path"], registry=r)
         self.step_roofline = Gauge("woq_decode_step_roofline_ratio",
                                    "Weight bytes a sampled decode step reads per second of it, as a fraction of the "
                                    "GPU's measured copy bandwidth", ["batch"], registry=r)
         self.info = Gauge("woq_build_info", "The served model, its quantization, the device and the kernels' version "
                           "(value 1)", ["model", "quant", "device", "kernel_version"], registry=r)
         self._children: dict[tuple, tuple] = {}
+        # the sampled calls' (bytes, seconds) by (path, layer kind): appended on the engine's
+        # thread, read at a scrape (the lock: a deque must not change while it is read)
         self._window: dict[tuple[str, str], deque] = {}
+        self._window_lock = threading.Lock()
+        r.register(_RooflineCollector(self))
         self.bandwidth: float | None = None  # bytes/s of a device-to-device copy (the roofline gauges)
 
     def bind_timing(self, timing: KernelTiming, bandwidth: float | None) -> None:
@@ -164,32 +162,62 @@ class Metrics:
         self._series(call)[0].inc(calls)
 
     def time(self, call: KernelCall, seconds: float) -> None:
+        """One sampled call: its histogram, and its (bytes, seconds) in its series' window
+        for the roofline gauges, which are worked out at a scrape (``_RooflineCollector``):
+        a timed persistent step reports every stage of every layer at once, on the engine's
+        thread, and working the gauges out at each sample held that thread longer than a
+        batch-1 step (docs/design/metrics.md)."""
         self._series(call)[1].observe(seconds)
         moved = call.bytes_moved()
         if self.bandwidth and moved and seconds > 0:
-            window = self._window.get((call.path, call.layer))
-            if window is None:
-                window = self._window[(call.path, call.layer)] = deque(maxlen=ROOFLINE_WINDOW)
-            window.append((moved, seconds))
-            self.kernel_roofline.labels(call.path, call.layer).set(
-                sum(b for b, _ in window) / sum(t for _, t in window) / self.bandwidth)
-            if call.layer != "lm_head":
-                self._set_layer_roofline(call.path)
+            key = (call.path, call.layer)
+            with self._window_lock:
+                window = self._window.get(key)
+                if window is None:
+                    window = self._window[key] = deque(maxlen=ROOFLINE_WINDOW)
+                window.append((moved, seconds))
 
-    def _set_layer_roofline(self, path: str) -> None:
-        """A decoder layer calls each kind once, so its figure weighs the kinds equally,
-        whatever order and rate they were sampled in. Under programmatic launches a
-        kernel's first weight loads run in the time of the kernel before it; where that is
-        another GEMV of the layer (down's in gate_up's), the time moves between the kinds'
-        gauges and stays in the layer's (docs/design/metrics.md)."""
-        kinds = [w for (p, layer), w in self._window.items() if p == path and layer != "lm_head"]
-        bytes_ = sum(sum(b for b, _ in w) / len(w) for w in kinds)
-        seconds = sum(sum(t for _, t in w) / len(w) for w in kinds)
-        self.layer_roofline.labels(path).set(bytes_ / seconds / self.bandwidth)
+    def roofline_windows(self) -> dict[tuple[str, str], tuple[tuple[int, float], ...]]:
+        """A copy of the windows: {(path, layer kind): ((bytes, seconds), ...)}."""
+        with self._window_lock:
+            return {key: tuple(w) for key, w in self._window.items()}
 
     def record_step(self, batch: int, seconds: float, weight_bytes: int) -> None:
         if self.bandwidth and seconds > 0:
             self.step_roofline.labels(str(batch)).set(weight_bytes / seconds / self.bandwidth)
+
+
+class _RooflineCollector(Collector):
+    """The achieved-bandwidth gauges, from the windows of sampled calls at each scrape.
+    A kernel path and layer kind: the window's bytes over its seconds. A decoder layer: a
+    layer calls each kind once, so its figure weighs the kinds equally (each kind's mean
+    bytes over the sum of their mean seconds), whatever order and rate they were sampled
+    in. Under programmatic launches a kernel's first weight loads run in the time of the
+    kernel before it; where that is another GEMV of the layer (down's in gate_up's), the
+    time moves between the kinds' gauges and stays in the layer's (docs/design/metrics.md)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        kernel = GaugeMetricFamily("woq_kernel_roofline_ratio",
+                                   "Bytes a kernel path must move per second of its sampled calls, as a fraction of "
+                                   "the GPU's measured copy bandwidth", labels=["path", "layer"])
+        layer = GaugeMetricFamily("woq_decoder_layer_roofline_ratio",
+                                  "Bytes one call of each layer kind of a kernel path must move per second of those "
+                                  "calls (each kind's sampled mean), as a fraction of the GPU's measured copy "
+                                  "bandwidth", labels=["path"])
+        bandwidth = self.metrics.bandwidth
+        means: dict[str, list[tuple[float, float]]] = {}  # path: each layer kind's mean (bytes, seconds)
+        for (path, kind), window in self.metrics.roofline_windows().items() if bandwidth else ():
+            bytes_, seconds = sum(b for b, _ in window), sum(t for _, t in window)
+            kernel.add_metric([path, kind], bytes_ / seconds / bandwidth)
+            if kind != "lm_head":
+                means.setdefault(path, []).append((bytes_ / len(window), seconds / len(window)))
+        for path, kinds in means.items():
+            layer.add_metric([path], sum(b for b, _ in kinds) / sum(t for _, t in kinds) / bandwidth)
+        yield kernel
+        yield layer
 
 
 class _FlushBeforeScrape(Collector):

@@ -56,4 +56,5 @@ def test_slow_gaps_are_split_by_their_place_in_the_stream():
     s = slow_gaps(ok, 4 * ms)
     assert (s["count"], s["gaps"], s["first"], s["last"]) == (4, 8, 2, 1)
     assert math.isclose(s["mean_ms"], (9 + 8 + 7 + 6) / 4) and math.isclose(s["threshold_ms"], 4)
+    assert s["at"] == [(0, 9.0), (3, 8.0), (1, 7.0), (0, 6.0)]  # (index in its stream, ms), in stream order
     assert slow_gaps(ok, 1.0)["count"] == 0 and slow_gaps(ok, 1.0)["mean_ms"] == 0.0
