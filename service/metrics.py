@@ -208,8 +208,9 @@ class _RooflineCollector(Collector):
                                   "calls (each kind's sampled mean), as a fraction of the GPU's measured copy "
                                   "bandwidth", labels=["path"])
         bandwidth = self.metrics.bandwidth
+        windows = self.metrics.roofline_windows() if bandwidth else {}  # (no bandwidth: no gauges)
         means: dict[str, list[tuple[float, float]]] = {}  # path: each layer kind's mean (bytes, seconds)
-        for (path, kind), window in self.metrics.roofline_windows().items() if bandwidth else ():
+        for (path, kind), window in windows.items():
             bytes_, seconds = sum(b for b, _ in window), sum(t for _, t in window)
             kernel.add_metric([path, kind], bytes_ / seconds / bandwidth)
             if kind != "lm_head":
