@@ -36,6 +36,10 @@ if [ "$*" != docs ]; then
   $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 fi
 
+# The Llama-3-8B-shaped random checkpoint (its tokenizer carried in .tok/), written once per
+# machine: the command the serving stages run first, inside their `bash -c` strings.
+RANDOM_8B="$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\""
+
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
   local name=$1; shift
@@ -68,17 +72,17 @@ for stage in "$@"; do
       run startup $PY benchmarks/startup.py --random-config llama3-8b --workdir /tmp/llama3-8b --device cuda --runs ${STARTUP_RUNS:-1} --out "$OUT" --name startup_h100_llama3-8b_int4 ;;
     overhead) run overhead $PY benchmarks/metrics_overhead.py --rounds ${OVERHEAD_ROUNDS:-8} --out "$OUT" ;;
     inplace)  # each GEMV in the step against its chain; then as the dashboard's server runs (its stage's model, prompts, sampling)
-      run inplace bash -c "$PY benchmarks/gemv_in_place.py --out $OUT && $PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 2 --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --out $OUT --name gemv_in_place_server" ;;
+      run inplace bash -c "$PY benchmarks/gemv_in_place.py --out $OUT && $RANDOM_8B && $PY benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 2 --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --out $OUT --name gemv_in_place_server" ;;
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     chunkattn) run chunkattn $PY benchmarks/chunk_attention.py --step ${CHUNKATTN_STEP:-64/3,64/2,32/3} --out "$OUT" ;;
     decodeattn) run decodeattn $PY benchmarks/decode_attention.py --step ${DECODEATTN_STEP:-32/3,64/3,32/2,128/2} --out "$OUT" ;;
-    engineload) run engineload bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
-    paged) run paged bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
+    engineload) run engineload bash -c "$RANDOM_8B && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
+    paged) run paged bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
     served)  # one 8B int4 server, chosen workloads: a side of a served A/B (benchmarks/ab_files.sh, B_ENV=SERVED_NAME=...)
-      run served bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server '${SERVED_NAME:-served}=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning ${SERVED_ARGS:-}' --workloads ${SERVED_WORKLOADS:-c1,p515_c16,p515_c64} --out $OUT --name paged_serving_served" ;;
+      run served bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server '${SERVED_NAME:-served}=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning ${SERVED_ARGS:-}' --workloads ${SERVED_WORKLOADS:-c1,p515_c16,p515_c64} --out $OUT --name paged_serving_served" ;;
     pacing)  # prompt chunks paced by step times (--mixed-step-ratio) against the token budget alone, one machine
-      run pacing bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/paged_serving.py --server 'budget=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'paced2=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --mixed-step-ratio 2 --log-level warning' --workloads c1,p515_c16,p515_c64,mixed_c128 --out $OUT --name paged_serving_pacing" ;;
+      run pacing bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'budget=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'paced2=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --mixed-step-ratio 2 --log-level warning' --workloads c1,p515_c16,p515_c64,mixed_c128 --out $OUT --name paged_serving_pacing" ;;
     tp)  # (tp1-per-op: one GPU through a kernel per op, the 8B greedy check's noise floor)
       sizes=$($PY -c "import torch; n = torch.cuda.device_count(); print(','.join(str(s) for s in (1, 2, 4) if s <= n))")
       servers=""; for s in ${sizes//,/ }; do servers="$servers --server tp$s=--tensor-parallel-size=$s"; done
@@ -87,11 +91,11 @@ for stage in "$@"; do
       run allreduce $PY benchmarks/all_reduce.py --sizes "${sizes#1,}" --out "$OUT"
       run tpsmollm2 $PY benchmarks/tensor_parallel.py --common "--model $WOQ_CACHE/models/SmolLM2-135M-Instruct --quant int4" \
         $servers --concurrency 1 --requests-per-client 8 --out "$OUT" --name tensor_parallel_smollm2
-      run tp8b bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes $sizes --out $OUT && $PY benchmarks/tensor_parallel.py --common '--model /tmp/llama3-8b --quant int4 --max-seq-len 4096' $servers --server tp1-per-op=--decode-step=off --out $OUT" ;;
+      run tp8b bash -c "$RANDOM_8B && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-8b --sizes $sizes --out $OUT && $PY benchmarks/tensor_parallel.py --common '--model /tmp/llama3-8b --quant int4 --max-seq-len 4096' $servers --server tp1-per-op=--decode-step=off --out $OUT" ;;
     tp70b)  # a 70B-shaped random int4 checkpoint (39 GB, written straight as woq), GPU steps at TP 2 and 4
       run tp70b bash -c "$PY benchmarks/random_woq.py --config llama3-70b --out /tmp/llama3-70b-woq && $PY benchmarks/tensor_parallel_steps.py --model /tmp/llama3-70b-woq --sizes 2,4 --batches 1,16 --out $OUT --name tensor_parallel_steps_70b" ;;
     dashboard)  # a live 8B int4 server scraped by Prometheus (its binary carried in .prom/, the tokenizer in .tok/)
-      run dashboard bash -c "$PY -c \"import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from startup import write_random_model as w; w('llama3-8b', Path('/tmp/llama3-8b'), Path('.tok'))\" && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-num-seqs 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png ${DASHBOARD_ARGS:-}" ;;
+      run dashboard bash -c "$RANDOM_8B && PATH=\$PWD/.prom:\$PATH $PY benchmarks/dashboard_snapshot.py --serve-args '--model /tmp/llama3-8b --served-model-name llama3-8b --quant int4 --max-seq-len 1024 --max-num-seqs 16 --log-level warning' --seconds 40 --clients 4 --max-tokens 64 --timing-every 8 --eager-check 8 --out $OUT/dashboard_h100.png ${DASHBOARD_ARGS:-}" ;;
     e2e) run e2e $PY -m pytest -q -x -s -m "gpu and slow" tests/ ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     racecheck)  # shared-memory hazards and barrier misuse in the mixed GEMM (ring barriers: mbarriers, cp.async)

@@ -165,8 +165,7 @@ class Metrics:
         """One sampled call: its histogram, and its (bytes, seconds) in its series' window
         for the roofline gauges, which are worked out at a scrape (``_RooflineCollector``):
         a timed persistent step reports every stage of every layer at once, on the engine's
-        thread, and working the gauges out at each sample held that thread longer than a
-        batch-1 step (docs/design/metrics.md)."""
+        thread, where any work per sample delays the next step's launch (docs/design/metrics.md)."""
         self._series(call)[1].observe(seconds)
         moved = call.bytes_moved()
         if self.bandwidth and moved and seconds > 0:
