@@ -6,7 +6,7 @@
 # machine: benchmarks/ab_files.sh)
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
-#   benchmarks: bench msweep engine profile serving startup overhead inplace sampling budget chunkattn decodeattn paged pacing
+#   benchmarks: bench msweep tiles engine profile serving startup overhead inplace sampling budget chunkattn decodeattn paged pacing
 #               engineload dashboard tune served
 #   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
 #               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`), tp70b (4 GPUs)
@@ -14,7 +14,7 @@
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
 # DASHBOARD_ARGS SERVING_NAME PYTEST_K DECODEATTN_STEP CHUNKATTN_STEP SERVED_NAME SERVED_ARGS
-# SERVED_WORKLOADS.
+# SERVED_WORKLOADS TILES_TAG TILES_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -102,6 +102,7 @@ for stage in "$@"; do
       run racecheck bash -c "compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only && compute-sanitizer --tool synccheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only" ;;
     bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
     msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
+    tiles) run tiles $PY benchmarks/gemm_tiles.py --tag "${TILES_TAG:-tree}" --out "$OUT" ${TILES_ARGS:-} ;;  # one side of a fixed-tile GEMM A/B
     gemmtest) run gemmtest $PY -m pytest -q -x tests/test_gpu_kernels.py -k "mixed_gemm or smaller_gpus" ;;
     pytest) run pytest $PY -m pytest -q -x -m gpu tests/ -k "${PYTEST_K:?PYTEST_K: the tests to run}" ;;
     docs)  # copy each maintained benchmark's md/json/png from $DOCS_FROM (default $OUT) over docs/bench
