@@ -9,9 +9,10 @@
 //
 // Operands as in the GEMV ("y^T = W x^T"): weights are mma.m16n8k16's A operand (16
 // channels), x the B operand (8 rows). The packed layout gives each lane its A fragments
-// from one 16-byte load per 512-byte segment, so weights need no ldmatrix: cp.async puts a
-// tile's segments in shared memory as they lie in global memory and each lane reads back
-// its own 16 bytes (conflict-free). mma configs read x through ldmatrix.x4 from rows
+// from one 16-byte load per 512-byte segment, so weights need no ldmatrix: cp.async (or,
+// for wgmma tiles of 64 rows and more, one tensor copy a stage) puts a tile's segments in
+// shared memory as they lie in global memory and each lane reads back its own 16 bytes
+// (conflict-free). mma configs read x through ldmatrix.x4 from rows
 // padded by 16 bytes; wgmma configs (5..9, sm_90a, wgmma.cuh) let each warpgroup issue one
 // wgmma.m64nBMk16 per 64-channel slice with B, the stage's x tile, read by the tensor
 // cores from shared memory in the 128-byte swizzle (the weight layout already matches
@@ -26,13 +27,19 @@
 //
 // Work decomposition, "stream-K" as in the GEMV: the (output tile, stage) units of the
 // whole product are cut into gridDim.x balanced contiguous runs, one per block. Tiles are
-// numbered column-major with the M tiles of one column adjacent, so blocks reading the same
-// weights run together and all but the first find them in L2. The grid is one resident
-// wave (`splits` 0) or `splits` blocks per tile (classic split-K). A tile cut between
+// numbered m-tile-major (the columns of one m-tile adjacent): with m_tiles m-tiles the
+// grid falls into m_tiles groups of blocks, and the blocks at the same place in their
+// groups walk the same columns at the same time, one m-tile each, so a column's weights
+// come from DRAM once and from L2 for the other m-tiles. (Numbered column-major, a
+// block's run held one column's m-tiles one after another, ~a tile's time apart, and the
+// other blocks' columns evicted the weights in between.) The grid is one resident wave
+// (`splits` 0) or `splits` blocks per tile (classic split-K). A tile cut between
 // blocks leaves fp32 partials in the workspace (two slots per block: only its first and
 // last tile can be partial); the tile's last contributor adds them in block order
 // (deterministic) and re-arms the tile's counter (CUDA-graph safe).
 #pragma once
+
+#include <cuda.h>  // (CUtensorMap)
 
 #include <cstdint>
 
@@ -71,6 +78,11 @@ struct GemmShape {
   static constexpr int kTiles = kBN / 16;  // n-tiles per block
   static constexpr int kMinBlocks = GemmTile<CFG>::kMinBlocks;
   static constexpr bool kWgmma = GemmTile<CFG>::kWgmma;
+  // Stages by tensor copies (TMA, GemmParams::tma): wgmma tiles of 64 rows and more. Tiles
+  // of 16 and 32 rows (configs 9, 5) keep cp.async: their stages go by fast, and with the
+  // tensor copies they took 0.95-1.08x the time, mostly more (H200: config 9 at M = 16,
+  // 4096 x 4096, 8.2 -> 8.8 µs; mixed_gemm.md).
+  static constexpr bool kTensorCopies = kWgmma && kBM >= 64;
   static_assert(!kWgmma || kWM == 1, "wgmma: both warpgroups share the rows, each its own channels");
   // The block-tile n-tile (16 channels) of a warp's nt-th n-tile, and its first row. mma:
   // warp (warp_m, warp_n) of the WM x WN grid owns NTW adjacent n-tiles. wgmma: warpgroup
@@ -88,6 +100,14 @@ struct GemmParams : KernelOperands {  // workspace: [gridDim.x, 2, BM * BN]; cou
   int m_tiles;  // ceil(M / BM)
   int units;    // tiles * nstages: (tile, stage) work units; gridDim.x <= units
   int stages;   // depth of the shared-memory ring, 2..kGemmMaxStages
+  // Configurations with kTensorCopies (6, 7, 8): a stage arrives as tensor copies (TMA) of
+  // these boxes, issued by one thread (gemm_launch.cuh encodes them; tma 0 where the driver
+  // refused one), else as every thread's cp.async copies.
+  //   tm_w: the weights as [n_tiles][K_pad / KT][128 x 4 bytes], box [kTiles][kSegs][128]
+  //   tm_x: x as [M][K], box [BM][64], 128-byte swizzle (wgmma's B layout, below)
+  //   tm_s, tm_z: scales, zero points as [n_tiles][groups_pad * 16], box [kTiles][kGroups * 16]
+  int tma;
+  CUtensorMap tm_w, tm_x, tm_s, tm_z;
 };
 
 // Shared memory of one stage, in bytes (every part a multiple of 16).
@@ -194,8 +214,9 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     return;
   }
   // The output tile of unit L: its first row and its first n-tile.
-  auto tile_m0 = [&](int tile) { return tile % p.m_tiles * BM; };
-  auto tile_n0 = [&](int tile) { return tile / p.m_tiles * kTiles; };
+  const int columns = (p.n_tiles + kTiles - 1) / kTiles;
+  auto tile_m0 = [&](int tile) { return tile / columns * BM; };
+  auto tile_n0 = [&](int tile) { return tile % columns * kTiles; };
 
   extern __shared__ uint4 smem_raw[];
   __shared__ int is_last_contributor;
@@ -210,6 +231,13 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   const uint32_t smem_addr = (raw_addr + Stage::kAlign - 1) & ~static_cast<uint32_t>(Stage::kAlign - 1);
   const char* smem = reinterpret_cast<const char*>(smem_raw) + (smem_addr - raw_addr);
 
+  // The ring's barriers (wgmma configurations; the pipeline below says how they are used).
+  constexpr bool kRing = Shape::kWgmma;
+  __shared__ alignas(8) uint64_t ring_barriers[2 * kGemmMaxStages];  // full[slot], then empty[slot]
+  const uint32_t full_bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring_barriers));
+  auto full_bar = [&](int s) { return full_bar0 + 8u * s; };
+  auto empty_bar = [&](int s) { return full_bar0 + 8u * (kGemmMaxStages + s); };
+
   // Where a unit lies: its output tile's m-tile and column (of kTiles n-tiles) and its
   // stage. The fetches walk units one at a time, so these advance without divisions by the
   // run-time m_tiles and nstages (which made the copy code ~30 instructions per cp.async).
@@ -219,9 +247,9 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   auto advance = [&](UnitPos& u) {
     if (++u.st == p.nstages) {
       u.st = 0;
-      if (++u.mt == p.m_tiles) {
-        u.mt = 0;
-        ++u.col;
+      if (++u.col == columns) {
+        u.col = 0;
+        ++u.mt;
       }
     }
   };
@@ -309,6 +337,28 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
       const bool valid = k_valid && j * kXRowStep < rows_left;
       copy16_async(base + j * kXDstStep, src, valid);
     }
+  };
+  // The same parts as tensor copies (p.tma; thread 0 issues them): one box of weights, one
+  // of scales and one of zero points, and x in 64-k slices of BM rows -- the copy engine
+  // writes each slice in the 128-byte swizzle that the cp.async path computes per chunk,
+  // and zero-fills what lies past M, K or the weight's n-tiles as that path does. They
+  // complete on the slot's full barrier by bytes (kTmaWeightBytes, kTmaXBytes).
+  // (The maps are kernel parameters, so each copy reads its box's description there.)
+  constexpr uint32_t kTmaWeightBytes = Stage::kW + Stage::kS + Stage::kZ;
+  constexpr uint32_t kTmaXBytes = Stage::kX;
+  auto tma_weights = [&](const UnitPos& u, int slot) {
+    const uint32_t base = smem_addr + slot * Stage::kBytes;
+    const int n_tile0 = u.col * kTiles;
+    tma_load_3d(base, &p.tm_w, full_bar(slot), 0, u.st * kSegs, n_tile0);
+    if constexpr (kGroups > 0) {
+      tma_load_2d(base + Stage::kW + Stage::kX, &p.tm_s, full_bar(slot), u.st * kGroups * 16, n_tile0);
+      if constexpr (ZEROS) tma_load_2d(base + Stage::kW + Stage::kX + Stage::kS, &p.tm_z, full_bar(slot), u.st * kGroups * 16, n_tile0);
+    }
+  };
+  auto tma_x = [&](const UnitPos& u, int slot) {
+    const uint32_t base = smem_addr + slot * Stage::kBytes + Stage::kW;
+#pragma unroll
+    for (int s = 0; s < SK / 64; ++s) tma_load_2d(base + s * BM * 128, &p.tm_x, full_bar(slot), u.st * SK + s * 64, u.mt * BM);
   };
 
   // Per-tile state, set as the walk enters a tile. A warp whose rows all lie past M skips
@@ -621,14 +671,16 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // about to read and, before refilling a slot, for the unit that slot held -- so warps
   // drift by up to a unit instead of meeting at every stage. Unit q (counted from the run's
   // start) lives in slot q % stages; its barriers' phase parity is (q / stages) % 2.
-  constexpr bool kRing = Shape::kWgmma;
-  __shared__ alignas(8) uint64_t ring_barriers[2 * kGemmMaxStages];  // full[slot], then empty[slot]
-  const uint32_t full_bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring_barriers));
-  auto full_bar = [&](int s) { return full_bar0 + 8u * s; };
-  auto empty_bar = [&](int s) { return full_bar0 + 8u * (kGemmMaxStages + s); };
+  // With tensor copies (p.tma) only thread 0 waits for a slot to empty, and refills it: its
+  // arrival, expecting the unit's bytes, and the copies' bytes complete the full barrier
+  // (the weights' bytes are expected before the wait for the previous kernel, x's with
+  // the arrival after it). The other threads issue no copies at all: as cp.async, the
+  // copies and their address arithmetic took ~21 % of the warps' samples at M = 512
+  // (config 8, ncu; mixed_gemm.md), time in which a warpgroup issued no wgmma.
+  const bool tma = Shape::kTensorCopies && p.tma;  // (block-uniform)
   if constexpr (kRing) {
     if (tid < p.stages) {
-      mbarrier_init(full_bar(tid), kThreads);
+      mbarrier_init(full_bar(tid), tma ? 1 : kThreads);  // tensor copies: thread 0's arrival and the bytes
       mbarrier_init(empty_bar(tid), kThreads);
     }
     fence_mbarrier_init();
@@ -636,13 +688,20 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   }
   const int ahead = p.stages - 1 - (Shape::kWgmma ? 1 : 0);
   const int tile_begin = L_begin / p.nstages;
-  UnitPos fetch_pos{tile_begin % p.m_tiles, tile_begin / p.m_tiles, L_begin % p.nstages};  // the next unit to fetch
+  UnitPos fetch_pos{tile_begin / columns, tile_begin % columns, L_begin % p.nstages};  // the next unit to fetch
   allow_dependent_launch();
   {
     UnitPos u = fetch_pos;
 #pragma unroll
     for (int q = 0; q < kGemmMaxStages - 1; ++q) {
-      if (q < ahead && L_begin + q < L_end) fetch_weights(u, q);
+      if (q < ahead && L_begin + q < L_end) {
+        if (!tma) {
+          fetch_weights(u, q);
+        } else if (tid == 0) {  // (the phase's arrival comes with x, after the wait)
+          mbarrier_expect_tx(full_bar(q), kTmaWeightBytes);
+          tma_weights(u, q);
+        }
+      }
       advance(u);
     }
   }
@@ -652,8 +711,13 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   for (int q = 0; q < kGemmMaxStages - 1; ++q) {
     if (q < ahead) {
       if (L_begin + q < L_end) {
-        fetch_x(fetch_pos, q);
-        if constexpr (kRing) mbarrier_arrive_on_copies(full_bar(q));
+        if (!tma) {
+          fetch_x(fetch_pos, q);
+          if constexpr (kRing) mbarrier_arrive_on_copies(full_bar(q));
+        } else if (tid == 0) {
+          mbarrier_arrive_expect_tx(full_bar(q), kTmaXBytes);
+          tma_x(fetch_pos, q);
+        }
       }
       advance(fetch_pos);
       if constexpr (!kRing) cp_async_commit();
@@ -674,17 +738,25 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
     enter_tile(tile);
     for (; L < segment_end; ++L) {
       if constexpr (kRing) {
-        mbarrier_wait(full_bar(slot), round);  // unit L's copies, every thread's
-        fence_proxy_async_shared();            // ... read next by wgmma
+        mbarrier_wait(full_bar(slot), round);  // unit L's copies, every thread's (or its tensor copies)
+        if (!tma) fence_proxy_async_shared();  // ... read next by wgmma (tensor copies are its proxy's own)
         if (L + ahead < L_end) {
           const bool wraps = slot + ahead >= p.stages;
           const int refill = wraps ? slot + ahead - p.stages : slot + ahead;
           // the unit that slot held before (L + ahead - stages), released by every thread
-          if (L - L_begin + ahead >= p.stages) mbarrier_wait(empty_bar(refill), round ^ wraps ^ 1u);
-          fetch_weights(fetch_pos, refill);
-          fetch_x(fetch_pos, refill);
+          const bool reused = L - L_begin + ahead >= p.stages;
+          if (!tma) {
+            if (reused) mbarrier_wait(empty_bar(refill), round ^ wraps ^ 1u);
+            fetch_weights(fetch_pos, refill);
+            fetch_x(fetch_pos, refill);
+            mbarrier_arrive_on_copies(full_bar(refill));
+          } else if (tid == 0) {
+            if (reused) mbarrier_wait(empty_bar(refill), round ^ wraps ^ 1u);
+            mbarrier_arrive_expect_tx(full_bar(refill), kTmaWeightBytes + kTmaXBytes);
+            tma_weights(fetch_pos, refill);
+            tma_x(fetch_pos, refill);
+          }
           advance(fetch_pos);
-          mbarrier_arrive_on_copies(full_bar(refill));
         }
         // (0: no unit before this one; an empty barrier's address never is 0, the full
         // barriers precede them)
@@ -712,7 +784,7 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
 }
 
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
-__global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(kGemmWarps * 32, GemmTile<CFG>::kMinBlocks) gemm_kernel(const __grid_constant__ GemmParams p) {
 #if WOQ_SM80  // sm_80+ only: a T4's 64 KB hold 2 stages of few tiles; it runs dequant + cuBLAS
   // wgmma configurations: sm_90a code only (the host launches them nowhere else)
   if constexpr (!GemmTile<CFG>::kWgmma || WOQ_SM90A) gemm_units<T, BITS, CFG, GROUP, ZEROS>(p);

@@ -7,9 +7,35 @@
 
 #include "gemm.cuh"
 #include "launch.cuh"
+#include "tensor_map.cuh"
 #include "woq_kernels.h"
 
 namespace woq {
+
+// The tensor maps of a wgmma configuration's stages (GemmParams: tm_w, tm_x, tm_s, tm_z);
+// false where the driver refuses one (the kernel then copies with cp.async).
+template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
+bool set_tensor_maps(GemmParams& p) {
+  using Shape = GemmShape<CFG>;
+  using Stage = GemmStage<T, BITS, CFG, GROUP, ZEROS>;
+  const cuuint64_t ktiles = static_cast<cuuint64_t>(p.K_pad / TileShape<BITS>::kK);
+  const cuuint64_t n_tiles = static_cast<cuuint64_t>(p.n_tiles);
+  const cuuint64_t w_dims[3] = {128, ktiles, n_tiles}, w_strides[2] = {512, ktiles * 512};
+  const cuuint32_t w_box[3] = {128, Stage::kSegs, Shape::kTiles};
+  const cuuint64_t x_dims[2] = {static_cast<cuuint64_t>(p.K), static_cast<cuuint64_t>(p.M)};
+  const cuuint64_t x_strides[1] = {static_cast<cuuint64_t>(p.K) * sizeof(T)};
+  const cuuint32_t x_box[2] = {64, Shape::kBM};
+  bool ok = encode_tensor_map(&p.tm_w, p.w, true, 3, w_dims, w_strides, w_box, false) &&
+            encode_tensor_map(&p.tm_x, p.x, false, 2, x_dims, x_strides, x_box, true);
+  if (Stage::kGroups > 0) {
+    const cuuint64_t s_dims[2] = {static_cast<cuuint64_t>(p.groups_pad) * 16, n_tiles};
+    const cuuint64_t s_strides[1] = {static_cast<cuuint64_t>(p.groups_pad) * 32};
+    const cuuint32_t s_box[2] = {static_cast<cuuint32_t>(Stage::kGroups * 16), Shape::kTiles};
+    ok = ok && encode_tensor_map(&p.tm_s, p.scales, false, 2, s_dims, s_strides, s_box, false) &&
+         (!ZEROS || encode_tensor_map(&p.tm_z, p.zeros, false, 2, s_dims, s_strides, s_box, false));
+  }
+  return ok;
+}
 
 template <typename T, int BITS, int CFG, int GROUP, bool ZEROS>
 cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
@@ -59,6 +85,7 @@ cudaError_t gemm_launch(const GemmArgs& a, cudaStream_t stream) {
   if (units > (1LL << 30)) return cudaErrorInvalidValue;
   p.units = static_cast<int>(units);
   p.stages = plan.stages;
+  p.tma = Shape::kTensorCopies && set_tensor_maps<T, BITS, CFG, GROUP, ZEROS>(p);
   return launch_kernel(kernel, static_cast<unsigned>(blocks), kGemmWarps * 32, smem, stream, p);
 }
 
