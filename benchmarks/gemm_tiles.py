@@ -1,8 +1,8 @@
 """The mixed GEMM at fixed tile configurations, for A/B runs of two kernel versions.
 
 ``kernels.py`` times what a layer's plan serves, whose tile the tuner picks per version;
-this times each configuration the tuner chooses between at each M (16 rows: 9 and 5; 32: 5;
-64: 6; beyond: 7 and 8) on Llama-3-8B's layer shapes, int4 g128 with zero points and, for
+this times the wgmma tiles sized for each M (16 rows: 9 and 5; 32: 5; 64: 6; beyond: 7 and
+8; a subset of what the tuner weighs) on Llama-3-8B's layer shapes, int4 g128 with zero points and, for
 gate_up, int8 per-channel, fp16, with cuBLAS fp16 on a dense weight of the same shape
 beside them: µs per call, the median of 3 CUDA-graph timings over weight copies past 4x L2.
 
@@ -30,7 +30,8 @@ MS = [16, 32, 64, 128, 256, 384, 512, 1024]
 
 
 def configs_at(m: int) -> tuple[int, ...]:
-    """The wgmma configurations the tuner weighs at M rows (kernels/tuning.py)."""
+    """The wgmma configurations sized for M rows (the tuner, kernels/tuning.py, weighs these
+    and more)."""
     return (9, 5) if m <= 16 else (5,) if m <= 32 else (6,) if m <= 64 else (7, 8)
 
 

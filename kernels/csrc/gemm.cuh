@@ -30,9 +30,8 @@
 // numbered m-tile-major (the columns of one m-tile adjacent): with m_tiles m-tiles the
 // grid falls into m_tiles groups of blocks, and the blocks at the same place in their
 // groups walk the same columns at the same time, one m-tile each, so a column's weights
-// come from DRAM once and from L2 for the other m-tiles. (Numbered column-major, a
-// block's run held one column's m-tiles one after another, ~a tile's time apart, and the
-// other blocks' columns evicted the weights in between.) The grid is one resident wave
+// come from DRAM once and from L2 for the other m-tiles (a block walking one column's
+// m-tiles in turn would find them evicted by the other blocks' columns). The grid is one resident wave
 // (`splits` 0) or `splits` blocks per tile (classic split-K). A tile cut between
 // blocks leaves fp32 partials in the workspace (two slots per block: only its first and
 // last tile can be partial); the tile's last contributor adds them in block order
@@ -79,9 +78,8 @@ struct GemmShape {
   static constexpr int kMinBlocks = GemmTile<CFG>::kMinBlocks;
   static constexpr bool kWgmma = GemmTile<CFG>::kWgmma;
   // Stages by tensor copies (TMA, GemmParams::tma): wgmma tiles of 64 rows and more. Tiles
-  // of 16 and 32 rows (configs 9, 5) keep cp.async: their stages go by fast, and with the
-  // tensor copies they took 0.95-1.08x the time, mostly more (H200: config 9 at M = 16,
-  // 4096 x 4096, 8.2 -> 8.8 µs; mixed_gemm.md).
+  // of 16 and 32 rows (configs 9, 5) keep cp.async: their stages go by fast, and one
+  // thread's copies added latency there (mixed_gemm.md).
   static constexpr bool kTensorCopies = kWgmma && kBM >= 64;
   static_assert(!kWgmma || kWM == 1, "wgmma: both warpgroups share the rows, each its own channels");
   // The block-tile n-tile (16 channels) of a warp's nt-th n-tile, and its first row. mma:
@@ -674,9 +672,9 @@ __device__ __forceinline__ void gemm_units(const GemmParams& p) {
   // With tensor copies (p.tma) only thread 0 waits for a slot to empty, and refills it: its
   // arrival, expecting the unit's bytes, and the copies' bytes complete the full barrier
   // (the weights' bytes are expected before the wait for the previous kernel, x's with
-  // the arrival after it). The other threads issue no copies at all: as cp.async, the
-  // copies and their address arithmetic took ~21 % of the warps' samples at M = 512
-  // (config 8, ncu; mixed_gemm.md), time in which a warpgroup issued no wgmma.
+  // the arrival after it). The other threads issue no copies at all, so a warpgroup
+  // spends its time converting and issuing wgmma rather than on copies and their address
+  // arithmetic (mixed_gemm.md).
   const bool tma = Shape::kTensorCopies && p.tma;  // (block-uniform)
   if constexpr (kRing) {
     if (tid < p.stages) {
