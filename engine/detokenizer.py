@@ -9,6 +9,9 @@ everything after it) or is known not to.
 """
 from __future__ import annotations
 
+import re
+from functools import cache
+
 
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
@@ -38,7 +41,16 @@ class TextStream:
         return self._release()
 
     def finish(self) -> str:
-        """Release whatever is held back (the request ends)."""
+        """Release whatever is held back (the request ends). Tokens that ended inside a UTF-8
+        character are released as the tokenizer decodes them (U+FFFD), so the text is the
+        decode of every token and no token is counted without its text."""
+        if not self.stopped and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            if len(full) > len(prefix):
+                self.text += full[len(prefix) :]
+                self.read_offset = len(self.ids)
+                self._apply_stop()
         tail = self.text[self.emitted :]
         self.emitted = len(self.text)
         return tail
@@ -72,3 +84,30 @@ class TextStream:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
+
+
+@cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is written as one printable character."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's piece for a raw byte
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The UTF-8 bytes a token stands for (OpenAI's ``logprobs`` ``bytes``). A token that is
+    part of a multi-byte character decodes to U+FFFD; its own bytes come from its vocabulary
+    piece, so a client can join the bytes of consecutive tokens into the character."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if m := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes([int(m[1], 16)])
+    byte_of = _byte_of_char()
+    if all(c in byte_of for c in piece):
+        return bytes(byte_of[c] for c in piece)
+    return text.encode()

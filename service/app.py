@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Match
 
 from .. import __version__
+from ..engine.detokenizer import token_bytes
 from ..engine.engine import Engine, EngineStoppedError, QueueFullError, RequestTooLongError, StreamEvent
 from ..engine.logits import TokenLogprob
 from ..engine.sampling import SamplingParams
@@ -312,8 +313,7 @@ Render = Callable[[int, StreamEvent], dict]  # a choice's chunk of a stream
 def _chat_logprobs(tok, lps: list[TokenLogprob]) -> dict:
     """OpenAI's chat ``logprobs``: each token's text, bytes, log-probability and top list."""
     def entry(token: int, logprob: float) -> dict:
-        text = tok.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": tok.decode([token]), "logprob": logprob, "bytes": list(token_bytes(tok, token))}
 
     return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}

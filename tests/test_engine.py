@@ -147,4 +147,24 @@ def test_text_stream_holds_back_partial_stop_strings():
     s.add(0), s.add(3)
     assert s.add(5) == " EN more"  # not a stop string after all: released
     s = TextStream(tok)
-    assert s.add(6) == ""  # an incomplete UTF-8 character is never emitted
+    assert s.add(6) == ""  # an incomplete UTF-8 character is never emitted mid-stream
+
+
+def test_text_stream_and_token_bytes_on_split_characters(smollm2_dir):
+    """Byte-level BPE splits an emoji over several tokens: the stream emits the character once
+    it is whole; a stream ending inside it releases the tokenizer's own decode (U+FFFD), so the
+    text always equals ``decode`` of every token; each token's bytes join into UTF-8."""
+    from transformers import AutoTokenizer
+
+    from woq.engine.detokenizer import token_bytes
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = "Hi 👋 né, 日本語 ok"
+    ids = tok.encode(text)
+    assert b"".join(token_bytes(tok, i) for i in ids) == text.encode()
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # (the case under test occurs)
+    for cut in range(1, len(ids) + 1):
+        s = TextStream(tok)
+        released = "".join(s.add(i) for i in ids[:cut])
+        assert "\ufffd" not in released and text.startswith(released)
+        assert released + s.finish() == tok.decode(ids[:cut])

@@ -92,6 +92,28 @@ def test_logit_bias_bans_and_forces_tokens(client, smollm2_dir):
     assert forced.choices[0].logprobs.tokens == [tok.decode([1002])] * 4
 
 
+def test_tokens_inside_a_character_have_its_bytes(client, smollm2_dir):
+    """An emoji is three byte-level tokens: each one alone (forced by logit bias) is served as
+    the tokenizer decodes it, U+FFFD, never an empty text; its ``bytes`` are its own, and the
+    three tokens' bytes join into the emoji's UTF-8."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(smollm2_dir)).encode("👋")
+    assert len(ids) > 1
+    messages = [{"role": "user", "content": "Wave."}]
+    joined = b""
+    for t in ids:
+        kw = dict(model=MODEL, messages=messages, max_tokens=1, temperature=0, logit_bias={str(t): 100})
+        r = client.chat.completions.create(**kw, logprobs=True)
+        (lp,) = r.choices[0].logprobs.content
+        assert r.choices[0].message.content == lp.token == "\ufffd"
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        assert streamed == r.choices[0].message.content
+        joined += bytes(lp.bytes)
+    assert joined == "👋".encode()
+
+
 def test_penalties_cut_repetition(client):
     from collections import Counter
 
