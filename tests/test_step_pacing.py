@@ -219,3 +219,43 @@ def test_a_stream_beside_a_queue_is_paced_at_the_batch_the_queue_will_make():
         engine.shutdown()
     beside_one = [p for b, p in seen.steps if b == 1 and p > 0]
     assert beside_one and max(beside_one) == four, seen.steps
+
+
+def test_a_step_sized_by_its_streams_holds_their_tokens_a_stream():
+    """With ``step_tokens_per_stream`` 4, two 600-token prompts arrive beside 40 streams:
+    every step with prompt tokens holds at most 4 tokens a stream (128 at least), filled to
+    the padded size holding them (160 beside 40 streams fills the 192-token step), the
+    prompts go in such full steps, and every request gets the greedy tokens of an engine
+    with the token budget alone."""
+    model = random_llama(torch.float32, "cpu", 1024)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    short = [[(5 * i + j) % 500 + 1 for j in range(8)] for i in range(40)]
+    long = [[(3 * i + 7 * j) % 500 + 1 for j in range(600)] for i in range(2)]
+    sizes = prefill_buckets(512)
+
+    def allowed(streams: int) -> int:  # (the rule, written out: the docstring's numbers)
+        return next(t for t in sizes if t >= max(128, 4 * streams)) - streams
+
+    assert (allowed(40), allowed(16), allowed(64), allowed(128)) == (192 - 40, 128 - 16, 256 - 64, 512 - 128)
+    outs = {}
+    for per_stream in (0, 4):
+        seen = PrefillCounter()
+        engine = Engine(model, None, set(), max_num_seqs=48, max_seq_len=1024, max_prefill_tokens=512,
+                        step_tokens_per_stream=per_stream, observer=seen).start()
+        try:
+            first = [_complete(engine, p, params) for p in short]
+            while sum(1 for b, _ in seen.steps if b) < 2 or len(engine.running) < 40:
+                threading.Event().wait(0.01)
+            since = len(seen.steps)
+            later = [_complete(engine, p, params) for p in long]
+            assert all(done.wait(300) for _, done in first + later)
+        finally:
+            engine.shutdown()
+        outs[per_stream] = [out for out, _ in first + later]
+        if per_stream:
+            # (a step reports the streams after it: a prompt finished in it is one more)
+            mixed = [(b, p) for b, p in seen.steps[since:] if b and p]
+            assert sum(p for _, p in mixed) == 1200 and all(p <= allowed(b - 2) for b, p in mixed), seen.steps
+            beside_40 = [p for b, p in mixed if b == 40]
+            assert beside_40.count(allowed(40)) >= 2, seen.steps  # (6 full steps' worth of prompt)
+    assert outs[4] == outs[0]
