@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import hmac
 import json
@@ -320,12 +321,16 @@ def _chat_logprobs(tok, lps: list[TokenLogprob]) -> dict:
 
 
 def _completion_logprobs(tok, lps: list[TokenLogprob], offset: int) -> dict:
-    """OpenAI's legacy completions ``logprobs``; ``offset``: the text's length before them."""
+    """OpenAI's legacy completions ``logprobs``; ``offset``: the text's length before them.
+    A token's ``text_offset`` is where its text begins in the choice's text, in characters:
+    the tokens' bytes are decoded in turn, so the pieces of one multi-byte character (each
+    ``"\ufffd"`` alone) all begin where that character does, as in a stream of them."""
     tokens = [tok.decode([lp.token]) for lp in lps]
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets = []
-    for t in tokens:
+    for lp in lps:
         offsets.append(offset)
-        offset += len(t)
+        offset += len(utf8.decode(token_bytes(tok, lp.token)))
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 

@@ -114,6 +114,23 @@ def test_tokens_inside_a_character_have_its_bytes(client, smollm2_dir):
     assert joined == "👋".encode()
 
 
+def test_text_offsets_of_split_characters_are_where_they_begin(client):
+    """Greedy Japanese after a Japanese prompt: several tokens are pieces of one character.
+    Each token's ``text_offset`` is where its character begins in the text, the same
+    whether the choice is streamed (offsets from the text sent before each token) or not."""
+    kw = dict(model=MODEL, prompt="日本語で「こんにちは」は", max_tokens=8, temperature=0, logprobs=0)
+    choice = client.completions.create(**kw).choices[0]
+    text, lp = choice.text, choice.logprobs
+    pieces = [i for i, t in enumerate(lp.tokens) if t == "\ufffd"]
+    assert pieces, lp.tokens  # (the case under test occurs)
+    streamed = [(t, o) for c in client.completions.create(**kw, stream=True)
+                for ch in c.choices if ch.logprobs for t, o in zip(ch.logprobs.tokens, ch.logprobs.text_offset)]
+    assert streamed == list(zip(lp.tokens, lp.text_offset))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    for i in pieces:  # a piece begins at a character that is not ASCII
+        assert ord(text[lp.text_offset[i]]) > 127
+
+
 def test_penalties_cut_repetition(client):
     from collections import Counter
 
