@@ -43,6 +43,10 @@ def write_random_model(name: str, directory: Path, tokenizer: Path | None = None
 
     if (directory / "config.json").exists():
         return directory
+    # (checked before the minutes of writing weights: without it every server fails to start)
+    if tokenizer is not None and not (tokenizer / "tokenizer.json").exists():
+        raise SystemExit(f"no tokenizer.json in {tokenizer}/: carry a tokenizer's files there (tokenizer.json, "
+                         f"tokenizer_config.json, chat_template.jinja)")
     directory.mkdir(parents=True, exist_ok=True)
     config = configs()[name]
     state = random_state(config)
