@@ -187,7 +187,7 @@ class _Request(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="extension: 0 disables top-k")
+    top_k: int = Field(0, ge=-1, description="extension: 0 or -1 (vLLM's and SGLang's spelling) disables top-k")
     seed: int | None = None
     stop: Annotated[list[_StopString], BeforeValidator(
         _stops, json_schema_input_type=_StopString | Annotated[list[_StopString], Field(max_length=4)])] = Field(
