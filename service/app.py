@@ -324,7 +324,7 @@ def _completion_logprobs(tok, lps: list[TokenLogprob], offset: int) -> dict:
     """OpenAI's legacy completions ``logprobs``; ``offset``: the text's length before them.
     A token's ``text_offset`` is where its text begins in the choice's text, in characters:
     the tokens' bytes are decoded in turn, so the pieces of one multi-byte character (each
-    ``"\ufffd"`` alone) all begin where that character does, as in a stream of them."""
+    U+FFFD alone) all begin where that character does, as in a stream of them."""
     tokens = [tok.decode([lp.token]) for lp in lps]
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets = []
