@@ -76,7 +76,6 @@ from .kv_blocks import BlockPool
 from .kv_space import KVSpace, SequenceBlocks
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
-from .cuda_graphs import prefill_buckets
 from .detokenizer import TextStream
 from .grammar import GrammarMatchers
 from .logits import BatchSampling, Logprobs, TokenHistory, TokenLogprob
@@ -94,11 +93,6 @@ DEFAULT_PREFILL_TOKENS = 512
 # A paced step's fewest prompt tokens (``step_pacing.py``), so that a prompt always
 # progresses: one query tile of the chunk kernel.
 PACED_LEAST_TOKENS = TILE_TOKENS
-# The fewest tokens of a step sized by its streams (``step_tokens_per_stream``): the
-# 128-token packed graph costs about what the 512-token one does per prompt token beside
-# 16 streams, and the graphs below it hold fewer prompt tokens a step than 16 clients of
-# 515-token prompts bring (docs/design/kv_cache.md).
-LEAST_STREAM_STEP = 128
 
 
 class QueueFullError(RuntimeError):
@@ -269,7 +263,6 @@ class Engine:
         block_size: int = 16,
         prefix_caching: bool = True,
         mixed_step_ratio: float = 0.0,
-        step_tokens_per_stream: int = 0,
         overlap_mixed_steps: bool | None = None,
         mirror: Leader | None = None,
     ):
@@ -279,15 +272,12 @@ class Engine:
         ``max_seq_len`` positions could hold. ``mixed_step_ratio``: while sequences decode,
         a step's prompt chunks are bounded so that it takes at most this many of their
         decode steps, by step times measured here, unless prompts arrive faster than that
-        lets them in (``step_pacing.py``; 0: the token budget alone).
-        ``step_tokens_per_stream``: while N sequences decode, a step holds at most N times
-        this many tokens (at least ``LEAST_STREAM_STEP``, filled to its padded size, within
-        ``max_prefill_tokens``), so its time grows with the decode step it delays (0: off).
-        ``mirror``: on rank 0 of a tensor-parallel group, what announces each model call to
-        the other ranks (``tensor_parallel.py``). ``overlap_mixed_steps``: queue a mixed
-        step behind the one whose tokens the host is about to read (``_queue_mixed``; None:
-        where that overlaps anything, on CUDA with packed graphs; on the CPU, where steps
-        run as they are called, it only delays each step's tokens by one step)."""
+        lets them in (``step_pacing.py``; 0: the token budget alone). ``mirror``: on rank 0
+        of a tensor-parallel group, what announces each model call to the other ranks
+        (``tensor_parallel.py``). ``overlap_mixed_steps``: queue a mixed step behind the one
+        whose tokens the host is about to read (``_queue_mixed``; None: where that overlaps
+        anything, on CUDA with packed graphs; on the CPU, where steps run as they are
+        called, it only delays each step's tokens by one step)."""
         if mirror is not None:
             model = mirror.lead(model)
         self.model = model
@@ -298,7 +288,6 @@ class Engine:
         self.max_queue = max_queue
         self.max_seq_len = min(max_seq_len or model.max_seq_len, model.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
-        self.step_tokens_per_stream = step_tokens_per_stream
         # a vocab-parallel model (a tensor-parallel rank's shard) picks greedy tokens itself,
         # gathering each rank's best instead of every logit (CausalLM.forward's ``greedy``)
         self.vocab_parallel = getattr(model, "vocab_share", None) is not None
@@ -585,18 +574,8 @@ class Engine:
 
     def _step_budget(self, decoding: int) -> int:
         """Prompt tokens a step may take beside ``decoding`` decode tokens, before pacing:
-        the budget less them, but a quarter of it at least, so that prompts are not starved.
-        Sized by its streams (``step_tokens_per_stream``), the step is at most that many
-        tokens a stream (a prefill of its own, between decode steps, counts the streams it
-        delays), filled to the packed size that holds them, and takes one query tile of
-        prompt at least."""
-        budget = max(self.max_prefill_tokens - decoding, self.max_prefill_tokens // 4, 1)
-        streams = decoding or len(self.running)
-        if self.step_tokens_per_stream and streams:
-            step = max(LEAST_STREAM_STEP, self.step_tokens_per_stream * streams)
-            step = min((b for b in prefill_buckets(self.max_prefill_tokens) if b >= step), default=step)
-            budget = min(budget, max(step - streams, PACED_LEAST_TOKENS))
-        return budget
+        the budget less them, but a quarter of it at least, so that prompts are not starved."""
+        return max(self.max_prefill_tokens - decoding, self.max_prefill_tokens // 4, 1)
 
     def _measure_steps(self) -> StepTimes:
         """The time of a decode step at every batch size the engine pads to and of a packed

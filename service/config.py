@@ -106,9 +106,6 @@ class ServeSettings(ModelSettings):
                                     "so that the step takes at most this many of their decode steps, by step times "
                                     "measured at start-up, unless prompts arrive faster than that lets them in "
                                     "(0: the token budget alone)")
-    step_tokens_per_stream: int = Field(0, ge=0, description="while N streams decode, a step holds at most N times "
-                                        "this many tokens (at least 128, within --max-prefill-tokens), so that it "
-                                        "grows with the decode step it delays (0: the token budget alone)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics "
                                      "(under CUDA graphs: one replay in N runs the graph's timed twin)")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")

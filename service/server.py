@@ -77,8 +77,7 @@ def build_state(settings: ServeSettings, loaded: LoadedModel | None = None, rank
                     cuda_graphs=settings.cuda_graphs, prefill_graphs=settings.prefill_graphs,
                     gpu_memory_fraction=settings.gpu_memory_fraction, kv_cache_gib=settings.kv_cache_gib,
                     block_size=settings.block_size, prefix_caching=settings.prefix_caching,
-                    mixed_step_ratio=settings.mixed_step_ratio, step_tokens_per_stream=settings.step_tokens_per_stream,
-                    mirror=None if ranks is None else ranks.leader,
+                    mixed_step_ratio=settings.mixed_step_ratio, mirror=None if ranks is None else ranks.leader,
                     **budget).start()
     metrics.bind_engine(engine)
     return ServerState(engine, loaded.tokenizer, settings.served_model_name or loaded.name, metrics,
