@@ -97,11 +97,13 @@ def _byte_of_char() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's piece for a raw byte
 
 
-def token_bytes(tokenizer, token: int) -> bytes:
-    """The UTF-8 bytes a token stands for (OpenAI's ``logprobs`` ``bytes``). A token that is
-    part of a multi-byte character decodes to U+FFFD; its own bytes come from its vocabulary
-    piece, so a client can join the bytes of consecutive tokens into the character."""
-    text = tokenizer.decode([token])
+def token_bytes(tokenizer, token: int, text: str | None = None) -> bytes:
+    """The UTF-8 bytes a token stands for (OpenAI's ``logprobs`` ``bytes``); ``text``: its
+    lone decode, where the caller has it already. A token that is part of a multi-byte
+    character decodes to U+FFFD; its own bytes come from its vocabulary piece, so a client
+    can join the bytes of consecutive tokens into the character."""
+    if text is None:
+        text = tokenizer.decode([token])
     if "\ufffd" not in text:
         return text.encode()
     piece = tokenizer.convert_ids_to_tokens(token)

@@ -314,7 +314,8 @@ Render = Callable[[int, StreamEvent], dict]  # a choice's chunk of a stream
 def _chat_logprobs(tok, lps: list[TokenLogprob]) -> dict:
     """OpenAI's chat ``logprobs``: each token's text, bytes, log-probability and top list."""
     def entry(token: int, logprob: float) -> dict:
-        return {"token": tok.decode([token]), "logprob": logprob, "bytes": list(token_bytes(tok, token))}
+        text = tok.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tok, token, text))}
 
     return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}
@@ -328,9 +329,9 @@ def _completion_logprobs(tok, lps: list[TokenLogprob], offset: int) -> dict:
     tokens = [tok.decode([lp.token]) for lp in lps]
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets = []
-    for lp in lps:
+    for lp, text in zip(lps, tokens):
         offsets.append(offset)
-        offset += len(utf8.decode(token_bytes(tok, lp.token)))
+        offset += len(utf8.decode(token_bytes(tok, lp.token, text)))
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
