@@ -311,6 +311,12 @@ async def _collect(state: ServerState, sub: _Submitted, request: Request) -> lis
 Render = Callable[[int, StreamEvent], dict]  # a choice's chunk of a stream
 
 
+def _calls_reason(reason: str) -> str:
+    """The finish reason of an output that parsed as calls: "tool_calls", but "length" where
+    ``max_tokens`` ended it (as OpenAI's), so that a client can tell it was cut off."""
+    return "length" if reason == "length" else "tool_calls"
+
+
 def _chat_logprobs(tok, lps: list[TokenLogprob]) -> dict:
     """OpenAI's chat ``logprobs``: each token's text, bytes, log-probability and top list."""
     def entry(token: int, logprob: float) -> dict:
@@ -463,7 +469,7 @@ def create_app(state: ServerState) -> FastAPI:
                         text += rest
                         if calls:
                             delta["tool_calls"] = [c.openai(j) for j, c in enumerate(calls)]
-                            reason = "tool_calls"
+                            reason = _calls_reason(reason)
                 if text:
                     delta["content"] = text
                 choice = {"index": i, "delta": delta, "finish_reason": reason}
@@ -486,7 +492,7 @@ def create_app(state: ServerState) -> FastAPI:
                 content, calls = fmt.parse(ev.text)
                 if calls:
                     return ({"role": "assistant", "content": content,
-                             "tool_calls": [c.openai() for c in calls]}, "tool_calls")
+                             "tool_calls": [c.openai() for c in calls]}, _calls_reason(ev.finish_reason))
             return {"role": "assistant", "content": ev.text}, ev.finish_reason
 
         choices = []

@@ -87,11 +87,13 @@ class ToolFormat:
         return head.startswith(self.marker)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished output; no calls where it holds none that parse."""
+        """(content, calls) of a finished output. All or nothing: an output with any call
+        that does not parse (cut off by ``max_tokens``, or malformed) is returned whole as
+        content with no calls, as vLLM's parsers do, so that no text is lost."""
         if self.name == "hermes":
             found = list(re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.DOTALL))
-            calls = [c for c in (_call(m.group(1), "arguments") for m in found) if c is not None]
-            if not calls:
+            calls = [_call(m.group(1), "arguments") for m in found]
+            if not calls or any(c is None for c in calls):
                 return text, []
             content = text[: found[0].start()].strip()
             return content or None, calls
@@ -101,22 +103,23 @@ class ToolFormat:
         if self.name == "mistral":
             body = body.removeprefix(self.marker).strip()
             try:
-                items, _ = json.JSONDecoder().raw_decode(body)
+                items, end = json.JSONDecoder().raw_decode(body)
             except ValueError:
                 return text, []
-            calls = [_call_obj(item, "arguments") for item in items] if isinstance(items, list) else []
+            if not isinstance(items, list) or body[end:].strip():
+                return text, []
+            calls = [_call_obj(item, "arguments") for item in items]
         else:
             calls, decoder, i = [], json.JSONDecoder(), 0
             while i < len(body):
                 try:
                     obj, i = decoder.raw_decode(body, i)
                 except ValueError:
-                    break
+                    return text, []
                 calls.append(_call_obj(obj, "parameters"))
                 while i < len(body) and body[i] in " \n;":
                     i += 1
-        calls = [c for c in calls if c is not None]
-        return (None, calls) if calls else (text, [])
+        return (text, []) if not calls or any(c is None for c in calls) else (None, calls)
 
 
 def _call_obj(obj, args_key: str) -> ToolCall | None:

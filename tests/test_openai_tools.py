@@ -49,7 +49,7 @@ def test_required_and_named_tool_calls_parse(client):
     assert choice.message.tool_calls[0].function.name in ("get_weather", "get_time")
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       temperature=0)
+                                       parallel_tool_calls=False, temperature=0)
     assert r.choices[0].finish_reason == "tool_calls"
     assert all(c.function.name == "get_weather" for c in r.choices[0].message.tool_calls)
     _check_weather(r.choices[0].message.tool_calls[0])
@@ -57,7 +57,7 @@ def test_required_and_named_tool_calls_parse(client):
 
 def test_streamed_tool_call_and_the_answer_to_its_result(client):
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                            max_tokens=80, temperature=0, stream=True)
+                                            parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
     calls, reasons, text = [], [], ""
     for chunk in stream:
         for ch in chunk.choices:
@@ -104,3 +104,28 @@ def test_a_final_assistant_message_is_continued(client, smollm2_dir):
         assert r.choices[0].message.content == c.choices[0].text
     assert not r.choices[0].message.content.startswith("The capital")  # (continued, not started over)
     assert r.choices[0].message.content.strip()
+
+
+@pytest.mark.parametrize("client", ["hermes", "own"], indirect=True)  # (the formats SmolLM2 writes 2+ calls in)
+def test_calls_cut_off_by_max_tokens_end_by_length_and_keep_their_text(client):
+    """Parallel calls cut inside the second by ``max_tokens``: the finish reason is "length"
+    (not "tool_calls", which would hide the cut), and the unfinished output comes back whole
+    as content: its tokens' bytes (chat logprobs, from the vocabulary) joined, streamed and
+    not. (Each format's parser on cut outputs: tests/test_tools.py.)"""
+    two = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Tokyo?"}]
+    kw = dict(model=MODEL, messages=two, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=45,
+              logprobs=True)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert r.usage.completion_tokens == 45 and choice.finish_reason == "length"
+    text = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode()
+    assert choice.message.tool_calls is None and choice.message.content == text
+    call, end = json.JSONDecoder().raw_decode(text, text.index("{"))  # a whole first call, then another begun
+    assert call["name"] in ("get_weather", "get_time") and "{" in text[end:] and not text.rstrip().endswith(("]", "}", ">")), text
+    streamed, reasons = "", []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            assert not ch.delta.tool_calls
+            streamed += ch.delta.content or ""
+            reasons.append(ch.finish_reason)
+    assert streamed == text and reasons[-1] == "length"

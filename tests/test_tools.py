@@ -90,3 +90,16 @@ def test_stream_holds_back_a_call_and_passes_text():
     s = ToolStream(FORMATS["llama3_json"])
     assert s.feed(" {\"name\": 1}") == ""
     assert s.finish() == (" {\"name\": 1}", [])  # (JSON that is no call: the text after all)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_an_output_with_a_call_that_does_not_parse_is_all_content(name):
+    """All or nothing: cut inside the second call (as by ``max_tokens``), or with a call that
+    is not one, the output is returned whole as content, with no calls."""
+    text = CALLS[name]
+    cut = text[: text.index("get_time") + 4]
+    assert FORMATS[name].parse(cut) == (cut, [])
+    broken = text.replace('"get_time"', "get_time")  # (the second call's JSON no longer parses)
+    assert FORMATS[name].parse(broken) == (broken, [])
+    nameless = text.replace('"name": "get_time"', '"tool": "get_time"')  # (JSON, but not a call)
+    assert FORMATS[name].parse(nameless) == (nameless, [])
