@@ -36,11 +36,15 @@ this step's ids are read; a row of a sequence that ended meanwhile is dropped, t
 of that step kept. Every input a queued step takes from the host is copied from pinned
 memory: a copy from pageable memory would wait for the step queued before it.
 
-Sinks run on this thread, but a step's events are handed out only once the next step's
-kernels are queued (``_deliver`` between the launch and the wait for its tokens): what a
-sink sets off -- the HTTP server's event loop turning each token into a streamed chunk --
-then runs while the GPU works, instead of holding the GIL while this thread prepares the
-next launch with the GPU idle.
+Sinks run on this thread, but a step's events are handed out only once the step whose
+tokens are read next is on the GPU (``_deliver`` after its launch or the look-ahead's,
+before the wait for its tokens): what a sink sets off -- the HTTP server's event loop
+turning each token into a streamed chunk -- then runs while the GPU works, instead of
+holding the GIL while this thread prepares a launch with the GPU idle. With a step queued
+ahead they are handed out before the host prepares the step after it, not after: a
+stream's gap between two tokens is then the GPU's time between two steps, and does not
+carry the difference between the preparations of two kinds of step (a mixed step's
+planning and inputs take longer than a decode step's; docs/design/kv_cache.md).
 
 KV memory is paged (``models/kv_cache.py``, ``kv_space.py``): blocks of ``block_size``
 positions from one pool, which on CUDA takes ``gpu_memory_fraction`` of the GPU less what
@@ -729,11 +733,11 @@ class Engine:
         self.mixed_rows_dropped += self._read_mixed(queued.step)
 
     def _read_mixed(self, step: _Launched) -> int:
-        """Queue the next mixed step behind ``step`` (``_queue_mixed``), hand out the last
-        step's events while the GPU works, then read and accept ``step``'s tokens. Returns
+        """Hand out the last step's events while the GPU works, queue the next mixed step
+        behind ``step`` (``_queue_mixed``), then read and accept ``step``'s tokens. Returns
         the rows dropped (``_accept_all``)."""
-        self._queue_mixed(step)
         self._deliver()
+        self._queue_mixed(step)
         return self._accept_all(step.seqs, step.token_ids(), step.logprobs)
 
     def _sampled_rows(self, logits: torch.Tensor, decoded: int, started: list[int]) -> torch.Tensor:
@@ -808,9 +812,9 @@ class Engine:
         self.steps += 1
         if self.observer:
             self.observer.on_step(len(seqs), prefill_tokens)
+        self._deliver()  # the previous step's events, while the GPU works (module docstring)
         if self._may_look_ahead(step) and self._room_ahead(step.seqs):
             self._ahead = self._launch_next_step(step)
-        self._deliver()  # the previous step's events, while the GPU works
         self._accept_all(seqs, step.token_ids(), step.logprobs)
         return True
 
