@@ -81,8 +81,8 @@ for stage in "$@"; do
     paged) run paged bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
     served)  # one 8B int4 server, chosen workloads: a side of a served A/B (benchmarks/ab_files.sh, B_ENV=SERVED_NAME=...)
       run served bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server '${SERVED_NAME:-served}=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning ${SERVED_ARGS:-}' --workloads ${SERVED_WORKLOADS:-c1,p515_c16,p515_c64} --out $OUT --name paged_serving_served" ;;
-    pacing)  # prompt chunks paced by step times (--mixed-step-ratio) against the token budget alone, one machine
-      run pacing bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'budget=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'paced2=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --mixed-step-ratio 2 --log-level warning' --workloads c1,p515_c16,p515_c64,mixed_c128 --out $OUT --name paged_serving_pacing" ;;
+    pacing)  # the default (prompt chunks paced by step times, --mixed-step-ratio 2) against the token budget alone, one machine
+      run pacing bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'budget=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --mixed-step-ratio 0 --log-level warning' --server 'paced2=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --workloads c1,p515_c16,p515_c64,p6150_c16,mixed_c128 --out $OUT --name paged_serving_pacing" ;;
     tp)  # (tp1-per-op: one GPU through a kernel per op, the 8B greedy check's noise floor)
       sizes=$($PY -c "import torch; n = torch.cuda.device_count(); print(','.join(str(s) for s in (1, 2, 4) if s <= n))")
       servers=""; for s in ${sizes//,/ }; do servers="$servers --server tp$s=--tensor-parallel-size=$s"; done

@@ -94,6 +94,12 @@ log = logging.getLogger("woq.engine")
 # to it costs its GPU time, a larger one is eager and host-bound on top (the measured curve
 # and the budgets tried: docs/design/kv_cache.md).
 DEFAULT_PREFILL_TOKENS = 512
+# On CUDA, while streams decode, a step takes at most twice their decode step, or the
+# prompt tokens the requests need per step where more (``step_pacing.py``), so that a
+# stream's wait between two tokens stays near twice its median: the issue's bar, traded for
+# some tokens/s against the token budget alone (the served runs: docs/design/kv_cache.md).
+# Off on the CPU, whose steps are not queued ahead and whose start-up timing takes seconds.
+DEFAULT_MIXED_STEP_RATIO = 2.0
 # A paced step's fewest prompt tokens (``step_pacing.py``), so that a prompt always
 # progresses: one query tile of the chunk kernel.
 PACED_LEAST_TOKENS = TILE_TOKENS
@@ -167,6 +173,9 @@ class _Sequence:
     last_token_time: float = 0.0
     cancelled: bool = False
     prefilled: int = 0  # context tokens in the cache so far (a long prompt comes in chunks)
+    # context tokens its admission left to prefill (its cached prefix not counted; None:
+    # not admitted yet), the prompt work it brings (``step_pacing.Pacing.demand``)
+    to_prefill: int | None = None
     # A request's further choices (n > 1): each a sequence of its own, sharing this one's
     # prompt blocks once it is prefilled (one prefill for all); ``forked`` once they are.
     siblings: list["_Sequence"] = field(default_factory=list)
@@ -266,7 +275,7 @@ class Engine:
         kv_cache_gib: float = 1.0,
         block_size: int = 16,
         prefix_caching: bool = True,
-        mixed_step_ratio: float = 0.0,
+        mixed_step_ratio: float | None = None,
         overlap_mixed_steps: bool | None = None,
         mirror: Leader | None = None,
     ):
@@ -276,7 +285,8 @@ class Engine:
         ``max_seq_len`` positions could hold. ``mixed_step_ratio``: while sequences decode,
         a step's prompt chunks are bounded so that it takes at most this many of their
         decode steps, by step times measured here, unless prompts arrive faster than that
-        lets them in (``step_pacing.py``; 0: the token budget alone). ``mirror``: on rank 0
+        lets them in (``step_pacing.py``; 0: the token budget alone; None:
+        ``DEFAULT_MIXED_STEP_RATIO`` on CUDA, 0 elsewhere). ``mirror``: on rank 0
         of a tensor-parallel group, what announces each model call to the other ranks
         (``tensor_parallel.py``). ``overlap_mixed_steps``: queue a mixed step behind the one
         whose tokens the host is about to read (``_queue_mixed``; None: where that overlaps
@@ -339,6 +349,8 @@ class Engine:
             # fp32 logits: compile it now rather than in the first request's first token.
             greedy(torch.zeros(1, cfg.vocab_size, device=model.device))
         self.pacing: Pacing | None = None
+        if mixed_step_ratio is None:
+            mixed_step_ratio = DEFAULT_MIXED_STEP_RATIO if on_cuda else 0.0
         if mixed_step_ratio:
             times = self._measure_steps()
             log.info("step times: %s", times.summary())
@@ -445,8 +457,6 @@ class Engine:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
             self.waiting.append(seq)
             self.by_id[rid] = seq
-            if self.pacing is not None:
-                self.pacing.arrived(len(prompt_ids))
             self._cv.notify_all()
         return rid
 
@@ -548,11 +558,10 @@ class Engine:
         # by theirs. A prefill of its own, between a decode step queued ahead and the next,
         # is paced as if it carried their tokens.
         if self.pacing is not None:
-            self.pacing.step()  # (called once an iteration: every iteration runs a step)
             streams = decoding or len(self.running)
             if streams:
                 batch = min(self.max_num_seqs, streams + len(self.prefilling) + len(self.waiting))
-                budget = min(budget, self.pacing.prompt_tokens(streams, batch))
+                budget = min(budget, self.pacing.prompt_tokens(streams, batch, self._prompt_demand()))
         for seq in self.prefilling:
             if budget == 0:
                 break
@@ -569,12 +578,23 @@ class Engine:
                 break  # first come, first served: no one overtakes the head of the queue
             self.waiting.popleft()
             seq.kv, seq.prefilled = admitted
+            seq.to_prefill = len(context) - seq.prefilled
             seq.slot, seq.admitted = seq.kv.row, next(self._admitted)
             self.prefilling.append(seq)
             n = min(len(context) - seq.prefilled, budget)
             chunks.append((seq, seq.prefilled, n))
             budget -= n
         return chunks
+
+    def _prompt_demand(self) -> float:
+        """Prompt tokens a step must take for prefill to keep pace with decode
+        (``Pacing.demand``), over the sequences that will make the batch: the running and
+        prefilling ones, and the queue's first up to ``max_num_seqs`` in all (a waiting one
+        counted whole: its cached prefix is found at admission)."""
+        admitted = [*self.running, *self.prefilling]
+        queued = itertools.islice(self.waiting, max(0, self.max_num_seqs - len(admitted)))
+        return self.pacing.demand([(s.to_prefill, s.params.max_tokens) for s in admitted if s.to_prefill is not None]
+                                  + [(len(s.context()), s.params.max_tokens) for s in queued])
 
     def _step_budget(self, decoding: int) -> int:
         """Prompt tokens a step may take beside ``decoding`` decode tokens, before pacing:
@@ -791,6 +811,7 @@ class Engine:
                         continue
                     sibling.slot, sibling.admitted, sibling.prefilled = (sibling.kv.row, next(self._admitted),
                                                                          len(context))
+                    sibling.to_prefill = 0  # (the prompt is its first choice's)
                     self.running.append(sibling)
                     first.append(sibling)
                     rows.append(i)
@@ -1003,6 +1024,8 @@ class Engine:
         if reason != "error" and reason != "abort" and seq.stream is not None:
             text += seq.stream.finish()
         n_out = len(seq.generated)
+        if self.pacing is not None and reason in ("stop", "length"):
+            self.pacing.finished(n_out)
         if self.observer:
             self.observer.on_finish(reason, len(seq.prompt_ids), n_out, time.perf_counter() - seq.submitted)
         self._outbox.append((seq.sink, StreamEvent(text, token_ids or [], reason, len(seq.prompt_ids), n_out, error,

@@ -7,9 +7,9 @@ fixed token budget makes a stream's inter-token latency jump whenever a prompt a
 Pacing bounds the prompt tokens of such a step by time instead: the step may take at most
 ``ratio`` decode steps, as measured when the engine starts (``measure``: every decode batch
 size and packed token count the engine pads to, timed as the engine runs them: graph
-replays where it has graphs, with their host preparation). A prompt then goes in as many
-steps as that takes; with nothing decoding, it still takes the whole token budget (no
-stream waits for it).
+replays where it has graphs, queued back to back, ``timed_seconds``). A prompt then goes
+in as many steps as that takes; with nothing decoding, it still takes the whole token
+budget (no stream waits for it).
 
 The decode step it is measured against is that of the batch the streams will decode in
 once the prompts queued and in progress have joined them, not of the streams decoding
@@ -23,19 +23,21 @@ largest bucket within the time is taken whole. At least ``least`` prompt tokens 
 every step, so that a prompt always progresses: a batch too large for any bucket within
 the time gets the smallest bucket that holds it and them.
 
-The bound gives way where prompts arrive faster than it lets them in (``Pacing``): a step
-then takes the prompt tokens arriving per step, on average, and a quarter more, so that
-the queue does not grow without end where the bound cannot keep up (docs/design/kv_cache.md
-has the run). Such steps each carry about the arrivals, rather than a whole budget now and
-then, raised to fill their padded size as the bound's are. Arrivals are counted as
-submitted, a prefix the cache holds included: counted at admission, they would follow the
-paced prefill rather than the clients.
+The bound gives way where the requests need more prompt tokens a step than it lets in
+(``Pacing``): each sequence in the engine brings its prompt for the tokens it will generate,
+so prefill keeps pace with decode only if a step takes, summed over them, each prompt's
+tokens over its expected output (its ``max_tokens``, or the mean output of the requests
+finished so far where less). Where the bound lets in fewer, a step takes that sum, raised to
+fill its padded size as the bound's are. The sum follows the requests, not the schedule:
+a rule that counts what the schedule has let in (the streams decoding, or the prompts
+submitted per step, which closed-loop clients slow down with the server) shrinks its own
+steps until prompts starve (docs/design/kv_cache.md, "Rejected alternatives").
 """
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -75,20 +77,31 @@ class StepTimes:
         return f"decode step ms by batch {{{ms(self.decode)}}}; packed step ms by tokens {{{ms(self.packed)}}}"
 
 
+# Calls queued back to back in one GPU measurement (``timed_seconds``): enough that the
+# first call's preparation, not hidden behind an earlier one, is a small share.
+QUEUED = 4
+
+
 def timed_seconds(run: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    """The shortest wall time of ``run()`` in ``repeats`` after one untimed call, the device
-    synchronized around each (a step's host preparation and its device time, as the engine
-    waits for its tokens). The shortest, not the median: what else runs on the machine
-    only adds time, and a start-up measurement must not take that for the step's cost."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    """The seconds one ``run()`` takes as the engine runs its steps, the shortest of
+    ``repeats`` measurements after one untimed call. On a GPU each measurement queues
+    ``QUEUED`` calls back to back and waits for the last: the engine queues a step behind
+    the one whose tokens it reads, so a step costs the larger of its host preparation and
+    its device time, not their sum (a call waited for alone would add its preparation to
+    its device time, which the engine's queued steps hide). The shortest, not the median: what else runs on the machine only adds time, and a
+    start-up measurement must not take that for the step's cost."""
+    on_cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
+    queued = QUEUED if on_cuda else 1
     run()
     times = []
     for _ in range(repeats):
-        sync(device)
+        sync()
         t0 = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        for _ in range(queued):
+            run()
+        sync()
+        times.append((time.perf_counter() - t0) / queued)
     return min(times)
 
 
@@ -109,41 +122,42 @@ def measure(decode: Callable[[int], object], packed: Callable[[int], object], ba
                      _rising({t: timed_seconds(lambda: packed(t), device) for t in tokens}))
 
 
-# The arrivals' running mean weighs each step 1/32: about the last 32 steps, which spans
-# a few arrivals at the clients' usual pace, so one burst raises it gradually.
-ARRIVAL_WEIGHT = 1 / 32
-# Prompt tokens a step takes beyond the arrivals' mean when the time bound lets in fewer:
-# a quarter more, so that a queue built up by a burst drains.
-ARRIVAL_HEADROOM = 1.25
+# The mean output of the finished requests weighs each finish 1/16: the last few dozen.
+OUTPUT_WEIGHT = 1 / 16
 
 
 @dataclass
 class Pacing:
     """An engine's pacing: its measured step ``times``, the ``ratio`` of a decode step that
-    a step with prompt chunks may take, its fewest prompt tokens (``least``), and the
-    prompt tokens arriving per step (a running mean, ``ARRIVAL_WEIGHT``)."""
+    a step with prompt chunks may take, its fewest prompt tokens (``least``), and the mean
+    output of the requests finished so far (``OUTPUT_WEIGHT``; 0 before the first)."""
 
     times: StepTimes
     ratio: float
     least: int
-    arriving: float = 0.0
-    _since: int = 0  # prompt tokens submitted since the last step
+    mean_output: float = 0.0
 
-    def arrived(self, tokens: int) -> None:
-        """A request of ``tokens`` prompt tokens was submitted (under the engine's lock)."""
-        self._since += tokens
+    def finished(self, generated: int) -> None:
+        """A sequence ended after ``generated`` tokens."""
+        if self.mean_output == 0.0:
+            self.mean_output = float(generated)
+        else:
+            self.mean_output += OUTPUT_WEIGHT * (generated - self.mean_output)
 
-    def step(self) -> None:
-        """Another engine step: the arrivals since the last one join the running mean."""
-        self.arriving += ARRIVAL_WEIGHT * (self._since - self.arriving)
-        self._since = 0
+    def demand(self, sequences: Iterable[tuple[int, int]]) -> float:
+        """Prompt tokens a step must take, on average, for prefill to keep pace with
+        decode: over ``sequences`` (the prompt tokens each prefills, and its
+        ``max_tokens``), each prompt over its expected output, the smaller of its
+        ``max_tokens`` and the finished requests' mean."""
+        mean = self.mean_output or math.inf
+        return sum(prompt / max(1.0, min(max_tokens, mean)) for prompt, max_tokens in sequences)
 
-    def prompt_tokens(self, decoding: int, batch: int = 0) -> int:
+    def prompt_tokens(self, decoding: int, batch: int = 0, demand: float = 0.0) -> int:
         """Prompt tokens for a step beside ``decoding`` decode tokens, once the prompts
         queued and in progress make a batch of ``batch``: the time bound's
-        (``StepTimes.prompt_tokens``), or where the arrivals' mean and a quarter more is
-        larger, that, raised to fill its padded step (16 decode and 125 prompt tokens pad
-        to the 192-token step: it carries 176 prompt tokens, as it costs 192 anyway)."""
+        (``StepTimes.prompt_tokens``), or where the ``demand`` is larger, that, raised to
+        fill its padded step (16 decode and 125 prompt tokens pad to the 192-token step:
+        it carries 176 prompt tokens, as it costs 192 anyway)."""
         bound = self.times.prompt_tokens(decoding, self.ratio, self.least, batch)
-        floor = math.ceil(ARRIVAL_HEADROOM * self.arriving)
+        floor = math.ceil(demand)
         return bound if floor <= bound else self.times.filled(decoding, floor)

@@ -102,10 +102,11 @@ class ServeSettings(ModelSettings):
                                            "tokens and prompt chunks (longer prompts go in chunks), which bounds a "
                                            "running stream's stall (default: the engine's, measured: "
                                            "docs/design/engine.md)")
-    mixed_step_ratio: float = Field(0.0, ge=0, description="while streams decode, bound each step's prompt chunks "
-                                    "so that the step takes at most this many of their decode steps, by step times "
-                                    "measured at start-up, unless prompts arrive faster than that lets them in "
-                                    "(0: the token budget alone)")
+    mixed_step_ratio: float | None = Field(None, ge=0, description="while streams decode, bound each step's prompt "
+                                           "chunks so that the step takes at most this many of their decode steps, by "
+                                           "step times measured at start-up, unless the requests need more prompt "
+                                           "tokens a step to keep pace (0: the token budget alone; default: 2 on "
+                                           "CUDA, 0 elsewhere)")
     kernel_timing_every: int = Field(8, ge=1, description="time one linear-layer call in N for the kernel metrics "
                                      "(under CUDA graphs: one replay in N runs the graph's timed twin)")
     cuda_graphs: bool = Field(True, description="replay decode steps through CUDA graphs (CUDA only)")

@@ -83,7 +83,10 @@ def test_engine_packed_graphs(smollm2_gpu):
                             last_only=True).argmax(-1).item() for p in prompts]
     # (no prefix caching: the prompts share the chat template's opening, and a newcomer would
     # wait an iteration for the block another is prefilling; here all three go in one replay)
-    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=4, max_seq_len=512, prefix_caching=False)
+    # (the token budget alone, as in every comparison of engines here: paced, a prompt's chunks
+    # would follow each engine's measured step times)
+    eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=4, max_seq_len=512, prefix_caching=False,
+                 mixed_step_ratio=0)
     out = [[] for _ in prompts]
     done = threading.Semaphore(0)
     for i, p in enumerate(prompts[:3]):  # three queued before the engine starts: one iteration's arrivals
@@ -116,7 +119,7 @@ def test_graph_replays_give_the_eager_tokens_with_requests_joining_and_leaving(s
         # (packed forwards eager in both: a graph's chunk kernel attends to long prompts that
         # the eager forward gives SDPA, whose rounding differs; test_engine_packed_graphs covers it)
         eng = Engine(lm.model, lm.tokenizer, set(), max_num_seqs=8, max_seq_len=512, cuda_graphs=graphs,
-                     prefill_graphs=False)
+                     prefill_graphs=False, mixed_step_ratio=0)
         out = [[] for _ in prompts]
         done = threading.Semaphore(0)
 
@@ -156,7 +159,8 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     def run(graphs: bool):
         from conftest import run_to_end
 
-        eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_num_seqs=4, max_seq_len=512, cuda_graphs=graphs)
+        eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_num_seqs=4, max_seq_len=512, cuda_graphs=graphs,
+                     mixed_step_ratio=0)
         requests = [(p, SamplingParams(max_tokens=48, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i))
                     for i, p in enumerate(prompts)]
         return run_to_end(eng, requests, timeout=120), eng
@@ -235,7 +239,8 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
         tally = _Tally()
         timing = KernelTiming(tally, sample_every=4)
         model.observe_kernels(timing)  # (before the engine: its graphs record their calls as they are captured)
-        eng = Engine(model, None, set(), max_num_seqs=4, max_seq_len=256, cuda_graphs=graphs, prefill_graphs=False)
+        eng = Engine(model, None, set(), max_num_seqs=4, max_seq_len=256, cuda_graphs=graphs, prefill_graphs=False,
+                     mixed_step_ratio=0)
         done = threading.Semaphore(0)
         for p in prompts:
             eng.submit(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True),

@@ -1,5 +1,5 @@
 """Prompt chunks paced by measured step times (``engine/step_pacing.py``): the choice
-against a brute-force search, the arrivals' floor against its closed form, and an engine
+against a brute-force search, the requests' demand against its closed form, and an engine
 on the real SmolLM2 whose mixed steps keep within the bound while its tokens stay those of
 an unpaced engine."""
 import math
@@ -12,7 +12,7 @@ import torch
 from woq.engine.cuda_graphs import prefill_buckets
 from woq.engine.engine import PACED_LEAST_TOKENS, Engine
 from woq.engine.sampling import SamplingParams
-from woq.engine.step_pacing import ARRIVAL_HEADROOM, ARRIVAL_WEIGHT, Pacing, StepTimes
+from woq.engine.step_pacing import OUTPUT_WEIGHT, Pacing, StepTimes, timed_seconds
 from woq.kernels.observe import KernelTiming
 
 from conftest import PrefillCounter, random_llama
@@ -69,36 +69,62 @@ def test_paced_prompt_tokens_are_the_largest_padded_step_within_the_time():
     assert h100.prompt_tokens(1, 2.0, PACED_LEAST_TOKENS) == 64 - 1  # (no step within: the least, padded)
 
 
-def test_the_bound_gives_way_to_prompts_arriving_faster_than_it_lets_them_in():
-    """Prompt tokens arriving at ``a`` a step for ``n`` steps make the running mean
-    ``a (1 - (1 - w)^n)`` (w = ARRIVAL_WEIGHT); a step takes a quarter more than that where
-    the time bound lets in fewer, raised to fill the padded step that holds it (or as is,
-    past the largest), and the bound's own where it lets in more; with no more arrivals
-    the mean decays back to the bound."""
+def test_the_bound_gives_way_to_the_prompt_tokens_the_requests_need_per_step():
+    """The demand is each sequence's prompt tokens over its expected output: its
+    ``max_tokens`` until a request has finished, then the smaller of that and the finished
+    outputs' running mean (weight ``OUTPUT_WEIGHT``). A step takes the demand where the time
+    bound lets in fewer, raised to fill the padded step that holds it (or as is, past the
+    largest), and the bound's own where it lets in more."""
     sizes = [16, 32, 64, 128, 256]
     times = StepTimes({1: 1.0, 16: 2.0}, {16: 1.5, 32: 2.0, 64: 3.0, 128: 4.0, 256: 6.0})
     bound = times.prompt_tokens(16, 2.0, PACED_LEAST_TOKENS)
     assert bound == 128 - 16
+    rng = random.Random(1)
+    pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
+    seqs = [(rng.randint(0, 6000), rng.randint(1, 4000)) for _ in range(40)]
+    assert pacing.demand(seqs) == pytest.approx(sum(p / m for p, m in seqs))
+    outputs = [rng.randint(1, 300) for _ in range(25)]
+    mean = float(outputs[0])
+    for n in outputs[1:]:
+        mean = mean + OUTPUT_WEIGHT * (n - mean)
+    for n in outputs:
+        pacing.finished(n)
+    assert pacing.mean_output == pytest.approx(mean)
+    assert pacing.demand(seqs) == pytest.approx(sum(p / min(m, mean) for p, m in seqs))
+    assert pacing.demand([(500, 0)]) == 500  # (a step generates a token at least)
     chosen = {}
-    for a, n in ((64, 40), (120, 100), (250, 100)):
-        pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
-        for _ in range(n):
-            pacing.arrived(a // 2)
-            pacing.arrived(a - a // 2)
-            pacing.step()
-        mean = a * (1 - (1 - ARRIVAL_WEIGHT) ** n)
-        assert pacing.arriving == pytest.approx(mean)
-        floor = math.ceil(ARRIVAL_HEADROOM * mean)
-        padded = next((t for t in sizes if t >= 16 + floor), 16 + floor)
-        chosen[a] = pacing.prompt_tokens(16)
-        assert chosen[a] == max(bound, padded - 16)
-    # (64 a step: within the bound; 120: a floor of 145, filled to the 256 step's 240;
-    # 250: a floor past the largest step, taken as is)
-    past = math.ceil(ARRIVAL_HEADROOM * 250 * (1 - (1 - ARRIVAL_WEIGHT) ** 100))
-    assert chosen == {64: bound, 120: 256 - 16, 250: past}
-    for _ in range(200):
-        pacing.step()
-    assert pacing.prompt_tokens(16) == bound
+    for demand in (64, 145.2, 400):
+        padded = next((t for t in sizes if t >= 16 + math.ceil(demand)), 16 + math.ceil(demand))
+        chosen[demand] = pacing.prompt_tokens(16, 0, demand)
+        assert chosen[demand] == max(bound, padded - 16)
+    # (64 a step: within the bound; 145.2: 146, filled to the 256 step's 240; 400: past the
+    # largest step, taken as is)
+    assert chosen == {64: bound, 145.2: 256 - 16, 400: 400}
+
+
+@pytest.mark.gpu
+def test_a_gpu_step_is_timed_queued_behind_the_last():
+    """On a GPU a measurement queues its calls back to back: a call whose host part takes
+    longer than its device part costs the host part, not their sum (``timed_seconds``).
+    The call here sleeps 20 ms on the host, then queues a 20 ms sleep on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import time
+    dev = torch.device("cuda")
+    cycles = 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for n in (1 << 20, 1 << 22, 1 << 24):  # the clock's rate: cycles of a 20 ms device sleep
+        start.record()
+        torch.cuda._sleep(n)
+        end.record()
+        end.synchronize()
+        cycles = int(n * 20.0 / start.elapsed_time(end))
+
+    def step():
+        time.sleep(0.02)
+        torch.cuda._sleep(cycles)
+
+    assert timed_seconds(step, dev) == pytest.approx(0.02 * (1 + 1 / 4), rel=0.2)  # (not 0.04)
 
 
 def _complete(engine: Engine, prompt: list[int], params: SamplingParams, started: threading.Event | None = None):
@@ -149,8 +175,8 @@ def test_a_prompt_arriving_beside_a_stream_is_paced_and_the_tokens_do_not_change
     # (one stream decodes beside the prompt in progress: the batch of two they will make)
     limit = times.prompt_tokens(1, 1.0, PACED_LEAST_TOKENS, 2)
     assert limit < 64 - 1  # so the 128-token budget alone would take more
-    # (the arrivals' floor stays below it: the running mean of the two prompts' tokens)
-    assert math.ceil(ARRIVAL_HEADROOM * ARRIVAL_WEIGHT * (len(short) + len(long))) < limit
+    # (the demand stays below it: the two prompts over their 24 tokens each)
+    assert math.ceil((len(short) + len(long)) / params.max_tokens) < limit
     paced.start()
     try:
         started = threading.Event()
@@ -219,3 +245,36 @@ def test_a_stream_beside_a_queue_is_paced_at_the_batch_the_queue_will_make():
         engine.shutdown()
     beside_one = [p for b, p in seen.steps if b == 1 and p > 0]
     assert beside_one and max(beside_one) == four, seen.steps
+
+
+@pytest.mark.parametrize("queued_max_tokens", [150, 8])
+def test_prompts_that_bring_more_work_than_the_bound_lets_in_go_in_at_their_demand(queued_max_tokens):
+    """One stream decodes while three 100-token prompts wait, on a step-time curve (set
+    here) whose bound beside the one stream is the fewest prompt tokens, padded (31). Asking
+    150 tokens each, the prompts need ~2 prompt tokens a step and go in at the bound;
+    asking 8, they need 300 / 8 = 37.5 a step, and the first step beside the stream takes
+    that, filled to the 64-token step (63): prefill keeps pace with what they generate.
+    (They are submitted under the engine's lock, so that its steps see all three.)"""
+    model = random_llama(torch.float32, "cpu", 256)
+    seen = PrefillCounter()
+    engine = Engine(model, None, set(), max_num_seqs=4, max_seq_len=256, max_prefill_tokens=128,
+                    mixed_step_ratio=2.0, observer=seen)
+    buckets = sorted(engine.pacing.times.packed)
+    assert buckets == [16, 32, 64, 128]
+    times = StepTimes({1: 1.0, 2: 1.0, 4: 1.0}, {t: 3.0 for t in buckets})
+    assert times.prompt_tokens(1, 2.0, PACED_LEAST_TOKENS, 4) == 32 - 1
+    engine.pacing = Pacing(times, 2.0, PACED_LEAST_TOKENS)
+    engine.start()
+    try:
+        started = threading.Event()
+        _, first_done = _complete(engine, list(range(1, 9)), SamplingParams(max_tokens=150, temperature=0,
+                                                                            ignore_eos=True), started)
+        assert started.wait(60)
+        params = SamplingParams(max_tokens=queued_max_tokens, temperature=0, ignore_eos=True)
+        with engine._cv:
+            queued = [_complete(engine, [(7 * i + j) % 500 + 1 for j in range(100)], params) for i in range(3)]
+        assert first_done.wait(120) and all(done.wait(120) for _, done in queued)
+    finally:
+        engine.shutdown()
+    beside_one = [p for b, p in seen.steps if b == 1 and p > 0]
+    assert beside_one and max(beside_one) == (32 - 1 if queued_max_tokens == 150 else 64 - 1), seen.steps
