@@ -96,8 +96,8 @@ log = logging.getLogger("woq.engine")
 DEFAULT_PREFILL_TOKENS = 512
 # On CUDA, while streams decode, a step takes at most twice their decode step, or the
 # prompt tokens the requests need per step where more (``step_pacing.py``), so that a
-# stream's wait between two tokens stays near twice its median: the bar, traded for
-# some tokens/s against the token budget alone (the served runs: docs/design/kv_cache.md).
+# stream's slowest waits between two tokens stay near twice its median, for some tokens/s
+# against the token budget alone (the served runs: docs/design/kv_cache.md).
 # Off on the CPU, whose steps are not queued ahead and whose start-up timing takes seconds.
 DEFAULT_MIXED_STEP_RATIO = 2.0
 # A paced step's fewest prompt tokens (``step_pacing.py``), so that a prompt always
@@ -284,8 +284,8 @@ class Engine:
         elsewhere ``kv_cache_gib``; never more blocks than ``max_num_seqs`` sequences of
         ``max_seq_len`` positions could hold. ``mixed_step_ratio``: while sequences decode,
         a step's prompt chunks are bounded so that it takes at most this many of their
-        decode steps, by step times measured here, unless prompts arrive faster than that
-        lets them in (``step_pacing.py``; 0: the token budget alone; None:
+        decode steps, by step times measured here, unless the requests need more prompt
+        tokens a step to keep pace (``step_pacing.py``; 0: the token budget alone; None:
         ``DEFAULT_MIXED_STEP_RATIO`` on CUDA, 0 elsewhere). ``mirror``: on rank 0
         of a tensor-parallel group, what announces each model call to the other ranks
         (``tensor_parallel.py``). ``overlap_mixed_steps``: queue a mixed step behind the one
