@@ -252,7 +252,7 @@ def test_prompts_that_bring_more_work_than_the_bound_lets_in_go_in_at_their_dema
     """One stream decodes while three 100-token prompts wait, on a step-time curve (set
     here) whose bound beside the one stream is the fewest prompt tokens, padded (31). Asking
     150 tokens each, the prompts need ~2 prompt tokens a step and go in at the bound;
-    asking 8, they need 300 / 8 = 37.5 a step, and the first step beside the stream takes
+    asking 8, they need 300 / 8 = 37.5 a step, and the steps beside the one stream take
     that, filled to the 64-token step (63): prefill keeps pace with what they generate.
     (They are submitted under the engine's lock, so that its steps see all three.)"""
     model = random_llama(torch.float32, "cpu", 256)
