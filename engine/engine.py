@@ -557,7 +557,7 @@ class Engine:
         # Paced (step_pacing.py): running streams wait for this step, so its time is bounded
         # by theirs. A prefill of its own, between a decode step queued ahead and the next,
         # is paced as if it carried their tokens.
-        if self.pacing is not None:
+        if self.pacing is not None and (self.prefilling or self.waiting):  # (else nothing to bound)
             streams = decoding or len(self.running)
             if streams:
                 batch = min(self.max_num_seqs, streams + len(self.prefilling) + len(self.waiting))
