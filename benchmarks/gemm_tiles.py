@@ -1,6 +1,6 @@
 """The mixed GEMM at fixed tile configurations, for A/B runs of two kernel versions.
 
-``kernels.py`` times what a layer's plan serves, whose tile the tuner picks per version;
+``linear_kernels.py`` times what a layer's plan serves, whose tile the tuner picks per version;
 this times the wgmma tiles sized for each M (16 rows: 9 and 5; 32: 5; 64: 6; beyond: 7 and
 8; a subset of what the tuner weighs) on Llama-3-8B's layer shapes, int4 g128 with zero points and, for
 gate_up, int8 per-channel, fp16, with cuBLAS fp16 on a dense weight of the same shape

@@ -100,8 +100,8 @@ for stage in "$@"; do
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py ;;
     racecheck)  # shared-memory hazards and barrier misuse in the mixed GEMM (ring barriers: mbarriers, cp.async, tensor copies)
       run racecheck bash -c "compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only && compute-sanitizer --tool synccheck --error-exitcode 9 $PY benchmarks/sanitize_kernels.py --gemm-only" ;;
-    bench) run bench $PY benchmarks/kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
-    msweep) run msweep $PY benchmarks/kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
+    bench) run bench $PY benchmarks/linear_kernels.py --out "$OUT" ${BENCH_ARGS:-} ;;
+    msweep) run msweep $PY benchmarks/linear_kernels.py --m-sweep --out "$OUT" ${MSWEEP_ARGS:-} ;;
     tiles) run tiles $PY benchmarks/gemm_tiles.py --tag "${TILES_TAG:-tree}" --out "$OUT" ${TILES_ARGS:-} ;;  # one side of a fixed-tile GEMM A/B
     gemmtest) run gemmtest $PY -m pytest -q -x tests/test_gpu_kernels.py -k "mixed_gemm or smaller_gpus" ;;
     pytest) run pytest $PY -m pytest -q -x -m gpu tests/ -k "${PYTEST_K:?PYTEST_K: the tests to run}" ;;

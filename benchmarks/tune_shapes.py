@@ -19,7 +19,7 @@ from woq.kernels.options import RuntimeOptions
 SHAPES = {  # (N, K) of the fused qkv, o, gate_up, down layers
     "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
-    "kernel-benchmark": [(28672, 8192), (21504, 14336), (14336, 4096)],  # benchmarks/kernels.py
+    "kernel-benchmark": [(28672, 8192), (21504, 14336), (14336, 4096)],  # benchmarks/linear_kernels.py
 }
 FORMATS = [QuantSpec(4, 128, False), QuantSpec(8, None, True)]
 

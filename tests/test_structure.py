@@ -2,7 +2,12 @@
 kernels`` (a lower layer never imports an upper one, lazily or not) and no import cycle
 between modules."""
 import ast
+import importlib.metadata
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("kernels", "models", "engine", "service")  # lowest first
@@ -65,3 +70,23 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+@pytest.mark.parametrize("cwd", ["", "benchmarks"])
+def test_python_run_in_the_repository_imports_the_installed_kernels_package(cwd):
+    """``python -c``/``-m`` put the working directory first on sys.path; from the root, the
+    top-level kernels/ directory (woq.kernels) must not stand in for Hugging Face's ``kernels``,
+    which transformers imports while it loads (a dependency of transformers since 5.25), nor
+    may a benchmark module of that name from benchmarks/."""
+    try:
+        expected = str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except importlib.metadata.PackageNotFoundError:
+        expected = None  # (older transformers: none installed; the import must still succeed)
+    code = ("import kernels, transformers.activations, woq.kernels.ops as ops; "
+            "print(kernels.__file__); print(ops.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / cwd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernels_file, ops_file = out.stdout.split()
+    assert Path(ops_file) == ROOT / "kernels" / "ops.py"
+    if expected is not None:
+        assert Path(kernels_file).resolve() == Path(expected).resolve()

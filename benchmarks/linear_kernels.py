@@ -8,9 +8,9 @@ median microseconds per call of a CUDA graph of 20 calls rotating over enough we
 copies to exceed 4x L2. Roofline = bytes that must move (weights + scales/zeros + x + y) /
 the measured copy bandwidth.
 
-    python benchmarks/kernels.py --out docs/bench             # M = 1..16: kernels.*
-    python benchmarks/kernels.py --m-sweep --out docs/bench   # every path over M: kernels_msweep.*
-    python benchmarks/kernels.py --merge-msweeps A.json B.json --out docs/bench
+    python benchmarks/linear_kernels.py --out docs/bench             # M = 1..16: kernels.*
+    python benchmarks/linear_kernels.py --m-sweep --out docs/bench   # every path over M: kernels_msweep.*
+    python benchmarks/linear_kernels.py --merge-msweeps A.json B.json --out docs/bench
 """
 from __future__ import annotations
 
@@ -458,7 +458,7 @@ def merge_msweeps(paths: list[Path], out_dir: Path) -> dict:
         map(str, sorted({x["M"] for x in r["rows"]}))) for r in runs]
     note = (f"Measured in {len(runs)} runs on {runs[0]['gpu']}, one device call each ({'; '.join(groups)}; "
             "`MSWEEP_ARGS=\"--shapes ... [--ms ...]\" bash benchmarks/gpu_check.sh build msweep`; a later run's "
-            "cells replace an earlier one's), merged with `python benchmarks/kernels.py --merge-msweeps A.json B.json`.")
+            "cells replace an earlier one's), merged with `python benchmarks/linear_kernels.py --merge-msweeps A.json B.json`.")
     result = dict(runs[0], rows=[x for rows in merged.values() for x in rows], complete=True, note=note)
     write_json(out_dir / "kernels_msweep.json", result)
     (out_dir / "kernels_msweep.md").write_text(msweep_summary(result))
