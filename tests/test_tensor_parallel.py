@@ -4,6 +4,7 @@ tokens, with logits within fp32 rounding of its own (the all-reduce sums the row
 partial products in another order), each rank holding its share of the vocabulary's
 embedding and LM head rows (dense or int4), and picking greedy tokens from the ranks' best
 (value, index) pairs without gathering the logits."""
+import multiprocessing
 import time
 
 import pytest
@@ -17,6 +18,13 @@ from woq.models.kv_cache import KVCache
 from woq.models.sharding import TensorParallel
 
 from conftest import tiny_hf_checkpoint
+
+# The ranks fork from a server process that has imported this module, transformers and the
+# loaders once: a spawned rank would import them again, ~6 s of CPU each on CI's two cores,
+# for 38 ranks. (Forking this process instead could hang a rank in the OpenMP pool that
+# torch has started here.)
+multiprocessing.set_forkserver_preload([__name__, "transformers.models.llama", "woq.models.checkpoint",
+                                        "woq.models.importers", "woq.models.loader", "safetensors.torch"])
 
 PROMPT = [5, 17, 301, 44, 9, 120, 77]
 FED = [3, 250, 66, 410, 8, 199, 31, 500, 12, 77, 140]  # decode inputs (varied contexts, unlike a greedy loop's)
@@ -88,8 +96,8 @@ def _check_ranks(tmp_path, ckpt, size, quantize_lm_head, lazy, read_share):
     whole, whole_read = _build(ckpt, None, quantize_lm_head, lazy=True)
     vocab = whole.cfg.vocab_size
     want_tokens, want_logits = _next_tokens(whole)
-    mp.spawn(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head, lazy), nprocs=size,
-             join=True)
+    mp.start_processes(_rank, args=(size, ckpt, tmp_path / "rendezvous", tmp_path, quantize_lm_head, lazy),
+                       nprocs=size, join=True, start_method="forkserver")
     for rank in range(size):
         tokens, logits, rows, read, greedy = torch.load(tmp_path / f"rank{rank}.pt")
         assert rows == (vocab // size, vocab // size)
