@@ -20,9 +20,9 @@ from woq.models.sharding import TensorParallel
 from conftest import tiny_hf_checkpoint
 
 # The ranks fork from a server process that has imported this module, transformers and the
-# loaders once: a spawned rank would import them again, ~6 s of CPU each on CI's two cores,
-# for 38 ranks. (Forking this process instead could hang a rank in the OpenMP pool that
-# torch has started here.)
+# loaders once, where a spawned rank would import them all again (docs/design/ci.md has the
+# times). Forking this process instead could hang a rank in the OpenMP pool that torch has
+# started here.
 multiprocessing.set_forkserver_preload([__name__, "transformers.models.llama", "woq.models.checkpoint",
                                         "woq.models.importers", "woq.models.loader", "safetensors.torch"])
 
