@@ -56,17 +56,22 @@ def fetch_default_gguf(root: Path | None = None) -> Path:
 
 
 def convert_gguf_to_hf(gguf: Path, out: Path) -> Path:
-    """Write ``gguf`` as a Hugging Face directory (weights dequantized to fp32 by transformers)."""
-    import torch
+    """Write ``gguf`` as a Hugging Face directory: its config and tokenizer through
+    transformers' GGUF loader, its weights dequantized to fp32 by ``GgufTensors`` (the values
+    transformers' loader gives, tests/test_gguf_tensors.py). Each of the three reads parses
+    the file's metadata, slow for a large vocabulary; building transformers' model for the
+    weights would parse it twice more (times: docs/design/ci.md)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .gguf_tensors import GgufTensors
 
     kw = dict(gguf_file=gguf.name, local_files_only=True)
     print(f"converting {gguf.name} to a Hugging Face directory (once) ...", file=sys.stderr, flush=True)
     config = AutoConfig.from_pretrained(gguf.parent, **kw)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors = GgufTensors(gguf, config)
+    state = {name: tensors.pop(name).contiguous() for name in tensors.keys()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tmp = out.with_name(out.name + ".part")
