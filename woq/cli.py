@@ -108,11 +108,13 @@ class Quantize(BaseSettings):
 
 
 class EvalPpl(ModelSettings):
-    """Perplexity on a text (wikitext-2 test.txt by default): first 40 x 512 tokens, or --full."""
+    """Perplexity on a text (wikitext-2 test.txt by default): the first 40 windows of 512 tokens,
+    --windows N of them, or --full."""
 
     model: CliPositionalArg[str] = Field(description="model alias, Hugging Face directory, .gguf or woq checkpoint")
     text: Path | None = Field(None, description="text file (default: wikitext-2 test.txt)")
-    full: bool = Field(False, description="score every window, not the first 40")
+    windows: int = Field(40, ge=1, description="score the text's first N windows")
+    full: bool = Field(False, description="score every window of the text (overrides --windows)")
     seq_len_eval: int = Field(512, description="tokens per window")
 
     def cli_cmd(self) -> None:
@@ -123,7 +125,7 @@ class EvalPpl(ModelSettings):
 
         loaded = load(self)
         text = Path(self.text or DEFAULT_TEXT).read_text()
-        r = perplexity(loaded.model, loaded.tokenizer, text, self.seq_len_eval, None if self.full else 40)
+        r = perplexity(loaded.model, loaded.tokenizer, text, self.seq_len_eval, None if self.full else self.windows)
         print(json.dumps({"model": loaded.name, "quant": loaded.quantization, "device": str(loaded.model.device),
                           "perplexity": round(r.perplexity, 4), "tokens": r.tokens, "windows": r.windows}))
 
