@@ -165,8 +165,12 @@ def test_sigterm_drains_in_flight_streams(smollm2_dir):
 
 
 def test_64_concurrent_streams_lose_nothing_and_match_running_alone(smollm2_dir):
+    """64 greedy streams at once on 16 sequences and a queue of 64: every one ends with
+    [DONE], and every 4th (16 of them, rows all over the batches) gives the text it gives
+    alone. (All 64 alone would take the server a stream at a time: most of the test.)"""
     server = _server(smollm2_dir, "--max-num-seqs", "16", "--max-queue", "64")
     prompts = [f"Write one sentence about the number {i}." for i in range(64)]
+    checked = prompts[::4]
 
     def body(p):
         return {"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 10, "temperature": 0,
@@ -190,15 +194,15 @@ def test_64_concurrent_streams_lose_nothing_and_match_running_alone(smollm2_dir)
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
             if concurrent:
                 return await asyncio.gather(*(stream(client, p) for p in prompts))
-            return [await stream(client, p) for p in prompts]
+            return [await stream(client, p) for p in checked]
 
     try:
         alone = asyncio.run(run(False))
         together = asyncio.run(run(True))
         assert len(together) == 64 and all(t for t in together)
-        assert together == alone
+        assert together[::4] == alone
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'woq_requests_total{endpoint="/v1/chat/completions",status="200"} 128.0' in metrics
+        assert 'woq_requests_total{endpoint="/v1/chat/completions",status="200"} 80.0' in metrics
     finally:
         server.stop()
 
