@@ -187,10 +187,10 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_dir):
-    """``woq serve`` of SmolLM2 int4 for one test module, served as "smollm2" (8 sequences,
+    """``woq serve`` of SmolLM2 int4 for one test module, served as "smollm2" (16 sequences,
     1024-token context)."""
     s = LiveServer("--model", str(smollm2_dir), "--served-model-name", "smollm2", "--quant", "int4",
-                   "--max-seq-len", "1024", "--max-num-seqs", "8")
+                   "--max-seq-len", "1024", "--max-num-seqs", "16")
     yield s
     s.stop()
 

@@ -201,7 +201,7 @@ def test_json_schema_outputs_validate_over_50_prompts(client):
             model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120, temperature=0.7, seed=i,
             response_format={"type": "json_schema", "json_schema": {"name": "film", "schema": schema, "strict": True}})
 
-    with ThreadPoolExecutor(8) as pool:  # (the server's 8 sequences)
+    with ThreadPoolExecutor(16) as pool:  # (the server's 16 sequences)
         replies = list(pool.map(ask, enumerate(prompts)))
     for r in replies:
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
