@@ -16,6 +16,10 @@ that a server that did not run the tree installed for it shows:
   after a 1,000-token system prompt all share, 64 tokens out a turn; TTFT of the first
   turn and of the later turns (whose history an earlier request prefilled).
 
+``NAME@P`` runs workload NAME with its clients spread over P client processes
+(``p515_c16@16``: one client a process; prompts of their own), as separate users' clients
+are, instead of one process stamping every stream's chunks.
+
 Prompts of different requests differ from their first token, within a workload and across
 workloads (no prefix is shared but the chat's). Writes JSON, a markdown table and a PNG (tokens/s
 and ITL p99 against concurrency).
@@ -38,7 +42,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, write_json  # noqa: E402
-from serving import StreamError, level_stats, pct, prompt_of, send_all, start_server, stream_chunks  # noqa: E402
+from serving import (StreamError, level_stats, pct, prompt_of, send_all, send_processes, start_server,  # noqa: E402
+                     stream_chunks)
 
 WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), output tokens)
     "c1": (1, 8, (128, 128), 128),
@@ -58,17 +63,21 @@ def start(name: str, args: str) -> tuple[subprocess.Popen, str]:
 
 
 async def workload(url: str, model: str, clients: int, requests: int, lengths: tuple[int, int], out: int,
-                   first: int = 0) -> dict:
+                   first: int = 0, processes: int = 1) -> dict:
     """``first``: the number of the first request's prompt; each workload has its own range,
-    so that no workload finds another's prompts in a server's prefix cache."""
+    so that no workload finds another's prompts in a server's prefix cache. ``processes``:
+    the client processes the clients are spread over (``serving.send_processes``)."""
     rng = random.Random(0)
     prompts = [prompt_of(rng.randint(*lengths), first + i) for i in range(requests)]
-    results, wall = await send_all(url, model, clients, prompts, out, timeout=900)
+    if processes > 1:
+        results, wall = await asyncio.to_thread(send_processes, url, model, clients, prompts, out, processes, 900)
+    else:
+        results, wall = await send_all(url, model, clients, prompts, out, timeout=900)
     ok = [r for r in results if "error" not in r]
     errors = sorted({r["error"] for r in results if "error" in r})
     stats = level_stats(ok, wall)
-    return {"clients": clients, "requests": requests, "errors": len(results) - len(ok), "error_kinds": errors[:3],
-            **stats, "itl_slow_gaps": slow_gaps(ok, 2e-3 * stats["itl_p50_ms"])}
+    return {"clients": clients, "requests": requests, "client_processes": processes, "errors": len(results) - len(ok),
+            "error_kinds": errors[:3], **stats, "itl_slow_gaps": slow_gaps(ok, 2e-3 * stats["itl_p50_ms"])}
 
 
 def slow_gaps(ok: list[dict], threshold: float) -> dict:
@@ -207,19 +216,22 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, server in result["servers"].items():
-        rows = [(w["clients"], w) for k, w in server["workloads"].items() if k.startswith(PLOTTED) and "clients" in w]
-        rows.sort(key=lambda x: x[0])
-        if not rows:
-            continue
-        a.plot([c for c, _ in rows], [w["output_tok_per_s"] for _, w in rows], marker="o", label=name)
-        b.plot([c for c, _ in rows], [w["itl_p99_ms"] for _, w in rows], marker="o", label=name)
+        for procs in sorted({w.get("client_processes", 1) for w in server["workloads"].values()}):
+            rows = [(w["clients"], w) for k, w in server["workloads"].items()
+                    if k.startswith(PLOTTED) and "clients" in w and w.get("client_processes", 1) == procs]
+            rows.sort(key=lambda x: x[0])
+            if not rows:
+                continue
+            label = name if procs == 1 else f"{name}, {procs} client processes"
+            a.plot([c for c, _ in rows], [w["output_tok_per_s"] for _, w in rows], marker="o", label=label)
+            b.plot([c for c, _ in rows], [w["itl_p99_ms"] for _, w in rows], marker="o", label=label)
     for ax, title in ((a, "output tokens/s"), (b, "inter-token latency p99 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     ran = {k for server in result["servers"].values() for k in server["workloads"]}
-    plotted = [k for k in WORKLOADS if k.startswith(PLOTTED) and k in ran]
+    plotted = [k for k in WORKLOADS if k.startswith(PLOTTED) and any(r.partition("@")[0] == k for r in ran)]
     shapes = ", ".join(f"{'-'.join(map(str, sorted(set(WORKLOADS[k][2]))))} ({WORKLOADS[k][0]})" for k in plotted)
     fig.suptitle(f"{result['gpu']}: prompt tokens (clients): {shapes}", fontsize=9)
     fig.tight_layout()
@@ -231,10 +243,17 @@ SIZE_GROUPS = [("<=16", "<=32", "<=64"), ("<=128",), ("<=256",), ("<=512",),
                ("<=1024", "<=2048", "<=4096", "<=8192", "more")]
 
 
+def workload_keys(result: dict) -> list[str]:
+    """The workloads the servers ran (chat apart), in ``WORKLOADS``' order, each after its
+    one-process run."""
+    ran = {k for server in result["servers"].values() for k in server["workloads"] if k != "chat"}
+    return sorted(ran, key=lambda k: (list(WORKLOADS).index(k.partition("@")[0]), int(k.partition("@")[2] or 1)))
+
+
 def summary(result: dict) -> str:
     names = list(result["servers"])
     rows = []
-    for w in list(WORKLOADS):
+    for w in workload_keys(result):
         for n in names:
             r = result["servers"][n]["workloads"].get(w)
             if r is None:
@@ -288,7 +307,8 @@ def served_tree() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", action="append", required=True, help="NAME=woq serve arguments")
-    ap.add_argument("--workloads", default=",".join([*WORKLOADS, "chat"]))
+    ap.add_argument("--workloads", default=",".join([*WORKLOADS, "chat"]),
+                    help="comma-separated; NAME@P spreads the clients of NAME over P processes")
     ap.add_argument("--model-name", default="bench")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--name", default="paged_serving")
@@ -316,8 +336,12 @@ def main() -> None:
                 if w == "chat":
                     r = asyncio.run(chat(url, args.model_name))
                 else:
-                    first = 1000 * list(WORKLOADS).index(w)  # (each workload its own prompts)
-                    r = asyncio.run(workload(url, args.model_name, *WORKLOADS[w], first=first))
+                    base, _, procs = w.partition("@")
+                    processes = int(procs or 1)
+                    # (each workload its own prompts; so each run of it in more processes)
+                    first = 1000 * list(WORKLOADS).index(base) + (100_000 * processes if processes > 1 else 0)
+                    r = asyncio.run(workload(url, args.model_name, *WORKLOADS[base], first=first,
+                                             processes=processes))
                 after = step_counters(url)
                 # how the server cut the prompts: steps that prefilled any, their mean tokens
                 # and how many took how many
