@@ -58,9 +58,10 @@ def fetch_default_gguf(root: Path | None = None) -> Path:
 def convert_gguf_to_hf(gguf: Path, out: Path) -> Path:
     """Write ``gguf`` as a Hugging Face directory: its config and tokenizer through
     transformers' GGUF loader, its weights dequantized to fp32 by ``GgufTensors`` (the values
-    transformers' loader gives, tests/test_gguf_tensors.py). Each of the three reads parses
-    the file's metadata, slow for a large vocabulary; building transformers' model for the
-    weights would parse it twice more (times: docs/design/ci.md)."""
+    transformers' loader gives, tests/test_gguf_tensors.py). transformers' two reads each
+    parse the file's metadata, slow for a large vocabulary; ``GgufTensors`` reads only the
+    header's scalars and tensor table, and building transformers' model for the weights
+    would parse it twice more (times: docs/design/ci.md)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 

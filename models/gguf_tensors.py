@@ -22,14 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_header import read_header
 from .lazy_tensors import TakenTensors
-
-
-def _field(reader, key: str):
-    """A metadata field's value: its string, or its first number."""
-    field = reader.fields[key]
-    value = field.parts[field.data[0]]
-    return bytes(value).decode() if field.types and field.types[0].name == "STRING" else value[0]
 
 
 class GgufTensors(TakenTensors):
@@ -38,10 +32,10 @@ class GgufTensors(TakenTensors):
     ``rope_freqs``) are left out."""
 
     def __init__(self, path: Path, config):
-        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-        reader = GGUFReader(path)
-        arch_name = _field(reader, "general.architecture")
+        header = read_header(path)  # (not gguf-py's reader: ~10 s a parse, gguf_header.py)
+        arch_name = header.fields["general.architecture"]
         arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
         if arch is None:
             raise ValueError(f"{path}: GGUF architecture {arch_name!r} is not one gguf-py knows")
@@ -57,7 +51,7 @@ class GgufTensors(TakenTensors):
             gguf_base = names.get_name(base)
             if gguf_base is not None:
                 to_hf.update({gguf_base + s: base + s for s in (".weight", ".bias")})
-        super().__init__({to_hf[t.name]: t for t in reader.tensors if t.name in to_hf})
+        super().__init__({to_hf[t.name]: t for t in header.tensors if t.name in to_hf})
         # Rows per head of the tensors llama.cpp permuted (the number of heads is the
         # tensor's rows / head_dim, whatever the share)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
