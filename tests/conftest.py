@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,7 +153,8 @@ class LiveServer:
     def __init__(self, *args: str, env: dict | None = None, python: str = sys.executable, cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"woq-server-{self.port}.log", "w+")
+        # (its output, for failures' messages: removed when the server stops)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"woq-server-{self.port}-", suffix=".log", delete=False)
         cmd = [python, "-m", "woq", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      env={**os.environ, **(env or {})})
@@ -183,6 +185,7 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
