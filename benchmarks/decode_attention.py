@@ -42,8 +42,9 @@ from woq.engine.decode import DecodeRunner  # noqa: E402
 from woq.kernels.decode_attention import default_launch, rope_cache_attention  # noqa: E402
 from woq.kernels.options import DecodeAttentionOptions  # noqa: E402
 from woq.kernels.timing import graph_time_us  # noqa: E402
-from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
+from woq.models.builder import bind_kernels, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = [8, 16, 32, 64, 128, 256]

@@ -30,7 +30,8 @@ from common import copy_bandwidth, gpu_info, markdown_table, write_json  # noqa:
 
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
-from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.builder import build_model  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 from woq.models.quant_linear import DenseLinear, WeightOnlyLinear  # noqa: E402
 
 PROMPT, NEW = 128, 128

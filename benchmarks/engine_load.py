@@ -28,8 +28,8 @@ from common import markdown_table, save_results  # noqa: E402
 
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
-from woq.models.builder import QuantConfig  # noqa: E402
 from woq.models.loader import load_model  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 
 WORKLOADS = {  # name: (clients, requests, prompt tokens, output tokens), as in paged_serving.py
     "p515_c16": (16, 48, 515, 128),

@@ -41,8 +41,9 @@ from woq.engine.sampling import SamplingParams  # noqa: E402
 from woq.kernels.observe import KernelTiming  # noqa: E402
 from woq.kernels.plans import GEMV, Epilogue  # noqa: E402
 from woq.kernels.timing import graph_time_us  # noqa: E402
-from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.builder import build_model  # noqa: E402
 from woq.models.loader import load_model  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 
 BATCHES = (2, 4)
 KINDS = ("qkv", "o", "gate_up", "down")

@@ -26,7 +26,8 @@ from engine import CONTEXT, PROMPT, configs, median_decode_tps, random_state  # 
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
 from woq.kernels.observe import KernelTiming  # noqa: E402
-from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.builder import build_model  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 from woq.service.config import ServeSettings  # noqa: E402
 from woq.service.metrics import Metrics  # noqa: E402
 

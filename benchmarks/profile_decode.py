@@ -44,8 +44,9 @@ from woq.engine.sampling import SamplingParams, greedy  # noqa: E402
 from woq.kernels.options import RuntimeOptions  # noqa: E402
 from woq.kernels.timing import graph_time_us  # noqa: E402
 from woq.models.batches import Decode, Prefill  # noqa: E402
-from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
+from woq.models.builder import bind_kernels, build_model  # noqa: E402
 from woq.models.kv_cache import KVCache  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 
 # (group, regex on the kernel name), first match wins
 GROUPS = [

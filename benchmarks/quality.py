@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from woq.models.builder import QuantConfig
 from woq.models.checkpoint import save_checkpoint
 from woq.models.evaluate import DEFAULT_TEXT, perplexity
 from woq.models.fetch import fetch_default_model
 from woq.models.loader import load_model, read_checkpoint
+from woq.models.quant_config import QuantConfig
 from woq.models.quantize import quantize_model
 
 RTN = [("fp32 (unquantized)", QuantConfig("none")), ("int8 per-channel sym (RTN)", QuantConfig("int8")),

@@ -26,7 +26,8 @@ from engine import CONTEXT, NEW, configs, median_decode_tps, random_state  # noq
 from woq.engine.engine import Engine  # noqa: E402
 from woq.engine.grammar import json_schema_grammar, regex_grammar  # noqa: E402
 from woq.engine.sampling import SamplingParams  # noqa: E402
-from woq.models.builder import QuantConfig, build_model  # noqa: E402
+from woq.models.builder import build_model  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 
 BATCHES = (1, 16)
 # an object whose one string must be longer than NEW tokens can write: a random model follows

@@ -33,7 +33,8 @@ from profile_decode import kernels_of  # noqa: E402
 from woq.engine.cuda_graphs import PackedGraphs  # noqa: E402
 from woq.engine.engine import Engine  # noqa: E402
 from woq.models.batches import Prefill  # noqa: E402
-from woq.models.builder import QuantConfig, bind_kernels, build_model  # noqa: E402
+from woq.models.builder import bind_kernels, build_model  # noqa: E402
+from woq.models.quant_config import QuantConfig  # noqa: E402
 
 TOKENS = [16, 32, 64, 112, 128, 192, 240, 256, 384, 448, 512, 1024, 2048]
 DECODING = [0, 16, 64]  # decode tokens in the step beside the chunk

@@ -59,9 +59,9 @@ def _rank(rank: int, size: int, dev: torch.device, control, a) -> dict:
     from woq.kernels.options import DecodeStepOptions, RuntimeOptions
     from woq.kernels.peer_all_reduce import PeerAllReduce
     from woq.kernels.timing import measure_copy_bandwidth
-    from woq.models.builder import QuantConfig
     from woq.models.kv_cache import KVCache
     from woq.models.loader import load_model
+    from woq.models.quant_config import QuantConfig
     from woq.models.sharding import TensorParallel
 
     class Skipped(TensorParallel):  # (the step's shapes, no communication)

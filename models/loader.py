@@ -20,7 +20,7 @@ import torch
 
 from ..kernels.options import RuntimeOptions
 from . import quant_cache
-from .builder import QuantConfig, build_model
+from .builder import build_model
 from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
 from .fetch import DEFAULT_MODEL, fetch_default_model
@@ -28,6 +28,7 @@ from .gguf_tensors import GgufTensors
 from .importers import import_quantized, quantization_config
 from .lazy_tensors import LazyTensors
 from .llama import CausalLM
+from .quant_config import QuantConfig
 from .sharding import TensorParallel
 
 log = logging.getLogger("woq.models")

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..kernels.layout import LAYOUT_VERSION
-from .builder import QuantConfig
 from .checkpoint import FORMAT_VERSION, save_checkpoint
+from .quant_config import QuantConfig
 
 log = logging.getLogger("woq.models")
 

@@ -15,10 +15,11 @@ import torch
 
 from ..kernels.format import QuantSpec
 from ..kernels.gptq import gptq_quantize
-from .builder import QuantConfig, build_model
 from .batches import Causal
+from .builder import build_model
 from .llama import CausalLM
 from .progress import progress as progress_of
+from .quant_config import QuantConfig
 from .quant_linear import DenseLinear, WeightOnlyLinear
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "wikitext-2" / "valid.txt"  # (shipped, as DEFAULT_TEXT)

@@ -17,7 +17,7 @@ from ..models.fetch import DEFAULT_MODEL
 if TYPE_CHECKING:  # (torch and the model code load only when a command runs: a fast --help)
     import torch
 
-    from ..models.builder import QuantConfig
+    from ..models.quant_config import QuantConfig
 
 
 
@@ -54,13 +54,13 @@ class ModelSettings(BaseSettings):
     @field_validator("group_size")
     @classmethod
     def _group(cls, v: int | None) -> int | None:
-        from ..models.builder import QuantConfig
+        from ..models.quant_config import QuantConfig
 
         QuantConfig(group_size=v)  # raises a clear message for unsupported sizes
         return v
 
     def quant_config(self) -> QuantConfig:
-        from ..models.builder import QuantConfig
+        from ..models.quant_config import QuantConfig
 
         return QuantConfig(self.quant, self.group_size, self.sym, self.quantize_lm_head)
 

@@ -44,7 +44,8 @@ def random_llama(dtype: torch.dtype, device: str, max_seq_len: int, quant: str =
     (None: the mode's default); ``options``: the ``RuntimeOptions`` it is built with."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from woq.models.builder import QuantConfig, build_model
+    from woq.models.builder import build_model
+    from woq.models.quant_config import QuantConfig
 
     base = dict(vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=max_seq_len, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -68,8 +69,8 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_int4(smollm2_dir):
-    from woq.models.builder import QuantConfig
     from woq.models.loader import load_model
+    from woq.models.quant_config import QuantConfig
 
     return load_model(str(smollm2_dir), QuantConfig("int4"), device="cpu", max_seq_len=1024, progress=False)
 

@@ -14,10 +14,10 @@ from quant_fixtures import awq_tensors, gptq_tensors, write_quantized_checkpoint
 from woq.kernels import reference
 from woq.kernels.format import QuantSpec, quantize
 from woq.kernels.gptq import gptq_quantize
-from woq.models.builder import QuantConfig
 from woq.models.checkpoint import WEIGHTS, save_checkpoint
 from woq.models.importers import CheckpointError
 from woq.models.loader import load_model, read_checkpoint
+from woq.models.quant_config import QuantConfig
 from woq.models.quant_linear import WeightOnlyLinear
 from woq.models.quantize import quantize_model
 

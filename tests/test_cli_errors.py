@@ -24,10 +24,28 @@ def test_a_model_path_that_does_not_exist():
     assert_one_line_error(woq("serve", "--model", "/nonexistent/model"), "/nonexistent/model")
 
 
-@pytest.mark.parametrize("flag, value", [("--quant", "int3"), ("--port", "99999"), ("--device", "gpu"),
-                                         ("--group-size", "48")])
+BAD_FLAGS = [("--quant", "int3"), ("--port", "99999"), ("--device", "gpu"), ("--group-size", "48")]
+
+
+@pytest.mark.parametrize("flag, value", BAD_FLAGS)
 def test_a_bad_flag_value_names_the_flag(flag, value):
     assert_one_line_error(woq("serve", flag, value), flag, value)
+
+
+def test_a_bad_flag_is_answered_without_loading_torch():
+    """Flags are checked before anything imports torch (seconds that a typo's answer need
+    not wait for): each bad flag ends with status 2 and its one line, torch never loaded."""
+    code = ("import sys\nfrom woq.cli import app\n"
+            f"for flag, value in {BAD_FLAGS!r}:\n"
+            "    try:\n        app(['serve', flag, value])\n    except SystemExit as exc:\n"
+            "        assert exc.code == 2, exc.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "no torch", r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == len(BAD_FLAGS), r.stderr
+    for line, (flag, value) in zip(lines, BAD_FLAGS):
+        assert line.startswith(f"woq: error: {flag}: ") and value in line, line
 
 
 def test_a_file_that_is_not_gguf(tmp_path):

@@ -23,8 +23,9 @@ def test_readme_metrics_table_matches_exported_metrics(tmp_path):
 
     from conftest import tiny_hf_checkpoint
     from woq.engine.engine import Engine
-    from woq.models.builder import QuantConfig, build_model
+    from woq.models.builder import build_model
     from woq.models.loader import read_safetensors
+    from woq.models.quant_config import QuantConfig
     from woq.service.metrics import Metrics
 
     path = tiny_hf_checkpoint(tmp_path)

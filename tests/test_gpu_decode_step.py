@@ -280,8 +280,9 @@ def _tp_rank(rank: int, size: int, port: int, ckpt: str, out: str) -> None:
     from woq.kernels import build
     from woq.kernels.options import RuntimeOptions
     from woq.kernels.peer_all_reduce import PeerAllReduce
-    from woq.models.builder import QuantConfig, build_model
+    from woq.models.builder import build_model
     from woq.models.loader import read_safetensors
+    from woq.models.quant_config import QuantConfig
     from woq.models.sharding import TensorParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")

@@ -9,9 +9,9 @@ from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
 from woq.kernels import plans
 from woq.kernels.observe import KernelTiming
-from woq.models.builder import QuantConfig
 from woq.models.evaluate import DEFAULT_TEXT, perplexity
 from woq.models.loader import load_model
+from woq.models.quant_config import QuantConfig
 from woq.models.quant_linear import WeightOnlyLinear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

@@ -10,8 +10,8 @@ import torch
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
 from woq.models.batches import Prefill
-from woq.models.builder import QuantConfig
 from woq.models.loader import load_model
+from woq.models.quant_config import QuantConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -10,8 +10,8 @@ from conftest import tiny_hf_checkpoint
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
 from woq.kernels import reference
-from woq.models.builder import QuantConfig
 from woq.models.loader import load_model
+from woq.models.quant_config import QuantConfig
 from woq.models.quant_linear import WeightOnlyLinear
 
 VOCAB = 49152  # SmolLM2's tokenizer is copied into the tiny checkpoints

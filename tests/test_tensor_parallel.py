@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from woq.models.batches import Decode, Prefill
-from woq.models.builder import QuantConfig, build_model
+from woq.models.builder import build_model
 from woq.models.kv_cache import KVCache
+from woq.models.quant_config import QuantConfig
 from woq.models.sharding import TensorParallel
 
 from conftest import tiny_hf_checkpoint

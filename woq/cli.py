@@ -83,9 +83,9 @@ class Quantize(BaseSettings):
 
         import torch
 
-        from woq.models.builder import QuantConfig
         from woq.models.checkpoint import save_checkpoint
         from woq.models.loader import read_checkpoint, resolve_device, resolve_source
+        from woq.models.quant_config import QuantConfig
         from woq.models.quantize import quantize_model
 
         t0 = time.perf_counter()
@@ -165,18 +165,22 @@ def _flag_errors(exc) -> str:
     return "; ".join(parts)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that are a user's mistake (a bad flag, path, model file or device), shown as
-    one line. Anything else is a bug and keeps its traceback."""
+def _is_user_error(exc: Exception) -> bool:
+    """Whether ``exc`` is a user's mistake (a bad flag, path, model file or device), shown as
+    one line. Anything else is a bug and keeps its traceback. A bad flag is told apart
+    before the modules of the other mistakes are imported: they import torch, seconds a
+    flag's error need not wait for (by the time one of theirs is raised, they are in)."""
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
+    if isinstance(exc, (ValidationError, SettingsError)):
+        return True
     from woq.models.importers import CheckpointError
     from woq.models.loader import DeviceError, ModelSourceError
     from woq.models.sharding import ShardError
     from woq.service.server import PortInUseError
 
-    return ValidationError, SettingsError, CheckpointError, DeviceError, ModelSourceError, PortInUseError, ShardError
+    return isinstance(exc, (CheckpointError, DeviceError, ModelSourceError, PortInUseError, ShardError))
 
 
 def app(argv: list[str] | None = None) -> None:
@@ -190,7 +194,7 @@ def app(argv: list[str] | None = None) -> None:
     try:
         CliApp.run(Woq, cli_args=argv)
     except Exception as exc:  # (not SystemExit: --help imports nothing more)
-        if debug or not isinstance(exc, _user_errors()):
+        if debug or not _is_user_error(exc):
             raise
         from pydantic import ValidationError
 
