@@ -1,7 +1,6 @@
 """Build our ``CausalLM`` from a Hugging Face state dict, quantizing linear layers on load."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
