@@ -76,14 +76,23 @@ class _Cursor:
 
 def read_header(path: Path) -> GgufHeader:
     """The metadata scalars and tensor table of the GGUF file at ``path``, its tensors'
-    data mapped read-only (``ValueError`` for what is not a little-endian GGUF v2/v3)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
-
+    data mapped read-only (``ValueError`` for what is not a little-endian GGUF v2/v3, or a
+    header cut short)."""
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mm))
     if bytes(mm[:4]) != b"GGUF":
         raise ValueError(f"{path}: no GGUF magic bytes")
+    try:
+        fields, table, end = _walk(_Cursor(memoryview(mm)), path)
+    except struct.error as exc:  # (a read past the end)
+        raise ValueError(f"{path}: the GGUF header is cut short") from exc
+    return _tensors(mm, fields, table, end)
+
+
+def _walk(cur: _Cursor, path: Path) -> tuple[dict[str, object], list[tuple], int]:
+    """The scalar fields, the tensor table (name, dimensions, type, offset) and where the
+    header ends."""
+    from gguf import GGMLQuantizationType
+
     cur.at = 4
     version = cur.take("I")
     if version not in (2, 3):  # (a big-endian file reads as a huge version here)
@@ -106,8 +115,16 @@ def read_header(path: Path) -> GgufHeader:
         name = cur.string()
         dims = tuple(cur.take("Q") for _ in range(cur.take("I")))
         table.append((name, dims, GGMLQuantizationType(cur.take("I")), cur.take("Q")))
+    return fields, table, cur.at
+
+
+def _tensors(mm: np.memmap, fields: dict[str, object], table: list[tuple], end: int) -> GgufHeader:
+    """The header, its tensors' data mapped from where the data section starts."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
     alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
-    start = -(-cur.at // alignment) * alignment
+    start = -(-end // alignment) * alignment
     typed = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
              GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
              GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,

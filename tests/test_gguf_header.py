@@ -69,7 +69,7 @@ def test_fields_and_tensors_are_gguf_readers(tmp_path, alignment):
         assert np.array_equal(got.data, ref.data), got.name
 
 
-def test_what_is_not_a_little_endian_gguf_is_refused(tmp_path):
+def test_what_is_not_a_whole_little_endian_gguf_is_refused(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="no GGUF magic"):
@@ -78,3 +78,8 @@ def test_what_is_not_a_little_endian_gguf_is_refused(tmp_path):
     big.write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(56))
     with pytest.raises(ValueError, match="big-endian"):
         read_header(big)
+    cut = tmp_path / "cut.gguf"
+    _write(cut, 32)
+    cut.write_bytes(cut.read_bytes()[:200])  # (inside the metadata)
+    with pytest.raises(ValueError, match="cut short"):
+        read_header(cut)
