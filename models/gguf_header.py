@@ -2,11 +2,11 @@
 
 gguf-py's ``GGUFReader`` builds a numpy view for every element of every metadata array:
 a tokenizer's vocabulary, scores, token types and merges are ~150,000 of them in the
-default model's file, and a parse takes ~10 s of CPU. Loading weights needs none of the
-arrays, only the scalars (the architecture, the alignment) and the tensor table, so this
-reader walks the header with ``struct`` and skips each array by its length (a string
-array element by element: each string says its own length), then maps the tensors as
-gguf-py does (its quantization sizes and byte shapes).
+default model's file, and a parse takes seconds of CPU (docs/design/ci.md). Loading
+weights needs none of the arrays, only the scalars (the architecture, the alignment) and
+the tensor table, so this reader walks the header with ``struct`` and skips each array
+by its length (a string array element by element: each string says its own length),
+then maps the tensors as gguf-py does (its quantization sizes and byte shapes).
 
 The layout (GGUF v2/v3, little-endian): magic ``GGUF``, version u32, tensor count u64,
 metadata count u64; each metadata entry a key (u64 length + UTF-8), a value type u32 and
@@ -22,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF metadata value types -> struct format of a scalar of that type
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# GGUF metadata value types (gguf-py's ``GGUFValueType``, not imported here: the loader
+# imports this module) -> the struct format of a scalar of that type
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",  # UINT8 .. BOOL
+            10: "Q", 11: "q", 12: "d"}  # UINT64, INT64, FLOAT64
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 

@@ -34,7 +34,7 @@ class GgufTensors(TakenTensors):
     def __init__(self, path: Path, config):
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-        header = read_header(path)  # (not gguf-py's reader: 6-10 s a parse, gguf_header.py)
+        header = read_header(path)  # (not gguf-py's reader, which parses every array: gguf_header.py)
         arch_name = header.fields["general.architecture"]
         arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
         if arch is None:
