@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.options import RuntimeOptions
 from .batches import TILE_TOKENS, Batch, Causal, Prefill
@@ -27,6 +26,19 @@ from .kv_cache import KVCache
 # again and again. Flash attention has no such set-up; memory-efficient attention and the
 # math kernel are the fallbacks (and the CPU's).
 _PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def end_aligned_causal(n: int, total: int, device: torch.device):
+    """SDPA's mask for n queries that are the last n of ``total`` keys (causal, aligned to
+    the end). On CUDA torch's ``CausalBias``, which SDPA runs in flash or memory-efficient
+    attention without building a mask. Elsewhere SDPA would only turn it into this same
+    boolean mask, and ``torch.nn.attention.bias`` imports ``torch._dynamo`` as it loads,
+    ~1.5 s of every CPU process's start (``docs/design/ci.md``): imported on CUDA only."""
+    if device.type != "cuda":
+        return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(n, total)
 
 
 class Rotary(nn.Module):
@@ -139,7 +151,7 @@ class PrefillAttention(_Attention):
             if tiled and c.tokens < b.dense_from:
                 continue  # (the kernel's)
             n, p = c.tokens, c.start
-            causal = {"is_causal": True} if p == 0 else {"attn_mask": causal_lower_right(n, p + n)}
+            causal = {"is_causal": True} if p == 0 else {"attn_mask": end_aligned_causal(n, p + n, qt.device)}
             k, v = self.cache.read(layer, c.slot, p + n)
             o = F.scaled_dot_product_attention(qt[None, :, c.row:c.row + n], k, v, enable_gqa=H != self.h.kv_heads,
                                                **causal)

@@ -75,6 +75,14 @@ def test_debug_shows_the_traceback():
     assert r.returncode != 0 and "Traceback" in r.stderr and "ModelSourceError" in r.stderr
 
 
+def test_the_server_loads_without_torchs_compiler_stack():
+    """``torch._dynamo`` (imported by ``torch.nn.attention.bias``) adds ~1.5 s to every CPU
+    process that starts a server; nothing the server imports should pull it in."""
+    code = "import sys, woq.service.server\nprint('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "no dynamo", r.stdout + r.stderr
+
+
 def test_help_describes_every_subcommand_without_loading_torch():
     """`woq --help` and `woq serve --help` import neither torch nor the model code (they answer
     in a fraction of a second), list each subcommand with its description, and show

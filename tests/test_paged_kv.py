@@ -8,6 +8,7 @@ import torch
 
 from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
+from woq.models.attention import end_aligned_causal
 from woq.models.batches import Decode, Prefill
 from woq.models.kv_cache import KVCache
 
@@ -23,6 +24,17 @@ def _shuffled_cache(cfg, rows: int, max_len: int, seed: int) -> KVCache:
     for r in range(rows):
         cache.assign(r, 0, blocks[r * cache.blocks_per_row:(r + 1) * cache.blocks_per_row])
     return cache
+
+
+@pytest.mark.parametrize("n, total", [(1, 1), (1, 9), (5, 5), (3, 17), (16, 40)])
+def test_a_chunks_cpu_mask_is_what_sdpa_makes_of_torchs_lower_right_causal_bias(n, total):
+    """A chunk after cached positions: on the CPU the prefill builds its own boolean mask
+    (sparing the import of ``torch.nn.attention.bias``); it must be the mask SDPA
+    materializes from torch's lower-right causal bias."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    expected = causal_lower_right(n, total)._materialize(torch.device("cpu"))
+    assert torch.equal(end_aligned_causal(n, total, torch.device("cpu")), expected)
 
 
 def test_paged_attention_through_shuffled_tables_equals_contiguous_blocks_and_a_cacheless_forward(smollm2_int4):
