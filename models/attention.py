@@ -129,6 +129,13 @@ class PrefillAttention(_Attention):
     ``kernels/chunk_attention.py``); every other chunk is one SDPA call over its keys
     gathered from the blocks into one contiguous run."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.cache.k.is_cuda:
+            # (the bias ``end_aligned_causal`` takes on CUDA, and torch._dynamo with it: imported
+            # with the first prefill -- at start-up where graphs are captured -- rather than
+            # by the first chunk after cached positions, in the middle of serving)
+            import torch.nn.attention.bias  # noqa: F401
 
     def context(self):
         return sdpa_kernel(_PREFILL_BACKENDS)
