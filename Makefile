@@ -44,8 +44,8 @@ compile-cuda: $(CUDA_SOURCES:kernels/csrc/%.cu=build/cuda-check/%.o)
 # their registers (info C7517); in the mixed GEMM's main loop that drained the tensor cores
 # at every stage (gemm.cuh), so a C7517 fails the check. That report describes optimized
 # code (unoptimized, every configuration waits), so the mixed GEMM's sources are checked at
-# -O3; the others at -O0 through cicc and ptxas, which finds the same errors in 35-60 % of
-# the time on the GEMVs (docs/design/ci.md).
+# -O3; the others at -O0 through cicc and ptxas, which finds the same errors in much less
+# time on the GEMVs (docs/design/ci.md).
 CHECK_OPT = $(if $(filter gemm_%,$*),-O3,-O0 -Xcicc -O0 -Xptxas -O0)
 
 build/cuda-check/%.o: kernels/csrc/%.cu kernels/csrc/*.cuh kernels/csrc/*.h

@@ -182,7 +182,7 @@ def clip_search_params(
     best_s = torch.zeros(g.shape[:2], device=w.device)
     best_z = torch.zeros(g.shape[:2], device=w.device)
     # (the ranges once; each step scales them. The error is worked out in one buffer, in
-    # place: a new tensor for each of its ~10 element-wise ops cost as much as the ops)
+    # place: a new tensor for each element-wise op costs about as much as the op)
     if spec.symmetric:
         absmax = g.abs().amax(-1)
         z = torch.full_like(absmax, midpoint(spec.bits))
@@ -198,8 +198,8 @@ def clip_search_params(
             s = ((hi - lo) / qmax).clamp(min=1e-10)
             z = torch.round(-lo / s).clamp(0, qmax)
         # e = |(q - z) s - g|^norm, q = clamp(round(g / s + z)). The power is exp(norm *
-        # log|.|) (0 gives exp(-inf) = 0): torch's pow with a fractional exponent is scalar
-        # code on the CPU, ~3x the two vectorized calls (docs/design/ci.md)
+        # log|.|) (0 gives exp(-inf) = 0): torch's pow with a fractional exponent runs
+        # scalar code on the CPU, slower than the two vectorized calls (docs/design/ci.md)
         torch.div(g, s[..., None], out=e)
         e.add_(z[..., None]).round_().clamp_(lo_q, qmax)
         e.sub_(z[..., None]).mul_(s[..., None]).sub_(g).abs_().log_().mul_(norm).exp_()

@@ -28,17 +28,12 @@ from .kv_cache import KVCache
 _PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def end_aligned_causal(n: int, total: int, device: torch.device):
-    """SDPA's mask for n queries that are the last n of ``total`` keys (causal, aligned to
-    the end). On CUDA torch's ``CausalBias``, which SDPA runs in flash or memory-efficient
-    attention without building a mask. Elsewhere SDPA would only turn it into this same
-    boolean mask, and ``torch.nn.attention.bias`` imports ``torch._dynamo`` as it loads,
-    ~1.5 s of every CPU process's start (``docs/design/ci.md``): imported on CUDA only."""
-    if device.type != "cuda":
-        return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(n, total)
+def end_aligned_causal(n: int, total: int, device: torch.device) -> torch.Tensor:
+    """The boolean mask of n queries that are the last n of ``total`` keys (causal, aligned
+    to the end): what SDPA makes of torch's lower-right ``CausalBias`` where no fused kernel
+    takes it, built here so that the CPU never imports ``torch.nn.attention.bias``, which
+    imports ``torch._dynamo`` as it loads (``docs/design/ci.md``)."""
+    return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
 
 
 class Rotary(nn.Module):
@@ -131,11 +126,17 @@ class PrefillAttention(_Attention):
 
     def __init__(self, *args):
         super().__init__(*args)
+        # SDPA's mask for a chunk after cached positions, chosen by the pass's device. On
+        # CUDA torch's CausalBias, which flash or memory-efficient attention run without a
+        # mask; importing it imports torch._dynamo, so that happens here, with the first
+        # prefill (at start-up where graphs are captured), not in the middle of serving.
         if self.cache.k.is_cuda:
-            # (the bias ``end_aligned_causal`` takes on CUDA, and torch._dynamo with it: imported
-            # with the first prefill -- at start-up where graphs are captured -- rather than
-            # by the first chunk after cached positions, in the middle of serving)
-            import torch.nn.attention.bias  # noqa: F401
+            from torch.nn.attention.bias import causal_lower_right
+
+            self.end_mask = causal_lower_right
+        else:
+            device = self.cache.k.device
+            self.end_mask = lambda n, total: end_aligned_causal(n, total, device)
 
     def context(self):
         return sdpa_kernel(_PREFILL_BACKENDS)
@@ -158,7 +159,7 @@ class PrefillAttention(_Attention):
             if tiled and c.tokens < b.dense_from:
                 continue  # (the kernel's)
             n, p = c.tokens, c.start
-            causal = {"is_causal": True} if p == 0 else {"attn_mask": end_aligned_causal(n, p + n, qt.device)}
+            causal = {"is_causal": True} if p == 0 else {"attn_mask": self.end_mask(n, p + n)}
             k, v = self.cache.read(layer, c.slot, p + n)
             o = F.scaled_dot_product_attention(qt[None, :, c.row:c.row + n], k, v, enable_gqa=H != self.h.kv_heads,
                                                **causal)
