@@ -55,22 +55,21 @@ def fetch_default_gguf(root: Path | None = None) -> Path:
     return gguf
 
 
-def convert_gguf_to_hf(gguf: Path, out: Path) -> Path:
+def convert_gguf_to_hf(gguf: Path, out: Path, cache: Path | None = None) -> Path:
     """Write ``gguf`` as a Hugging Face directory: its config and tokenizer through
-    transformers' GGUF loader, its weights dequantized to fp32 by ``GgufTensors`` (the values
+    transformers' GGUF loader (kept in ``cache`` too, for loads of the GGUF file itself:
+    ``gguf_config_cache.py``), its weights dequantized to fp32 by ``GgufTensors`` (the values
     transformers' loader gives, tests/test_gguf_tensors.py). transformers' two reads each
     parse the file's metadata, slow for a large vocabulary; ``GgufTensors`` reads only the
     header's scalars and tensor table, and building transformers' model for the weights
     would parse it twice more (times: docs/design/ci.md)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
 
+    from .gguf_config_cache import config_and_tokenizer
     from .gguf_tensors import GgufTensors
 
-    kw = dict(gguf_file=gguf.name, local_files_only=True)
     print(f"converting {gguf.name} to a Hugging Face directory (once) ...", file=sys.stderr, flush=True)
-    config = AutoConfig.from_pretrained(gguf.parent, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    config, tokenizer = config_and_tokenizer(gguf, cache)
     tensors = GgufTensors(gguf, config)
     state = {name: tensors.pop(name).contiguous() for name in tensors.keys()}
     if getattr(config, "tie_word_embeddings", False):
@@ -88,7 +87,8 @@ def convert_gguf_to_hf(gguf: Path, out: Path) -> Path:
 
 def fetch_default_model(root: Path | None = None) -> Path:
     """The default model as a Hugging Face directory in the cache, fetched on first use."""
+    root = root or default_cache_dir()
     out = default_model_dir(root)
     if (out / "model.safetensors").exists():
         return out
-    return convert_gguf_to_hf(fetch_default_gguf(root), out)
+    return convert_gguf_to_hf(fetch_default_gguf(root), out, root)

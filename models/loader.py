@@ -3,8 +3,8 @@
 Accepted sources:
 * ``smollm2-135m-instruct`` (the default): fetched once into the cache (``models/fetch.py``);
 * a Hugging Face directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer;
-* a ``.gguf`` file: its config and tokenizer through transformers' ``gguf_file=`` loader,
-  its tensors read one by one as the builder takes them (``models/gguf_tensors.py``).
+* a ``.gguf`` file: its config and tokenizer through transformers' ``gguf_file=`` loader
+  (kept in the cache after the first load: ``gguf_config_cache.py``), its tensors read one by one as the builder takes them (``models/gguf_tensors.py``).
 Nothing is ever fetched from a model hub.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.options import RuntimeOptions
-from . import quant_cache
+from . import gguf_config_cache, quant_cache
 from .builder import build_model
 from .checkpoint import describe, is_woq_checkpoint, read_metadata
 from .checkpoint import read_checkpoint as read_woq
@@ -83,22 +83,24 @@ def read_safetensors(directory: Path) -> LazyTensors:
     return LazyTensors([directory / f for f in files])
 
 
-def read_checkpoint(directory: Path, gguf_file: str | None):
+def read_checkpoint(directory: Path, gguf_file: str | None, cache: Path | None = None):
     """HF config, tokenizer, state dict (HF tensor names; from safetensors files a
     ``LazyTensors``, from a GGUF file a ``GgufTensors``: each tensor read as the builder
     takes it) and the already quantized linears (a woq checkpoint's, or a GPTQ/AWQ
-    checkpoint's imported) from local files."""
+    checkpoint's imported) from local files. A GGUF file's config and tokenizer are kept
+    in ``cache`` (``gguf_config_cache.py``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    kw = dict(local_files_only=True)
     if gguf_file:
-        kw["gguf_file"] = gguf_file
         with open(directory / gguf_file, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ModelSourceError(f"{directory / gguf_file} is not a GGUF file (no GGUF magic bytes at its start)")
     try:
-        config = AutoConfig.from_pretrained(directory, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
+        if gguf_file:
+            config, tokenizer = gguf_config_cache.config_and_tokenizer(directory / gguf_file, cache)
+        else:
+            config = AutoConfig.from_pretrained(directory, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:  # transformers' word for a directory it cannot read
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(f"cannot read the model in {directory / (gguf_file or '')}: {first}") from exc
@@ -161,7 +163,7 @@ def load_model(
         cached = quant_cache.entry(directory, gguf_file, quant, dtype, options.cache_dir, model_name(model))
         if is_woq_checkpoint(cached):
             directory, gguf_file = cached, None  # quantized before: read, not quantized again
-    config, tokenizer, state, quantized = read_checkpoint(directory, gguf_file)
+    config, tokenizer, state, quantized = read_checkpoint(directory, gguf_file, options.cache_dir)
     from .config import ArchConfig
 
     limit = ArchConfig.from_hf(config).context_limit

@@ -39,13 +39,14 @@ def _build(ckpt, tp, quantize_lm_head=False, lazy=False):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from woq.kernels.options import default_cache_dir
     from woq.models.checkpoint import is_woq_checkpoint, read_checkpoint
     from woq.models.importers import import_quantized, quantization_config
     from woq.models.loader import read_checkpoint as read_source
     from woq.models.loader import read_safetensors
 
-    if ckpt.suffix == ".gguf":
-        config, _, state, quantized = read_source(ckpt.parent, ckpt.name)
+    if ckpt.suffix == ".gguf":  # (its config and tokenizer kept in the cache, as a server's are)
+        config, _, state, quantized = read_source(ckpt.parent, ckpt.name, default_cache_dir())
     else:
         config, quantized = AutoConfig.from_pretrained(ckpt), {}
         if is_woq_checkpoint(ckpt):

@@ -83,6 +83,7 @@ class Quantize(BaseSettings):
 
         import torch
 
+        from woq.kernels.options import default_cache_dir
         from woq.models.checkpoint import save_checkpoint
         from woq.models.loader import read_checkpoint, resolve_device, resolve_source
         from woq.models.quant_config import QuantConfig
@@ -90,7 +91,7 @@ class Quantize(BaseSettings):
 
         t0 = time.perf_counter()
         directory, gguf = resolve_source(self.model)
-        config, tokenizer, state, quantized = read_checkpoint(directory, gguf)
+        config, tokenizer, state, quantized = read_checkpoint(directory, gguf, default_cache_dir())
         if quantized:
             raise SystemExit(f"{self.model} is already quantized")
         if self.bits not in (4, 8):
