@@ -52,35 +52,45 @@ def gptq_quantize(
     H += damp * torch.mean(torch.diag(H)) * torch.eye(K, device=H.device)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
+    # The loop works on Wᵀ (a column of W is a contiguous row) and with the diagonal of
+    # each block's Hinv and the column order as Python numbers: on the CPU a strided column
+    # costs several times a row, and a scalar read from a tensor costs an op (on a GPU, a
+    # sync). Each column's values are computed by the same ops as on W.
     groups = math.ceil(K / G)
-    scales = torch.zeros(N, groups, device=W.device)
-    zeros = torch.zeros(N, groups, device=W.device)
-    codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
+    scales_t = torch.zeros(groups, N, device=W.device)  # (dynamic groups; transposed like Wᵀ)
+    zeros_t = torch.zeros(groups, N, device=W.device)
+    if act_order:
+        scales_t, zeros_t = static_s.T.contiguous(), static_z.T.contiguous()
+    codes_t = torch.empty(K, N, device=W.device)  # (integral values, uint8 at the end)
     qmax = (1 << spec.bits) - 1
     lo = 1 if (spec.bits == 8 and spec.symmetric) else 0
+    Wt = W.T.contiguous()
+    order = perm.tolist()
+    update = torch.empty(min(block_size, K), N, device=W.device)  # (the rank-1 update of a block)
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
+        W1 = Wt[i1:i2].clone()
+        Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
+        diag = Hinv1.diagonal().tolist()
         for i in range(i2 - i1):
-            col = int(perm[i1 + i])  # original column index
+            col = order[i1 + i]  # original column index
             g = col // G
-            if act_order:
-                s, z = static_s[:, g], static_z[:, g]
-            else:
-                if col % G == 0:  # entering a new group: fit it to the error-corrected weights
-                    s_all, z_all = _group_params(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, : min(G, K - col)], spec, clip_search)
-                    scales[:, g], zeros[:, g] = s_all[:, 0], z_all[:, 0]
-                s, z = scales[:, g], zeros[:, g]
-            w = W1[:, i]
-            q = torch.clamp(torch.round(w / s + z), lo, qmax)
-            codes[:, col] = q.to(torch.uint8)
-            err = (w - (q - z) * s) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    if act_order:
-        scales, zeros = static_s, static_z
+            if not act_order and col % G == 0:  # entering a new group: fit it to the error-corrected weights
+                ahead = torch.cat([W1[i:], Wt[i2:]])[: min(G, K - col)].T.contiguous()
+                s_all, z_all = _group_params(ahead, spec, clip_search)
+                scales_t[g], zeros_t[g] = s_all[:, 0], z_all[:, 0]
+            s, z = scales_t[g], zeros_t[g]
+            w, q, err = W1[i], codes_t[col], Err1[i]
+            torch.div(w, s, out=q).add_(z).round_().clamp_(lo, qmax)
+            torch.sub(q, z, out=err).mul_(s)
+            torch.sub(w, err, out=err).div_(diag[i])
+            rest = W1[i:]
+            step = update[: rest.shape[0]]
+            torch.mul(Hinv1[i, i:, None], err[None, :], out=step)
+            rest.sub_(step)
+        Wt[i2:] -= (Err1.T @ Hinv[i1:i2, i2:]).T
+    codes = codes_t.T.contiguous().to(torch.uint8)
+    scales, zeros = scales_t.T.contiguous(), zeros_t.T.contiguous()
     zero_codes = None if spec.symmetric else zeros.round().to(torch.uint8)
     return QuantizedWeight(pack_codes(codes, spec.bits), scales.to(spec.scale_dtype), zero_codes, spec.bits, G, K, N)
