@@ -68,6 +68,8 @@ class RuntimeOptions:
     fused_ops: bool = True
     # Rows of x the dense GEMV takes for an unquantized layer on CUDA (0: cuBLAS only).
     dense_gemv_rows: int = 2
+    # fp32 linears on the CPU through oneDNN (kernels/cpu_linear.py); off: F.linear (MKL).
+    cpu_onednn: bool = True
     decode_step: DecodeStepOptions = field(default_factory=DecodeStepOptions)
     decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
     chunk_attention: ChunkAttentionOptions = field(default_factory=ChunkAttentionOptions)

@@ -9,8 +9,10 @@ place where a call of M rows (batch x tokens) is given its implementation, and
 path               when
 =================  =========================================================================
 ``dense``          unquantized layer (``--quant none``, an unquantized LM head): ``F.linear``
+                   (fp32 on the CPU: oneDNN's, ``cpu_linear.py``)
 ``dense_gemv``     unquantized layer, CUDA, M <= ``RuntimeOptions.dense_gemv_rows``
-``cpu_reference``  quantized layer off CUDA, or without the compiled kernels
+``cpu_reference``  quantized layer off CUDA, or without the compiled kernels: dequantize +
+                   matmul (on the CPU, the weight dequantized once: ``cpu_linear.py``)
 ``gemv``           CUDA, M up to the measured reach (8, 16 or up to 32 rows)
 ``mixed_gemm``     CUDA, from there to the measured crossover: tensor-core GEMM with
                    fused dequantization
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from .cpu_linear import CpuLinear
 from .format import QuantizedWeight
 from .layout import GpuWeight
 from .limits import GEMV_RING, GEMV_STREAM
@@ -82,6 +85,8 @@ class DensePlan:
             from . import ops
 
             self.gemv_rows = min(options.dense_gemv_rows, ops.dense_gemv_max_rows(weight))
+        # (the model's own weight, read where it is: no packed copy)
+        self.linear = CpuLinear(weight, bias, packed=False, enabled=options.cpu_onednn)
 
     def path(self, m: int) -> str:
         return DENSE_GEMV if m <= self.gemv_rows else DENSE
@@ -94,33 +99,35 @@ class DensePlan:
                 return ops.dense_gemv(x, self.weight, self.bias, epilogue is Epilogue.LOGITS)
             y = ops.dense_gemv(x, self.weight, self.bias)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.linear(x)
         return _finish(y, epilogue, False, self.options)
 
 
 class ReferencePlan:
     """A quantized weight off CUDA: torch's dequantize + matmul. With ``cache`` (CPU serving)
-    the dequantized weight is kept: dequantizing every call was 7-15x slower than the matmul."""
+    the dequantized weight is kept, packed for oneDNN in fp32 (``cpu_linear.py``):
+    dequantizing every call was 7-15x slower than the matmul."""
 
     swiglu_rows = False
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, cache: bool, options: RuntimeOptions):
         self.qweight, self.bias, self.cache, self.options = qweight, bias, cache, options
         self.bits = qweight.bits
-        self._dequantized: torch.Tensor | None = None
+        self._linear: CpuLinear | None = None  # (the kept weight, for the dtype it was made in)
+        self._dtype: torch.dtype | None = None
 
     def path(self, m: int) -> str:
         return CPU_REFERENCE
 
-    def _weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if not self.cache:
-            return reference.dequantize(self.qweight, dtype)
-        if self._dequantized is None or self._dequantized.dtype != dtype:
-            self._dequantized = reference.dequantize(self.qweight, dtype)
-        return self._dequantized
-
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
-        y = reference.linear(x, self.qweight, self.bias, weight=self._weight(x.dtype))
+        if not self.cache:
+            y = reference.linear(x, self.qweight, self.bias)
+        else:
+            if self._dtype != x.dtype:
+                self._linear = CpuLinear(reference.dequantize(self.qweight, x.dtype), self.bias, packed=True,
+                                         enabled=self.options.cpu_onednn)
+                self._dtype = x.dtype
+            y = self._linear(x)
         return _finish(y, epilogue, False, self.options)
 
 

@@ -20,17 +20,12 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return ((codes - z) * s).reshape(N, -1)[:, :K].to(dtype)
 
 
-def linear(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ dequantize(qw).T + bias`` in ``x.dtype``.
-
-    ``weight`` may pass an already dequantized copy of ``qw`` (see ``DequantCache``): on CPU,
-    dequantizing on every call was measured 7-15x slower than the dense matmul it feeds, and
-    torch's own CPU int8/int4 kernels slower still, so the CPU path dequantizes once.
-    """
-    w = weight if weight is not None else dequantize(qw, x.dtype)
-    return F.linear(x, w, bias)
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(qw).T + bias`` in ``x.dtype``, dequantizing on every call. (CPU
+    serving dequantizes once and keeps the copy, ``plans.ReferencePlan``: dequantizing on
+    every call was measured 7-15x slower than the dense matmul it feeds, and torch's own CPU
+    int8/int4 kernels slower still.)"""
+    return F.linear(x, dequantize(qw, x.dtype), bias)
 
 
 def gate_and_up(gate_up: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,45 @@
+"""fp32 linear layers on the CPU through oneDNN's matmul instead of torch's ``F.linear``.
+
+torch's ``F.linear`` on the CPU calls MKL's sgemm on the row-major weight. oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for the linears
+of a frozen CPU model) runs the same product 1.3-3x faster at 16-64 rows and on an LM head's
+wide weight, and no slower elsewhere that matters (docs/design/cpu_linear.md has the table).
+
+* ``packed`` (a weight the layer owns, such as a quantized layer's dequantized copy): the
+  weight is reordered once into oneDNN's blocked layout, and the copy is what the layer
+  keeps. Each output row then gets the same bits whatever the number of rows beside it
+  (its sums over K run in the order the blocked layout fixes), so a request's tokens do
+  not depend on the batch it shares; MKL's sgemm rounds rows differently below 10 rows.
+* plain (a weight the model holds, such as an unquantized LM head): oneDNN reads it where
+  it is, without a copy (one row takes oneDNN's matrix-vector path: bits of its own).
+
+Other dtypes, or a torch without oneDNN, keep ``F.linear``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# oneDNN's reorder picks the blocked layout for a typical number of rows; every row count
+# runs on it (16: a decode batch, measured against 1 and 64 in cpu_linear.md).
+ROWS_HINT = 16
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class CpuLinear:
+    """``x @ weight.T + bias`` for 2-D fp32 ``x`` on the CPU (see the module's docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, enabled: bool = True):
+        self.bias = bias
+        self.onednn = enabled and onednn_available() and weight.dtype == torch.float32 and not weight.is_cuda
+        self.weight = weight
+        if self.onednn and packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
