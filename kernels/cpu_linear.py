@@ -34,7 +34,7 @@ class CpuLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, enabled: bool = True):
         self.bias = bias
-        self.onednn = enabled and onednn_available() and weight.dtype == torch.float32 and not weight.is_cuda
+        self.onednn = enabled and onednn_available() and weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.weight = weight
         if self.onednn and packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)

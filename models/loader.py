@@ -4,7 +4,8 @@ Accepted sources:
 * ``smollm2-135m-instruct`` (the default): fetched once into the cache (``models/fetch.py``);
 * a Hugging Face directory: ``config.json`` + ``*.safetensors`` (sharded or not) + tokenizer;
 * a ``.gguf`` file: its config and tokenizer through transformers' ``gguf_file=`` loader
-  (kept in the cache after the first load: ``gguf_config_cache.py``), its tensors read one by one as the builder takes them (``models/gguf_tensors.py``).
+  (kept in the cache after the first load: ``gguf_config_cache.py``), its tensors read one
+  by one as the builder takes them (``models/gguf_tensors.py``).
 Nothing is ever fetched from a model hub.
 """
 from __future__ import annotations
