@@ -2,14 +2,14 @@
 
 torch's ``F.linear`` on the CPU calls MKL's sgemm on the row-major weight. oneDNN's linear
 (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for the linears
-of a frozen CPU model) runs the same product 1.3-3x faster at 16-64 rows and on an LM head's
-wide weight, and no slower elsewhere that matters (docs/design/cpu_linear.md has the table).
+of a frozen CPU model) runs the same product faster at decode batches and on an LM head's
+wide weight (docs/design/cpu_linear.md has the measurements).
 
 * ``packed`` (a weight the layer owns, such as a quantized layer's dequantized copy): the
   weight is reordered once into oneDNN's blocked layout, and the copy is what the layer
   keeps. Each output row then gets the same bits whatever the number of rows beside it
   (its sums over K run in the order the blocked layout fixes), so a request's tokens do
-  not depend on the batch it shares; MKL's sgemm rounds rows differently below 10 rows.
+  not depend on the batch it shares; MKL's sgemm rounds small batches' rows differently.
 * plain (a weight the model holds, such as an unquantized LM head): oneDNN reads it where
   it is, without a copy (one row takes oneDNN's matrix-vector path: bits of its own).
 
@@ -30,7 +30,7 @@ def onednn_available() -> bool:
 
 
 class CpuLinear:
-    """``x @ weight.T + bias`` for 2-D fp32 ``x`` on the CPU (see the module's docstring)."""
+    """``x @ weight.T + bias`` for 2-D ``x`` of the weight's dtype (see the module's docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, enabled: bool = True):
         self.bias = bias
@@ -40,6 +40,6 @@ class CpuLinear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn and x.dtype == torch.float32:
+        if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

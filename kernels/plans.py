@@ -113,8 +113,7 @@ class ReferencePlan:
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, cache: bool, options: RuntimeOptions):
         self.qweight, self.bias, self.cache, self.options = qweight, bias, cache, options
         self.bits = qweight.bits
-        self._linear: CpuLinear | None = None  # (the kept weight, for the dtype it was made in)
-        self._dtype: torch.dtype | None = None
+        self._linear: CpuLinear | None = None  # (the kept weight, in the dtype of the calls so far)
 
     def path(self, m: int) -> str:
         return CPU_REFERENCE
@@ -123,10 +122,9 @@ class ReferencePlan:
         if not self.cache:
             y = reference.linear(x, self.qweight, self.bias)
         else:
-            if self._dtype != x.dtype:
+            if self._linear is None or self._linear.weight.dtype != x.dtype:
                 self._linear = CpuLinear(reference.dequantize(self.qweight, x.dtype), self.bias, packed=True,
                                          enabled=self.options.cpu_onednn)
-                self._dtype = x.dtype
             y = self._linear(x)
         return _finish(y, epilogue, False, self.options)
 
