@@ -402,11 +402,14 @@ def test_packed_prefill_and_next_step_match_an_fp32_cpu_model(dtype):
         assert (ours - ref).abs().mean() <= 1.5 * (theirs - ref).abs().mean() + 1e-3 * scale
 
 
+@pytest.mark.parametrize("dense_from", [1 << 30, 16], ids=["chunk-kernel", "sdpa"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_chunked_prefill_matches_an_fp32_cpu_model(dtype):
+def test_chunked_prefill_matches_an_fp32_cpu_model(dtype, dense_from):
     """A 40-token prompt prefilled in two chunks (16 tokens, then 24 from position 16 packed
     with a whole 7-token prompt: the second chunk attends to the first one's cached keys,
-    causally aligned to its end) gives the last-token logits of an fp32 CPU model."""
+    causally aligned to its end) gives the last-token logits of an fp32 CPU model; the
+    second chunk through the chunk kernel, or through SDPA with torch's end-aligned causal
+    bias (``dense_from`` 16: as chunks of 256 tokens and more are served)."""
     from conftest import random_llama
 
     model = random_llama(dtype, "cuda", 64)
@@ -415,8 +418,8 @@ def test_chunked_prefill_matches_an_fp32_cpu_model(dtype):
     prompt, other = torch.randint(0, 512, (40,), generator=g), torch.randint(0, 512, (7,), generator=g)
     cache = KVCache(cfg.num_layers, 2, cfg.num_kv_heads, 64, cfg.head_dim, dtype, "cuda")
     model(prompt[None, :16].cuda(), Prefill.pack([16], [1], "cuda"), cache, last_only=True)
-    ours = model(torch.cat([prompt[16:], other])[None].cuda(), Prefill.pack([24, 7], [1, 0], "cuda", [16, 0]),
-                 cache, last_only=True).cpu()
+    batch = Prefill.pack([24, 7], [1, 0], "cuda", [16, 0], dense_from=dense_from)
+    ours = model(torch.cat([prompt[16:], other])[None].cuda(), batch, cache, last_only=True).cpu()
     ref = torch.stack([cpu(prompt[None])[0, -1], cpu(other[None])[0, -1]])
     assert (ours - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
 
