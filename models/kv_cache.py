@@ -102,10 +102,15 @@ class KVCache:
         n = math.ceil(length / self.block_size)
         table = self.block_table[rows:rows + 1] if isinstance(rows, int) else self.block_table[rows]
         blocks = table[:, :n].long()  # [B, n]
+        _, _, H, bs, D = self.k.shape
+        B = blocks.shape[0]
+        # One copy: the pool seen as [blocks x heads, bs x D] rows, of which row b H + h holds
+        # head h of block b; taking (for each sequence, head, block) its row in that order
+        # lays the keys out as [B, H, n bs, D] directly (a gather by block, then a transpose
+        # to heads first, copied twice and took ~2x as long on the CPU).
+        rows_of = (blocks[:, None, :] * H + torch.arange(H, device=blocks.device)[None, :, None]).view(-1)
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
-            x = pool[blocks]  # [B, n, Hkv, bs, D]
-            B, _, H, bs, D = x.shape
-            return x.transpose(1, 2).reshape(B, H, n * bs, D)[:, :, :length]
+            return pool.view(-1, bs * D).index_select(0, rows_of).view(B, H, n * bs, D)[:, :, :length]
 
         return gather(self.k[layer]), gather(self.v[layer])
