@@ -106,8 +106,8 @@ class KVCache:
         B = blocks.shape[0]
         # One copy: the pool seen as [blocks x heads, bs x D] rows, of which row b H + h holds
         # head h of block b; taking (for each sequence, head, block) its row in that order
-        # lays the keys out as [B, H, n bs, D] directly (a gather by block, then a transpose
-        # to heads first, copied twice and took ~2x as long on the CPU).
+        # lays the keys out as [B, H, n bs, D] directly (gathering whole blocks, then moving
+        # the heads first, copied them twice: docs/design/kv_cache.md).
         rows_of = (blocks[:, None, :] * H + torch.arange(H, device=blocks.device)[None, :, None]).view(-1)
 
         def gather(pool: torch.Tensor) -> torch.Tensor:

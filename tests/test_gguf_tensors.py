@@ -26,7 +26,7 @@ def reference():
     path = fetch_default_gguf()
     kw = dict(gguf_file=path.name, local_files_only=True)
     config = AutoConfig.from_pretrained(path.parent, **kw)
-    # (given the config, transformers does not parse the file's metadata for it again: ~8 s)
+    # (given the config, transformers does not parse the file's metadata for it again)
     state = AutoModelForCausalLM.from_pretrained(path.parent, config=config, dtype=torch.float32, **kw).state_dict()
     return path, config, state
 
