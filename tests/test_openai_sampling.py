@@ -133,6 +133,7 @@ def test_text_offsets_of_split_characters_are_where_they_begin(client):
 
 def test_penalties_cut_repetition(client):
     from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
 
     def most_repeated(text: str, **kw) -> int:
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=40,
@@ -140,13 +141,16 @@ def test_penalties_cut_repetition(client):
         return max(Counter(c.token for c in r.choices[0].logprobs.content).values())
 
     echo = "Repeat after me: " + "hello " * 10
-    plain = most_repeated(echo)
-    assert plain >= 20  # (the prompt makes the model repeat)
-    assert most_repeated(echo, frequency_penalty=1.5) < plain / 4
-    assert most_repeated(echo, extra_body={"repetition_penalty": 2.0}) < plain / 4
-    # a presence penalty takes a constant off every token seen: less than a frequency penalty's pull
     count = "Count from 1 to 30."
-    assert most_repeated(count, presence_penalty=2.0) < most_repeated(count)
+    asks = [(echo, {}), (echo, dict(frequency_penalty=1.5)), (echo, dict(extra_body={"repetition_penalty": 2.0})),
+            (count, dict(presence_penalty=2.0)), (count, {})]
+    with ThreadPoolExecutor(len(asks)) as pool:  # (sent together: a row's tokens do not depend on its batch)
+        plain, frequency, repetition, presence, counted = pool.map(lambda a: most_repeated(a[0], **a[1]), asks)
+    assert plain >= 20  # (the prompt makes the model repeat)
+    assert frequency < plain / 4
+    assert repetition < plain / 4
+    # a presence penalty takes a constant off every token seen: less than a frequency penalty's pull
+    assert presence < counted
 
 
 def test_out_of_range_sampling_parameters_are_refused(client):
@@ -166,14 +170,18 @@ def test_response_format_json_schema_and_json_object(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
               "required": ["city", "population"], "additionalProperties": False}
-    r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "A big city, as JSON."}], max_tokens=60, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
-    value = json.loads(r.choices[0].message.content)
-    assert r.choices[0].finish_reason == "stop"  # (the grammar ended it)
+    from concurrent.futures import ThreadPoolExecutor
+
+    asks = [("A big city, as JSON.", {"type": "json_schema",
+                                      "json_schema": {"name": "city", "schema": schema, "strict": True}}),
+            ("JSON with a name.", {"type": "json_object"})]
+    with ThreadPoolExecutor(2) as pool:  # (sent together: a row's tokens do not depend on its batch)
+        city, r = pool.map(lambda a: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": a[0]}], max_tokens=60, temperature=0,
+            response_format=a[1]), asks)
+    value = json.loads(city.choices[0].message.content)
+    assert city.choices[0].finish_reason == "stop"  # (the grammar ended it)
     assert set(value) == {"city", "population"} and 0 <= value["population"] <= 99999999
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON with a name."}],
-                                       max_tokens=60, temperature=0, response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:

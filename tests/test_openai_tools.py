@@ -42,17 +42,18 @@ def client(request, smollm2_dir):
 
 
 def test_required_and_named_tool_calls_parse(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=80, temperature=0)
-    choice = r.choices[0]
+    from concurrent.futures import ThreadPoolExecutor
+
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], parallel_tool_calls=False, max_tokens=80, temperature=0)
+    with ThreadPoolExecutor(2) as pool:  # (sent together: a row's tokens do not depend on its batch)
+        required, named = pool.map(lambda choice: client.chat.completions.create(**kw, tool_choice=choice),
+                                   ["required", {"type": "function", "function": {"name": "get_weather"}}])
+    choice = required.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     assert choice.message.tool_calls[0].function.name in ("get_weather", "get_time")
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       parallel_tool_calls=False, temperature=0)
-    assert r.choices[0].finish_reason == "tool_calls"
-    assert all(c.function.name == "get_weather" for c in r.choices[0].message.tool_calls)
-    _check_weather(r.choices[0].message.tool_calls[0])
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert all(c.function.name == "get_weather" for c in named.choices[0].message.tool_calls)
+    _check_weather(named.choices[0].message.tool_calls[0])
 
 
 def test_streamed_tool_call_and_the_answer_to_its_result(client):
@@ -112,10 +113,20 @@ def test_calls_cut_off_by_max_tokens_end_by_length_and_keep_their_text(client):
     (not "tool_calls", which would hide the cut), and the unfinished output comes back whole
     as content: its tokens' bytes (chat logprobs, from the vocabulary) joined, streamed and
     not. (Each format's parser on cut outputs: tests/test_tools.py.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     two = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Tokyo?"}]
     kw = dict(model=MODEL, messages=two, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=45,
               logprobs=True)
-    r = client.chat.completions.create(**kw)
+    with ThreadPoolExecutor(1) as pool:  # (the whole reply asked beside the stream read below)
+        whole = pool.submit(client.chat.completions.create, **kw)
+        streamed, reasons = "", []
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                assert not ch.delta.tool_calls
+                streamed += ch.delta.content or ""
+                reasons.append(ch.finish_reason)
+        r = whole.result()
     choice = r.choices[0]
     assert r.usage.completion_tokens == 45 and choice.finish_reason == "length"
     text = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode()
@@ -123,10 +134,4 @@ def test_calls_cut_off_by_max_tokens_end_by_length_and_keep_their_text(client):
     call, end = json.JSONDecoder().raw_decode(text, text.index("{"))  # a whole first call, then another begun
     assert call["name"] in ("get_weather", "get_time") and "{" in text[end:], text
     assert not text.rstrip().endswith(("}", ">")), text  # (not cut at a call's end)
-    streamed, reasons = "", []
-    for chunk in client.chat.completions.create(**kw, stream=True):
-        for ch in chunk.choices:
-            assert not ch.delta.tool_calls
-            streamed += ch.delta.content or ""
-            reasons.append(ch.finish_reason)
     assert streamed == text and reasons[-1] == "length"
