@@ -167,11 +167,11 @@ def test_out_of_range_sampling_parameters_are_refused(client):
 
 
 def test_response_format_json_schema_and_json_object(client):
+    from concurrent.futures import ThreadPoolExecutor
+
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
               "required": ["city", "population"], "additionalProperties": False}
-    from concurrent.futures import ThreadPoolExecutor
-
     asks = [("A big city, as JSON.", {"type": "json_schema",
                                       "json_schema": {"name": "city", "schema": schema, "strict": True}}),
             ("JSON with a name.", {"type": "json_object"})]
