@@ -106,7 +106,7 @@ class DensePlan:
 class ReferencePlan:
     """A quantized weight off CUDA: torch's dequantize + matmul. With ``cache`` (CPU serving)
     the dequantized weight is kept, packed for oneDNN in fp32 (``cpu_linear.py``):
-    dequantizing every call was 7-15x slower than the matmul."""
+    dequantizing at every call would cost more than the matmul."""
 
     swiglu_rows = False
 

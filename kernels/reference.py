@@ -22,9 +22,9 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(qw).T + bias`` in ``x.dtype``, dequantizing on every call. (CPU
-    serving dequantizes once and keeps the copy, ``plans.ReferencePlan``: dequantizing on
-    every call was measured 7-15x slower than the dense matmul it feeds, and torch's own CPU
-    int8/int4 kernels slower still.)"""
+    serving dequantizes once and keeps the copy, ``plans.ReferencePlan``: dequantizing
+    costs more than the matmul it feeds, and torch's own CPU int8/int4 kernels more still;
+    docs/design/cpu_linear.md.)"""
     return F.linear(x, dequantize(qw, x.dtype), bias)
 
 
