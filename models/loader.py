@@ -84,12 +84,9 @@ def read_safetensors(directory: Path) -> LazyTensors:
     return LazyTensors([directory / f for f in files])
 
 
-def read_checkpoint(directory: Path, gguf_file: str | None, cache: Path | None = None):
-    """HF config, tokenizer, state dict (HF tensor names; from safetensors files a
-    ``LazyTensors``, from a GGUF file a ``GgufTensors``: each tensor read as the builder
-    takes it) and the already quantized linears (a woq checkpoint's, or a GPTQ/AWQ
-    checkpoint's imported) from local files. A GGUF file's config and tokenizer are kept
-    in ``cache`` (``gguf_config_cache.py``)."""
+def _read_config(directory: Path, gguf_file: str | None, cache: Path | None, tokenizer: bool = True):
+    """(HF config, tokenizer or None) from local files; a GGUF file's are kept in ``cache``
+    (``gguf_config_cache.py``), where the tokenizer comes with the config anyway."""
     from transformers import AutoConfig, AutoTokenizer
 
     if gguf_file:
@@ -98,13 +95,27 @@ def read_checkpoint(directory: Path, gguf_file: str | None, cache: Path | None =
                 raise ModelSourceError(f"{directory / gguf_file} is not a GGUF file (no GGUF magic bytes at its start)")
     try:
         if gguf_file:
-            config, tokenizer = gguf_config_cache.config_and_tokenizer(directory / gguf_file, cache)
-        else:
-            config = AutoConfig.from_pretrained(directory, local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            return gguf_config_cache.config_and_tokenizer(directory / gguf_file, cache)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        return config, AutoTokenizer.from_pretrained(directory, local_files_only=True) if tokenizer else None
     except (OSError, ValueError, KeyError) as exc:  # transformers' word for a directory it cannot read
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(f"cannot read the model in {directory / (gguf_file or '')}: {first}") from exc
+
+
+def read_config(model: str, cache: Path | None = None):
+    """The HF config of ``model`` (a name, directory or GGUF file), without its weights:
+    what is checked before the work of a load starts (``models/sharding.check_split``)."""
+    return _read_config(*resolve_source(model, cache), cache, tokenizer=False)[0]
+
+
+def read_checkpoint(directory: Path, gguf_file: str | None, cache: Path | None = None):
+    """HF config, tokenizer, state dict (HF tensor names; from safetensors files a
+    ``LazyTensors``, from a GGUF file a ``GgufTensors``: each tensor read as the builder
+    takes it) and the already quantized linears (a woq checkpoint's, or a GPTQ/AWQ
+    checkpoint's imported) from local files. A GGUF file's config and tokenizer are kept
+    in ``cache`` (``gguf_config_cache.py``)."""
+    config, tokenizer = _read_config(directory, gguf_file, cache)
     quantized: dict = {}
     if gguf_file:
         state = GgufTensors(directory / gguf_file, config)

@@ -182,6 +182,15 @@ def row_shard(linear: ImportedLinear, own: range) -> ImportedLinear:
     return ImportedLinear(shard, torch.cat(local))
 
 
+def check_split(cfg: ArchConfig, size: int) -> None:
+    """Refuse (``ShardError``) a model whose heads or intermediate rows do not split over
+    ``size`` ranks, as each rank's build would (``TensorParallel.local_config``): checked
+    before the ranks start, so that a split the model cannot take ends in one line
+    without N processes loading torch first."""
+    for rank in range(size):
+        TensorParallel(rank, size).local_config(cfg)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: ``rank`` of ``size`` ranks of the

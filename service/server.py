@@ -16,7 +16,9 @@ from ..engine.tensor_parallel import follow
 from ..kernels.build import source_hash
 from ..kernels.observe import KernelTiming
 from ..kernels.timing import copy_bandwidth
-from ..models.loader import LoadedModel, load_model
+from ..models.config import ArchConfig
+from ..models.loader import LoadedModel, load_model, read_config
+from ..models.sharding import check_split
 from .app import ServerState, create_app
 from .config import ModelSettings, ServeSettings
 from .http_guard import HttpGuard, h11_protocol
@@ -178,6 +180,8 @@ def serve(settings: ServeSettings) -> None:
     setup_logging(settings.log_level, settings.log_format)
     follower = settings.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0"  # (started by a launcher)
     sock = None if follower else listen(settings.host, settings.port)
+    if settings.tensor_parallel_size > 1:  # (every rank alike: none is left waiting for one that refused)
+        check_split(ArchConfig.from_hf(read_config(settings.model, settings.cache)), settings.tensor_parallel_size)
     ranks = start_ranks(settings) if settings.tensor_parallel_size > 1 else None
     if ranks is not None and ranks.rank > 0:  # (HTTP and the engine are rank 0's)
         try:

@@ -269,7 +269,8 @@ def test_serve_ends_when_a_rank_dies(tmp_path, smollm2_dir):
 
 def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
     """2 query heads, one a KV head, over 3 ranks (two of which would share a query head):
-    one line naming the problem, exit status 2, and the ranks it started gone."""
+    one line naming the problem, exit status 2, refused before any rank joined a group
+    (``models/sharding.check_split``), and no process of the command left."""
     import subprocess
     import sys
 
@@ -285,6 +286,7 @@ def test_serve_refuses_a_split_the_model_cannot_take(tmp_path, smollm2_dir):
     errors = [line for line in out.stderr.splitlines() if line.startswith("woq: error:")]
     assert errors and all("head" in line for line in errors), out.stderr
     assert "Traceback" not in out.stderr
+    assert "tensor-parallel rank" not in out.stderr  # (the ranks' "joined" lines: none started)
 
     def ranks_left() -> list[str]:  # (any process still running this command, orphaned or not)
         found = []
