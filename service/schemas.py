@@ -174,7 +174,7 @@ def _stops(v: Any) -> Any:
 
 def _logit_bias(v: dict[str, float]) -> dict[str, float]:
     for key, bias in v.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):  # (str.isdigit takes "²", which int() does not)
             raise PydanticCustomError("logit_bias_key", "keys must be token ids (as strings), not '{key}'",
                                       {"key": key})
         if not -100 <= bias <= 100:

@@ -147,14 +147,17 @@ def test_an_integer_is_a_number(server):
 
 def test_top_k_minus_one_is_off_as_in_vllm_and_sglang(server):
     """vLLM's and SGLang's clients send ``top_k: -1`` for no top-k: the tokens of ``top_k: 0``
-    (seeded sampling over the whole vocabulary), and unlike ``top_k: 1`` (greedy); below -1
-    is refused by name."""
+    (seeded sampling over the whole vocabulary), and unlike ``top_k: 1`` (greedy); so is a
+    top-k of the whole vocabulary or more, however large (past 64 bits it had been a 500);
+    below -1 is refused by name."""
     def text(**kw):
         r = _post(server, COMPLETIONS, _completion(max_tokens=12, temperature=1.5, seed=5, **kw))
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    assert text(top_k=-1) == text(top_k=0) != text(top_k=1)
+    vocab = 49152  # (SmolLM2's)
+    assert text(top_k=-1) == text(top_k=0) == text(top_k=vocab) == text(top_k=10 ** 30) != text(top_k=1)
+    assert text(top_k=vocab - 1) != text(top_k=1)
     err = _error(_post(server, COMPLETIONS, _completion(top_k=-2)))
     assert err["param"] == "top_k" and "must be >= -1" in err["message"]
 

@@ -157,7 +157,9 @@ def test_out_of_range_sampling_parameters_are_refused(client):
     import openai
 
     messages = [{"role": "user", "content": "Say yes."}]
+    # ("²" is a digit to str.isdigit, not to int(): it had been a 500)
     for kw, param in [(dict(logit_bias={"abc": 1}), "logit_bias"), (dict(logit_bias={"10": 101}), "logit_bias"),
+                      (dict(logit_bias={"²": 1}), "logit_bias"),
                       (dict(n=17), "n"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
                       (dict(frequency_penalty=2.5), "frequency_penalty"),
                       (dict(response_format={"type": "json_schema"}), "response_format")]:
