@@ -179,7 +179,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
 
 
 def completion_prompt(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    vocab = len(state.tokenizer)
+    # ids the tokenizer can decode and the embedding has a row for (either may be the larger)
+    vocab = min(len(state.tokenizer), state.engine.model.cfg.vocab_size)
     out = []
     for p in req.prompt:
         if isinstance(p, list):

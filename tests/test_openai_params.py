@@ -162,6 +162,16 @@ def test_top_k_minus_one_is_off_as_in_vllm_and_sglang(server):
     assert err["param"] == "top_k" and "must be >= -1" in err["message"]
 
 
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(server):
+    """Token-id prompts: the last id of the vocabulary is served; one past it, a negative
+    one and one past 64 bits are refused by name (400), never a 500."""
+    vocab = 49152  # (SmolLM2's tokenizer and embedding)
+    assert _post(server, COMPLETIONS, _completion(prompt=[[1, vocab - 1]])).status_code == 200
+    for ids in ([1, vocab], [-1], [10 ** 30]):
+        err = _error(_post(server, COMPLETIONS, _completion(prompt=[ids])))
+        assert err["param"] == "prompt" and f"[0, {vocab})" in err["message"], (ids, err)
+
+
 PYDANTIC_WORDS = ("Input should", "list[", "TextPart", "function-", "str]", ".str", "dictionary", "Field required")
 
 
