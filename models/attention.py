@@ -46,13 +46,21 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[B, heads, T, D]`` at ``positions`` ``[B, T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` ``[B, T]``, ``[B, 1, T, D]`` in ``dtype``: what ``rotate``
+        takes (a pass's layers share one gather of them)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, heads, T, D]`` by ``tables``' cos and sin."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, heads, T, D]`` at ``positions`` ``[B, T]``."""
+        return self.rotate(x, *self.tables(positions, x.dtype))
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class _Attention:
         self.batch, self.h, self.rope, self.cache, self.fused = batch, heads, rope, cache, fused
         self.programmatic = options.programmatic_launch
         self.wide, self.walk = options.decode_attention, options.chunk_attention
+        self.shared = None  # what an implementation works out once for all the pass's layers
 
     def context(self):
         """Entered once around a whole forward (switching SDPA backends costs host time)."""
@@ -191,22 +200,40 @@ class TorchDecodeAttention(_Attention):
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         b, B = self.batch, qkv.shape[0]
         H, Hkv, D = self.h.heads, self.h.kv_heads, self.h.head_dim
+        if self.shared is None:
+            self.shared = self._shared(qkv)
+        cos, sin, at = self.shared[:3]
         q, k, v = self.h.split(qkv.view(B, 1, -1))
-        q = self.rope(q.view(B, 1, H, D).transpose(1, 2), b.positions)
-        k = self.rope(k.view(B, 1, Hkv, D).transpose(1, 2), b.positions)
-        self.cache.write(layer, b.slots, b.positions.view(B), k.view(B, Hkv, D), v.view(B, Hkv, D))
+        q = self.rope.rotate(q.view(B, 1, H, D).transpose(1, 2), cos, sin)
+        k = self.rope.rotate(k.view(B, 1, Hkv, D).transpose(1, 2), cos, sin)
+        self.cache.write(layer, b.slots, b.positions.view(B), k.view(B, Hkv, D), v.view(B, Hkv, D), at=at)
         if qkv.is_cuda:
             from ..kernels.decode_attention import decode_attention
 
             out = decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], self.cache.block_table,
                                    b.slots, b.lengths, programmatic=self.programmatic, wide=self.wide)
             return out.reshape(B, H * D)
-        length = int(b.lengths.max())
-        k, v = self.cache.read(layer, b.slots, length)
-        keys = torch.arange(length, device=qkv.device)
-        mask = (keys[None, None, :] <= b.positions[:, :, None]).unsqueeze(1)  # [B, 1, 1, length]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
+        length, index, bias = self.shared[3:]
+        k, v = self.cache.read(layer, b.slots, length, index)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=H != Hkv)
         return out.transpose(1, 2).reshape(B, H * D)
+
+    def _shared(self, qkv: torch.Tensor) -> tuple:
+        """What every layer of the pass uses, worked out once (each is a few small ops, and
+        on the CPU small ops are much of a decode step: docs/design/kv_cache.md): RoPE's
+        tables and where the new keys go; on the CPU also the longest length, ``read``'s
+        index and the mask as the additive bias (0 or -inf) that SDPA would otherwise make
+        of a boolean mask at every call."""
+        b = self.batch
+        cos, sin = self.rope.tables(b.positions, qkv.dtype)
+        at = self.cache.locate(b.slots, b.positions.view(-1))
+        if qkv.is_cuda:
+            return cos, sin, at
+        length = int(b.lengths.max())
+        keys = torch.arange(length, device=qkv.device)
+        visible = (keys[None, None, :] <= b.positions[:, :, None]).unsqueeze(1)  # [B, 1, 1, length]
+        bias = torch.zeros(visible.shape, dtype=qkv.dtype).masked_fill_(~visible, float("-inf"))
+        return cos, sin, at, length, self.cache.read_index(b.slots, length), bias
 
 
 def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused,

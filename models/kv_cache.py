@@ -89,28 +89,38 @@ class KVCache:
         blocks = self.block_table[rows, positions // self.block_size].long()
         return blocks, positions % self.block_size
 
-    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store token rows ``k``/``v`` ``[N, kv_heads, D]`` at ``positions`` ``[N]`` of ``rows`` ``[N]``."""
-        blocks, offsets = self.locate(rows, positions)
+    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store token rows ``k``/``v`` ``[N, kv_heads, D]`` at ``positions`` ``[N]`` of ``rows``
+        ``[N]``; ``at``: ``locate(rows, positions)``, where the caller writes every layer there."""
+        blocks, offsets = self.locate(rows, positions) if at is None else at
         self.k[layer][blocks, :, offsets] = k
         self.v[layer][blocks, :, offsets] = v
 
-    def read(self, layer: int, rows: torch.Tensor | int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: torch.Tensor | int, length: int,
+             index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, kv_heads, length, D]`` of positions ``[0, length)`` of ``rows``
         ``[B]`` (an int: that one row, B = 1), gathered block by block (``length`` a host
-        value: the shapes follow it)."""
+        value: the shapes follow it); ``index``: ``read_index(rows, length)``, where the
+        caller reads every layer at the same rows."""
+        index = self.read_index(rows, length) if index is None else index
+        _, _, H, bs, D = self.k.shape
+        n = math.ceil(length / bs)
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            return pool.view(-1, bs * D).index_select(0, index).view(-1, H, n * bs, D)[:, :, :length]
+
+        return gather(self.k[layer]), gather(self.v[layer])
+
+    def read_index(self, rows: torch.Tensor | int, length: int) -> torch.Tensor:
+        """``read``'s rows of one layer's pool for positions ``[0, length)`` of ``rows``.
+
+        One copy: the pool seen as ``[blocks x heads, bs x D]`` rows, of which row
+        ``b H + h`` holds head h of block b; taking (for each sequence, head, block) its row
+        in that order lays the keys out as ``[B, H, n bs, D]`` directly (gathering whole
+        blocks, then moving the heads first, copied them twice: docs/design/kv_cache.md)."""
         n = math.ceil(length / self.block_size)
         table = self.block_table[rows:rows + 1] if isinstance(rows, int) else self.block_table[rows]
         blocks = table[:, :n].long()  # [B, n]
-        _, _, H, bs, D = self.k.shape
-        B = blocks.shape[0]
-        # One copy: the pool seen as [blocks x heads, bs x D] rows, of which row b H + h holds
-        # head h of block b; taking (for each sequence, head, block) its row in that order
-        # lays the keys out as [B, H, n bs, D] directly (gathering whole blocks, then moving
-        # the heads first, copied them twice: docs/design/kv_cache.md).
-        rows_of = (blocks[:, None, :] * H + torch.arange(H, device=blocks.device)[None, :, None]).view(-1)
-
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            return pool.view(-1, bs * D).index_select(0, rows_of).view(B, H, n * bs, D)[:, :, :length]
-
-        return gather(self.k[layer]), gather(self.v[layer])
+        H = self.k.shape[2]
+        return (blocks[:, None, :] * H + torch.arange(H, device=blocks.device)[None, :, None]).view(-1)
