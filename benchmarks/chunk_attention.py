@@ -10,7 +10,8 @@ memory time is the keys and values the tiles read (each tile its own, a KV head'
 its query heads) at the measured copy bandwidth. Each case is timed with key splits
 chosen by the host, then under each of ``SETTINGS`` (``RuntimeOptions.chunk_attention``, written ``keys/stages[/flags]``:
 keys a step and pipeline stages of the walk; flag ``d`` key splits chosen on the device, ``dN``
-aiming at N programs an SM; ``s`` small tiles on 16 rows), as launched by the engine.
+aiming at N programs an SM, ``rN`` in launches of up to N rows; ``s`` small tiles on 16
+rows), as launched by the engine.
 
 A setting that wins alone still has to win in the step: ``--step`` also times the packed
 steps of an 8B int4 g128 model (random weights, packed-graph replays with programmatic
@@ -47,16 +48,20 @@ CASES = [(0, 16, 1024), (16, 112, 1024), (16, 112, 576), (16, 48, 576), (0, 128,
          (16, 448, 1024), (64, 448, 1024), (64, 320, 576), (0, 512, 1024), (16, 0, 1024), (64, 0, 1024),
          (0, 512, 6144), (16, 112, 6144)]
 # the kernel's settings timed on every case; the first (the default's) is the reference
-SETTINGS = ["64/3", "64/2", "32/3", "64/3/d", "64/3/d1", "64/3/d4", "64/3/s", "64/3/ds"]
+SETTINGS = ["64/3", "64/2", "32/3", "64/3/d", "64/3/dr128", "64/3/d1", "64/3/d4", "64/3/s", "64/3/ds"]
 
 
 def walk_of(setting: str) -> ChunkAttentionOptions:
-    """The options a setting ``keys/stages[/flags]`` names (flags: ``d[N]``, ``s``)."""
+    """The options a setting ``keys/stages[/flags]`` names (flags: ``d[N]``, ``rN``, ``s``)."""
     keys, stages, *flags = setting.split("/")
     flag = flags[0] if flags else ""
-    device = re.search(r"d(\d*)", flag)
+    device, rows = re.search(r"d(\d*)", flag), re.search(r"r(\d+)", flag)
+    default = ChunkAttentionOptions()
     return ChunkAttentionOptions(int(keys), int(stages), device_splits=device is not None,
-                                 programs_per_sm=int(device.group(1) or 2) if device else 2, small_tiles="s" in flag)
+                                 programs_per_sm=int(device.group(1) or default.programs_per_sm) if device
+                                 else default.programs_per_sm,
+                                 device_split_rows=int(rows.group(1)) if rows else default.device_split_rows,
+                                 small_tiles="s" in flag)
 
 
 STEP_CASES = ["16+112", "16+448", "64+64", "64+448", "0+128", "0+512"]  # packed steps: B decode + T prompt tokens
@@ -157,8 +162,9 @@ def kernel_summary(r: dict) -> str:
             f"`split`: {SPLITS} key splits of every tile in a launch of up to 128 rows, of the tiles of up "
             "to 4 tokens in a larger one (kernels/chunk_attention.py); memory µs: the keys and values the tiles "
             "read, at the copy bandwidth. Settings `keys/stages[/flags]`: the walk's keys a step and stages; "
-            "flags `d` (key splits chosen on the device, aiming at N programs an SM with `dN`, 2 without), `s` "
-            f"(tiles of a few tokens on 16 rows); without `d` the launch is unsplit. µs of `{first}`, then the "
+            "flags `d` (key splits chosen on the device, aiming at N programs an SM with `dN`, 2 without; in "
+            "launches of up to N rows with `rN`, 512 without), `s` (tiles of a few tokens on 16 rows); without `d` "
+            f"the launch is unsplit. µs of `{first}`, then the "
             "others' time over it.\n\n"
             + markdown_table(["B decode", "T prompt", "cached", "padded rows", "memory µs", "split µs", f"{first} µs"]
                              + settings[1:], rows) + "\n")

@@ -36,7 +36,7 @@ tokens, whose tiles cannot fill the GPU): whether a larger launch gains depends 
 tiles in it, which a graph's launch does not know on the host (the measured gains and
 losses: docs/design/attention.md). With ``ChunkAttentionOptions.device_splits`` each
 program chooses from the tile list itself (``_splits_of``), in launches of up to
-``DEVICE_SPLIT_TOKENS`` rows (the partial sums' buffer grows with the rows). With
+``device_split_rows`` rows (the partial sums' buffer grows with the rows). With
 ``small_tiles`` a tile of a few tokens takes a 16-row branch of the same kernel.
 
 Long chunks of an eager prefill (``models.batches.DENSE_FROM`` tokens or more) still take
@@ -60,7 +60,6 @@ from .options import ChunkAttentionOptions
 SPLITS = 8  # key splits of a split tile, at most
 SPLIT_TOKENS = 16  # launches of up to this many packed rows split by default (host-chosen splits)
 SPLIT_ALL_TOKENS = 128  # a split launch of up to this many rows splits every tile, beyond only small ones
-DEVICE_SPLIT_TOKENS = 128  # launches of up to this many rows may split keys where the device chooses
 SMALL_TILE = tl.constexpr(4)  # tokens: a tile of at most this many writes little partial sum per key it reads
 
 
@@ -243,7 +242,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows no tile covers are left as they are). ``k_cache``/``v_cache``: one layer's blocks
     ``[N, Hkv, BS, D]``; ``block_table``: int32 ``[rows, blocks_per_row]``. ``splits``: key
     splits of a split tile, chosen here (None: ``walk``'s choice: on the device up to
-    ``DEVICE_SPLIT_TOKENS`` rows where it says so, else ``SPLITS`` up to ``SPLIT_TOKENS`` rows
+    ``walk.device_split_rows`` rows where it says so, else ``SPLITS`` up to ``SPLIT_TOKENS`` rows
     and 1 beyond); ``walk``: keys a step and pipeline stages of an unsplit launch. The launch
     depends on ``W`` and ``T`` only (CUDA-graph safe)."""
     T, H, D = q.shape
@@ -254,7 +253,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(2) == 1 and D & (D - 1) == 0, f"head_dim {D} must be a power of two"
     if out is None:
         out = torch.empty_like(q)
-    on_device = splits is None and walk.device_splits and T <= DEVICE_SPLIT_TOKENS
+    on_device = splits is None and walk.device_splits and T <= walk.device_split_rows
     if splits is None:
         splits = SPLITS if on_device or T <= SPLIT_TOKENS else 1
     split_all = T <= SPLIT_ALL_TOKENS

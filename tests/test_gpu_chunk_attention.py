@@ -100,22 +100,25 @@ def test_chunk_attention_walk_option_sets_an_unsplit_launch(dtype, dim, keys, st
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
-@pytest.mark.parametrize("few", [True, False], ids=["few-rows", "many-rows"])
+# launches of 57 rows (few) and 274 (many): both split on the device by default; 274 beyond
+# a bound of 128 rows does not
+@pytest.mark.parametrize("case,split_rows", [("few", 512), ("many", 512), ("many", 128)],
+                         ids=["few-rows", "many-rows", "past-the-bound"])
 @pytest.mark.parametrize("device_splits,small_tiles", [(True, False), (False, True), (True, True)],
                          ids=["device", "small", "device-small"])
-def test_chunk_attention_device_splits_and_small_tiles(dtype, heads, kv_heads, dim, few, device_splits, small_tiles):
+def test_chunk_attention_device_splits_and_small_tiles(dtype, heads, kv_heads, dim, case, split_rows, device_splits,
+                                                       small_tiles):
     """Key splits each program chooses from the launch's tiles, and decode tokens' tiles on
-    fewer rows, against fp64: a launch of few rows, where a decode token deep in its
-    sequence and a full tile after 600 positions split (walks of 300 and 616 keys against
-    a share of 128 at the least) and the short tiles do not, and one of many rows (beyond
-    ``DEVICE_SPLIT_TOKENS``: unsplit, the small tiles still on fewer rows); uncovered rows
-    stay NaN; a programmatic launch gives the same."""
-    from woq.kernels.chunk_attention import DEVICE_SPLIT_TOKENS, chunk_attention
+    fewer rows, against fp64: in the few rows' launch a decode token deep in its sequence
+    and a full tile after 600 positions split (walks of 300 and 616 keys against a share of
+    128 at the least) and the short tiles do not; the many rows' launch holds a 200-token
+    chunk after 700 positions; past ``device_split_rows`` the launch is unsplit, the small
+    tiles still on fewer rows. Uncovered rows stay NaN; a programmatic launch gives the same."""
+    from woq.kernels.chunk_attention import chunk_attention
     from woq.kernels.options import ChunkAttentionOptions
 
-    case = CHUNKS[:3] + [(16, 600)] if few else CHUNKS
-    assert (sum(n for n, _ in case) + 2 <= DEVICE_SPLIT_TOKENS) == few
-    walk = ChunkAttentionOptions(device_splits=device_splits, small_tiles=small_tiles)
+    case = CHUNKS[:3] + [(16, 600)] if case == "few" else CHUNKS
+    walk = ChunkAttentionOptions(device_splits=device_splits, small_tiles=small_tiles, device_split_rows=split_rows)
     q, k, v, table, tiles, chunks, T = packed_case(heads, kv_heads, dim, dtype, 16, case)
     out = torch.full_like(q, float("nan"))
     chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out, walk=walk)
