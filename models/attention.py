@@ -232,7 +232,7 @@ class TorchDecodeAttention(_Attention):
         length = int(b.lengths.max())
         keys = torch.arange(length, device=qkv.device)
         visible = (keys[None, None, :] <= b.positions[:, :, None]).unsqueeze(1)  # [B, 1, 1, length]
-        bias = torch.zeros(visible.shape, dtype=qkv.dtype).masked_fill_(~visible, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=qkv.dtype, device=qkv.device).masked_fill_(~visible, float("-inf"))
         return cos, sin, at, length, self.cache.read_index(b.slots, length), bias
 
 
