@@ -152,7 +152,8 @@ def _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split
         tl.store(Stats + at * 2 + 1, l_i, mask=live)
 
 
-@triton.jit
+# (W, the tile count, is read only where the device chooses splits: no variant per W's value)
+@triton.jit(do_not_specialize=["W"])
 def _chunk_attention_kernel(
     Q, K, V, Table, Tiles, Out, Part, Stats, W,
     stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh, scale,
@@ -193,7 +194,7 @@ def _chunk_attention_kernel(
                          HEADS, GROUP, GROUP_PAD, D, ROWS, BLOCK_N, BS, SPLITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W"])
 def _merge_splits_kernel(Tiles, Part, Stats, Out, W, stride_ot, stride_oh,
                          HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                          BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr,
@@ -268,7 +269,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     small_rows = small_rows if walk.small_tiles and small_rows < tile_tokens * group_pad else 0
     choice = dict(SPLITS=splits, SPLIT_ALL=split_all, ON_DEVICE=on_device,
                   SLOTS=walk.programs_per_sm * sm_count(q.device), MIN_KEYS=2 * block_n,
-                  W_PAD=max(16, triton.next_power_of_2(W)))
+                  W_PAD=max(16, triton.next_power_of_2(W)) if on_device else 16)
     if W:
         # (the partial sums of every row, head and split, and their max and denominator)
         part = q.new_empty((T, H, splits, D), dtype=torch.float32) if splits > 1 else out
