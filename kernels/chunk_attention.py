@@ -175,23 +175,24 @@ def _chunk_attention_kernel(
     table_row = Table + tl.load(Tiles + w * 4 + 3).to(tl.int64) * stride_table
     if PDL:
         tl.extra.cuda.gdc_wait()
-    used = _splits_of(Tiles, W, n, pos0 + n, SPLITS, SPLIT_ALL, ON_DEVICE, HKV, SLOTS, MIN_KEYS, W_PAD)
-    if (n > 0) & (split < used):
-        if SMALL_ROWS > 0:
-            # a tile of a few tokens (a decode token) on SMALL_ROWS rows of tl.dot, not ROWS:
-            # the same keys, a fraction of the multiply-adds and exponentials
-            if n <= SMALL_TILE:
-                _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
-                             stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
-                             HEADS, GROUP, GROUP_PAD, D, SMALL_ROWS, BLOCK_N, BS, SPLITS)
+    if n > 0:  # (a padding tile's programs, most of a graph's, leave before reading the tile list)
+        used = _splits_of(Tiles, W, n, pos0 + n, SPLITS, SPLIT_ALL, ON_DEVICE, HKV, SLOTS, MIN_KEYS, W_PAD)
+        if split < used:
+            if SMALL_ROWS > 0:
+                # a tile of a few tokens (a decode token) on SMALL_ROWS rows of tl.dot, not ROWS:
+                # the same keys, a fraction of the multiply-adds and exponentials
+                if n <= SMALL_TILE:
+                    _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
+                                 stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
+                                 HEADS, GROUP, GROUP_PAD, D, SMALL_ROWS, BLOCK_N, BS, SPLITS)
+                else:
+                    _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
+                                 stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
+                                 HEADS, GROUP, GROUP_PAD, D, ROWS, BLOCK_N, BS, SPLITS)
             else:
                 _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
                              stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
                              HEADS, GROUP, GROUP_PAD, D, ROWS, BLOCK_N, BS, SPLITS)
-        else:
-            _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
-                         stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
-                         HEADS, GROUP, GROUP_PAD, D, ROWS, BLOCK_N, BS, SPLITS)
 
 
 @triton.jit(do_not_specialize=["W"])
@@ -213,24 +214,26 @@ def _merge_splits_kernel(Tiles, Part, Stats, Out, W, stride_ot, stride_oh,
     pos0 = tl.load(Tiles + w * 4 + 2)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    used = _splits_of(Tiles, W, n, pos0 + n, SPLITS, SPLIT_ALL, ON_DEVICE, HKV, SLOTS, MIN_KEYS, W_PAD)
-    if (n > 0) & (used > 1):  # (a tile of one split wrote its rows itself)
-        tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
-        out_row = (row0 + tok).to(tl.int64)
-        base = (out_row * HEADS + head) * SPLITS
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS):
-            m = tl.maximum(m, tl.load(Stats + (base + s) * 2, mask=live & (s < used), other=float("-inf")))
-        m = tl.where(live, m, 0.0)  # (split 0 holds key 0 for every live row: m is finite there)
-        acc = tl.zeros([ROWS, D], tl.float32)
-        den = tl.zeros([ROWS], tl.float32)
-        for s in tl.static_range(SPLITS):
-            mine = live & (s < used)
-            scale = tl.exp(tl.load(Stats + (base + s) * 2, mask=mine, other=float("-inf")) - m)
-            den += scale * tl.load(Stats + (base + s) * 2 + 1, mask=mine, other=0.0)
-            acc += scale[:, None] * tl.load(Part + (base + s)[:, None] * D + d[None, :], mask=mine[:, None], other=0.0)
-        tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 (acc / tl.where(live, den, 1.0)[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+    if n > 0:
+        used = _splits_of(Tiles, W, n, pos0 + n, SPLITS, SPLIT_ALL, ON_DEVICE, HKV, SLOTS, MIN_KEYS, W_PAD)
+        if used > 1:  # (a tile of one split wrote its rows itself)
+            tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
+            out_row = (row0 + tok).to(tl.int64)
+            base = (out_row * HEADS + head) * SPLITS
+            m = tl.full([ROWS], float("-inf"), tl.float32)
+            for s in tl.static_range(SPLITS):
+                m = tl.maximum(m, tl.load(Stats + (base + s) * 2, mask=live & (s < used), other=float("-inf")))
+            m = tl.where(live, m, 0.0)  # (split 0 holds key 0 for every live row: m is finite there)
+            acc = tl.zeros([ROWS, D], tl.float32)
+            den = tl.zeros([ROWS], tl.float32)
+            for s in tl.static_range(SPLITS):
+                mine = live & (s < used)
+                scale = tl.exp(tl.load(Stats + (base + s) * 2, mask=mine, other=float("-inf")) - m)
+                den += scale * tl.load(Stats + (base + s) * 2 + 1, mask=mine, other=0.0)
+                part = tl.load(Part + (base + s)[:, None] * D + d[None, :], mask=mine[:, None], other=0.0)
+                acc += scale[:, None] * part
+            tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     (acc / tl.where(live, den, 1.0)[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
 
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
