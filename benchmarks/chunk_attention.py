@@ -91,7 +91,7 @@ def case(decode: int, prompt: int, past: int, settings: list[str]) -> dict:
     us = {}
     # host-chosen splits in every launch; then each setting as the engine launches it
     launches = [("split", SPLITS, ChunkAttentionOptions())]
-    launches += [(s, None if walk_of(s).device_splits else 1, walk_of(s)) for s in settings]
+    launches += [(s, None if w.device_splits else 1, w) for s, w in ((s, walk_of(s)) for s in settings)]
     for label, splits, walk in launches:
         calls = [lambda k=k, v=v, s=splits, w=walk: chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out,
                                                                     splits=s, walk=w) for k, v in caches]

@@ -98,14 +98,19 @@ def test_chunk_attention_walk_option_sets_an_unsplit_launch(dtype, dim, keys, st
     assert torch.equal(split[:T], chunk_attention(q, k, v, table, tiles, TILE_TOKENS, splits=8)[:T])
 
 
+# (launch, device_split_rows, options): launches of 57 rows (few) and 274 (many), both split
+# on the device under the default bound; 274 past a bound of 128 does not (the bound is the
+# device splits' alone: small tiles without them have no past-the-bound case)
+_OPTIONS = {"device": (True, False), "small": (False, True), "device-small": (True, True)}
+_DEVICE_CASES = [(case, rows, *opts, f"{label}-{opt}") for case, rows, label in
+                 [("few", 512, "few-rows"), ("many", 512, "many-rows"), ("many", 128, "past-the-bound")]
+                 for opt, opts in _OPTIONS.items() if opts[0] or rows == 512]
+
+
+@pytest.mark.parametrize("case,split_rows,device_splits,small_tiles", [c[:4] for c in _DEVICE_CASES],
+                         ids=[c[4] for c in _DEVICE_CASES])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
-# launches of 57 rows (few) and 274 (many): both split on the device by default; 274 beyond
-# a bound of 128 rows does not
-@pytest.mark.parametrize("case,split_rows", [("few", 512), ("many", 512), ("many", 128)],
-                         ids=["few-rows", "many-rows", "past-the-bound"])
-@pytest.mark.parametrize("device_splits,small_tiles", [(True, False), (False, True), (True, True)],
-                         ids=["device", "small", "device-small"])
 def test_chunk_attention_device_splits_and_small_tiles(dtype, heads, kv_heads, dim, case, split_rows, device_splits,
                                                        small_tiles):
     """Key splits each program chooses from the launch's tiles, and decode tokens' tiles on
