@@ -7,24 +7,20 @@ positions, the packed rows padded to the graph's bucket as ``PackedGraphs`` pads
 Each call reads another layer's cache of 32 (their keys together are well past L2, as in a
 step); µs per call are the median of a CUDA graph of calls (``kernels.timing``). The
 memory time is the keys and values the tiles read (each tile its own, a KV head's once for
-its query heads) at the measured copy bandwidth. Each case is timed with key splits
-chosen by the host, then under each of ``SETTINGS`` (``RuntimeOptions.chunk_attention``, written ``keys/stages[/flags]``:
-keys a step and pipeline stages of the walk; flag ``d`` key splits chosen on the device, ``dN``
-aiming at N programs an SM, ``rN`` in launches of up to N rows; ``s`` small tiles on 16
-rows), as launched by the engine.
+its query heads) at the measured copy bandwidth. Unsplit launches are also timed under
+each of ``WALKS``' keys a step and pipeline stages (``RuntimeOptions.chunk_attention``).
 
 A setting that wins alone still has to win in the step: ``--step`` also times the packed
 steps of an 8B int4 g128 model (random weights, packed-graph replays with programmatic
 launches, as the engine runs its mixed steps; ``step_budget.packed_rig``) under each
-setting, alternating them in rounds in one process.
+setting of the unsplit launches' walk, alternating them in rounds in one process.
 
     python benchmarks/chunk_attention.py --out docs/bench
-    python benchmarks/chunk_attention.py --step 64/3,64/3/d,64/3/ds --out docs/bench
+    python benchmarks/chunk_attention.py --step 64/3,64/2,32/3 --out docs/bench
 """
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -44,30 +40,15 @@ from woq.models.builder import bind_kernels  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 32, 8, 128, 16, 32
 # (decode tokens, prompt tokens, cached positions before each)
-CASES = [(0, 16, 1024), (16, 112, 1024), (16, 112, 576), (16, 48, 576), (0, 128, 1024), (64, 64, 1024),
-         (16, 448, 1024), (64, 448, 1024), (64, 320, 576), (0, 512, 1024), (16, 0, 1024), (64, 0, 1024),
-         (0, 512, 6144), (16, 112, 6144)]
-# the kernel's settings timed on every case; the first (the default's) is the reference
-SETTINGS = ["64/3", "64/2", "32/3", "64/3/d", "64/3/dr128", "64/3/d1", "64/3/d4", "64/3/s", "64/3/ds"]
-
-
-def walk_of(setting: str) -> ChunkAttentionOptions:
-    """The options a setting ``keys/stages[/flags]`` names (flags: ``d[N]``, ``rN``, ``s``)."""
-    keys, stages, *flags = setting.split("/")
-    flag = flags[0] if flags else ""
-    device, rows = re.search(r"d(\d*)", flag), re.search(r"r(\d+)", flag)
-    default = ChunkAttentionOptions()
-    return ChunkAttentionOptions(int(keys), int(stages), device_splits=device is not None,
-                                 programs_per_sm=int(device.group(1) or default.programs_per_sm) if device
-                                 else default.programs_per_sm,
-                                 device_split_rows=int(rows.group(1)) if rows else default.device_split_rows,
-                                 small_tiles="s" in flag)
-
-
+CASES = [(0, 16, 1024), (16, 112, 1024), (0, 128, 1024), (64, 64, 1024), (16, 448, 1024), (64, 448, 1024),
+         (0, 512, 1024), (16, 0, 1024), (64, 0, 1024), (0, 512, 6144), (16, 112, 6144)]
+_DEFAULT_WALK = (ChunkAttentionOptions().keys_per_step, ChunkAttentionOptions().stages)
+# (keys a step, stages) of an unsplit launch's walk over the keys; the first, the default's, is the reference
+WALKS = [_DEFAULT_WALK] + [w for w in [(64, 2), (64, 3), (32, 3), (32, 2), (128, 2)] if w != _DEFAULT_WALK]
 STEP_CASES = ["16+112", "16+448", "64+64", "64+448", "0+128", "0+512"]  # packed steps: B decode + T prompt tokens
 
 
-def case(decode: int, prompt: int, past: int, settings: list[str]) -> dict:
+def case(decode: int, prompt: int, past: int) -> dict:
     rows = decode + (1 if prompt else 0)
     per_row = -(-(past + max(prompt, 1)) // BLOCK)
     dev, dt = "cuda", torch.float16
@@ -89,9 +70,9 @@ def case(decode: int, prompt: int, past: int, settings: list[str]) -> dict:
     read = sum((c.start + min(TILE_TOKENS * (j + 1), c.tokens)) for c in chunks
                for j in range(-(-c.tokens // TILE_TOKENS))) * KV_HEADS * DIM * 2 * 2
     us = {}
-    # host-chosen splits in every launch; then each setting as the engine launches it
     launches = [("split", SPLITS, ChunkAttentionOptions())]
-    launches += [(s, None if w.device_splits else 1, w) for s, w in ((s, walk_of(s)) for s in settings)]
+    launches += [("unsplit" if i == 0 else f"unsplit {keys}/{stages}", 1, ChunkAttentionOptions(keys, stages))
+                 for i, (keys, stages) in enumerate(WALKS)]
     for label, splits, walk in launches:
         calls = [lambda k=k, v=v, s=splits, w=walk: chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out,
                                                                     splits=s, walk=w) for k, v in caches]
@@ -102,7 +83,7 @@ def case(decode: int, prompt: int, past: int, settings: list[str]) -> dict:
 def step_ms(settings: list[str], rounds: int = 2) -> dict:
     """{setting: {"B+T": median ms of the packed step}}: the 8B int4 model's packed graphs
     replayed with B decode tokens and a T-token chunk after 1,024 cached positions, the
-    kernel set by each setting (``walk_of``) in turn, ``rounds`` times
+    unsplit launches' walk set by each setting ("keys/stages") in turn, ``rounds`` times
     over (medians across rounds). Every setting sees the same inputs."""
     model, engine, fill, step = packed_rig(128, 1024 + 512 + 16)
     g = engine.packed_graphs
@@ -113,7 +94,8 @@ def step_ms(settings: list[str], rounds: int = 2) -> dict:
         assert all(g.fits(len(tokens), len(lens)) for tokens, lens, _, _ in inputs.values()), "a step past the graphs"
 
         def prepare(setting: str) -> dict:
-            bind_kernels(model, replace(base, chunk_attention=walk_of(setting)))
+            keys, stages = map(int, setting.split("/"))
+            bind_kernels(model, replace(base, chunk_attention=ChunkAttentionOptions(keys, stages)))
             # (new graphs for every setting: a graph keeps the launches it captured)
             graphs = engine.packed_graphs = PackedGraphs(model, engine.cache, g.max_tokens, g.max_chunks,
                                                          g.scratch_slot)
@@ -123,13 +105,13 @@ def step_ms(settings: list[str], rounds: int = 2) -> dict:
         return alternating_ms(settings, prepare, rounds)
 
 
-def run(kernel: list[str], step: list[str]) -> dict:
+def run(kernel: bool, step: list[str]) -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if kernel:
         bandwidth = copy_bandwidth()
         results = []
         for decode, prompt, past in CASES:
-            r = case(decode, prompt, past, kernel)
+            r = case(decode, prompt, past)
             r["memory_us"] = r["bytes"] / bandwidth * 1e6
             results.append(r)
             print(r, flush=True)
@@ -145,29 +127,25 @@ def summary(r: dict) -> str:
     if "step_ms" in r:
         text += (f"\nPacked steps, {r['gpu']}: 8B int4 g128 (random weights), fp16, packed-graph replays with "
                  "programmatic launches, B decode tokens and a T-token chunk after 1,024 cached positions; "
-                 "settings: keys a step / stages[/flags] (as in the kernel table). " + settings_table(r["step_ms"], "B+T")
+                 "settings: keys a step / stages of the unsplit launches. " + settings_table(r["step_ms"], "B+T")
                  + "\n")
     return text
 
 
 def kernel_summary(r: dict) -> str:
-    settings = [k for k in r["cases"][0]["us"] if k != "split"]
-    first = settings[0]
-    rows = [[c["decode"], c["prompt"], c["past"], c["padded"], f"{c['memory_us']:.1f}", f"{c['us']['split']:.1f}",
-             f"{c['us'][first]:.1f}"] + [f"{c['us'][s] / c['us'][first]:.2f}" for s in settings[1:]]
-            for c in r["cases"]]
+    walks = [f"unsplit {keys}/{stages}" for keys, stages in WALKS[1:]]
+    rows = [[c["decode"], c["prompt"], c["past"], c["padded"], f"{c['us']['unsplit']:.1f}", f"{c['us']['split']:.1f}",
+             f"{c['us']['unsplit'] / c['us']['split']:.2f}", f"{c['memory_us']:.1f}"]
+            + [f"{c['us'][w] / c['us']['unsplit']:.2f}" for w in walks] for c in r["cases"]]
     return (f"GPU: {r['gpu']}, torch {r['torch']}; copy bandwidth {r['copy_bandwidth'] / 1e12:.2f} TB/s. "
             f"Chunk attention of one layer ({HEADS} query heads, {KV_HEADS} KV heads, head_dim {DIM}, blocks of "
             f"{BLOCK}), fp16; µs per call, median of a CUDA graph of {LAYERS} calls over {LAYERS} layers' caches. "
             f"`split`: {SPLITS} key splits of every tile in a launch of up to 128 rows, of the tiles of up "
             "to 4 tokens in a larger one (kernels/chunk_attention.py); memory µs: the keys and values the tiles "
-            "read, at the copy bandwidth. Settings `keys/stages[/flags]`: the walk's keys a step and stages; "
-            "flags `d` (key splits chosen on the device, aiming at N programs an SM with `dN`, 2 without; in "
-            "launches of up to N rows with `rN`, 512 without), `s` (tiles of a few tokens on 16 rows); without `d` "
-            f"the launch is unsplit. µs of `{first}`, then the "
-            "others' time over it.\n\n"
-            + markdown_table(["B decode", "T prompt", "cached", "padded rows", "memory µs", "split µs", f"{first} µs"]
-                             + settings[1:], rows) + "\n")
+            "read, at the copy bandwidth. Unsplit launches walk the keys 64 a step in 2 stages; the last "
+            "columns: other walks (keys / stages), their time over that.\n\n"
+            + markdown_table(["B decode", "T prompt", "cached", "padded rows", "unsplit µs", "split µs",
+                              "speed-up", "memory µs"] + [f"{k}/{st}" for k, st in WALKS[1:]], rows) + "\n")
 
 
 def plot(r: dict, path: Path) -> None:
@@ -181,11 +159,9 @@ def plot(r: dict, path: Path) -> None:
     labels = [f"{c['decode']}+{c['prompt']}\n@{c['past']}" for c in r["cases"]]
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(8, 4))
-    series = [(s, [c["us"][s] for c in r["cases"]]) for s in r["cases"][0]["us"]]
-    series.append(("memory time", [c["memory_us"] for c in r["cases"]]))
-    width = 0.8 / len(series)
-    for j, (label, ys) in enumerate(series):
-        ax.bar([i - 0.4 + width * (j + 0.5) for i in x], ys, width, label=label)
+    ax.bar([i - 0.27 for i in x], [c["us"]["unsplit"] for c in r["cases"]], 0.27, label="unsplit")
+    ax.bar(list(x), [c["us"]["split"] for c in r["cases"]], 0.27, label="split")
+    ax.bar([i + 0.27 for i in x], [c["memory_us"] for c in r["cases"]], 0.27, label="memory time")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("µs per layer")
     ax.set_title(f"{r['gpu']}: chunk attention, B decode + T prompt tokens @ cached positions", fontsize=9)
@@ -197,14 +173,12 @@ def plot(r: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
-    ap.add_argument("--step", default="", help="settings (keys/stages[/flags]) to time in the packed steps, the "
-                    "first the reference (e.g. 64/3,64/3/d)")
-    ap.add_argument("--kernel", default=",".join(SETTINGS), help="settings to time on the kernel's cases, the first "
-                    "the reference; empty: none")
+    ap.add_argument("--step", default="", help="keys/stages walks of the unsplit launches to time in the packed "
+                    "steps, the first the reference (e.g. 64/3,64/2,32/3)")
+    ap.add_argument("--no-kernel", action="store_true", help="skip the kernel's cases")
     args = ap.parse_args()
     step = [s for s in args.step.split(",") if s]
-    kernel = [s for s in args.kernel.split(",") if s]
-    save_results(args.out, "chunk_attention", run(kernel, step), summary, plot)
+    save_results(args.out, "chunk_attention", run(not args.no_kernel, step), summary, plot)
 
 
 if __name__ == "__main__":

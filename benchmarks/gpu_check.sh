@@ -75,7 +75,7 @@ for stage in "$@"; do
       run inplace bash -c "$PY benchmarks/gemv_in_place.py --out $OUT && $RANDOM_8B && $PY benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 2 --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --out $OUT --name gemv_in_place_server" ;;
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
-    chunkattn) run chunkattn $PY benchmarks/chunk_attention.py --step ${CHUNKATTN_STEP:-64/3,64/3/d,64/3/s,64/3/ds} ${CHUNKATTN_ARGS:-} --out "$OUT" ;;
+    chunkattn) run chunkattn $PY benchmarks/chunk_attention.py --step ${CHUNKATTN_STEP:-64/3,64/2,32/3} --out "$OUT" ;;
     decodeattn) run decodeattn $PY benchmarks/decode_attention.py --step ${DECODEATTN_STEP:-32/3,64/3,32/2,128/2} --out "$OUT" ;;
     engineload) run engineload bash -c "$RANDOM_8B && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;

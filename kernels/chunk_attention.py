@@ -34,10 +34,7 @@ if it has at most ``SPLIT_ALL_TOKENS`` packed rows, else only those of tiles of 
 By default only launches of up to ``SPLIT_TOKENS`` rows split (the packed graph of 16
 tokens, whose tiles cannot fill the GPU): whether a larger launch gains depends on the
 tiles in it, which a graph's launch does not know on the host (the measured gains and
-losses: docs/design/attention.md). With ``ChunkAttentionOptions.device_splits`` each
-program chooses from the tile list itself (``_splits_of``), in launches of up to
-``device_split_rows`` rows (the partial sums' buffer grows with the rows). With
-``small_tiles`` a tile of a few tokens takes a 16-row branch of the same kernel.
+losses: docs/design/attention.md).
 
 Long chunks of an eager prefill (``models.batches.DENSE_FROM`` tokens or more) still take
 SDPA, whose larger tiles read each key fewer times. Why not flash attention per chunk: one
@@ -53,41 +50,19 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .device import sm_count
 from .options import ChunkAttentionOptions
 
 
-SPLITS = 8  # key splits of a split tile, at most
-SPLIT_TOKENS = 16  # launches of up to this many packed rows split by default (host-chosen splits)
+SPLITS = 8  # key splits of a split tile
+SPLIT_TOKENS = 16  # launches of up to this many packed rows split by default
 SPLIT_ALL_TOKENS = 128  # a split launch of up to this many rows splits every tile, beyond only small ones
 SMALL_TILE = tl.constexpr(4)  # tokens: a tile of at most this many writes little partial sum per key it reads
 
 
 @triton.jit
-def _walked_keys(Tiles, W, W_PAD: tl.constexpr):
-    """The keys all live tiles of the launch walk (each its positions up to its last
-    token's), per KV head: the launch's work, read from the tile list on the device."""
-    i = tl.arange(0, W_PAD)
-    n = tl.load(Tiles + i * 4 + 1, mask=i < W, other=0)
-    p = tl.load(Tiles + i * 4 + 2, mask=i < W, other=0)
-    return tl.sum(tl.where(n > 0, p + n, 0), 0)
-
-
-@triton.jit
-def _splits_of(Tiles, W, n, end, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr, ON_DEVICE: tl.constexpr,
-               HKV: tl.constexpr, SLOTS: tl.constexpr, MIN_KEYS: tl.constexpr, W_PAD: tl.constexpr):
-    """Key splits of a tile of ``n`` tokens whose keys are ``[0, end)`` (the same in both
-    kernels). Chosen on the host: ``SPLITS`` for every tile (``SPLIT_ALL``) or for small
-    ones. Chosen on the device: as many as make the launch's programs walk about equal
-    shares of its keys while they fill ``SLOTS`` programs (those that run at once), a share
-    never under ``MIN_KEYS``: a launch of few or short walks splits its long ones, one whose
-    tiles already fill the GPU splits none (the partial sums would only add traffic)."""
-    if ON_DEVICE:
-        share = tl.maximum(tl.cdiv(_walked_keys(Tiles, W, W_PAD) * HKV, SLOTS), MIN_KEYS)
-        used = tl.minimum(tl.maximum(tl.cdiv(end, share), 1), SPLITS)
-    else:
-        used = tl.where((n <= SMALL_TILE) | SPLIT_ALL, SPLITS, 1)
-    return used
+def _splits_of(n, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr):
+    """Key splits of a tile of ``n`` tokens (the same in both kernels)."""
+    return tl.where((n <= SMALL_TILE) | SPLIT_ALL, SPLITS, 1)
 
 
 @triton.jit
@@ -103,64 +78,11 @@ def _tile_rows(n, hkv, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
-                 stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
-                 HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr):
-    """One program's work: split ``split`` of ``used`` of a tile's keys for the group of KV
-    head ``hkv``, over ``ROWS`` rows of ``tl.dot`` (tokens x the group's query heads)."""
-    tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
-    q = tl.load(Q + (row0 + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=live[:, None], other=0.0)
-    qpos = pos0 + tok
-    k_base = K + hkv * stride_kh
-    v_base = V + hkv * stride_kh
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    end = pos0 + n  # keys [0, end): the last token's position and all before it
-    # this split's keys: a run of whole key tiles (the last splits may have none)
-    span = tl.cdiv(tl.cdiv(end, used), BLOCK_N) * BLOCK_N
-    lo = split * span
-    hi = tl.minimum(end, lo + span)
-    for t0 in range(lo, hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < hi
-        blk = tl.load(table_row + t // BS, mask=tmask, other=0)
-        rows = blk.to(tl.int64) * stride_kb + (t % BS) * stride_kt
-        k = tl.load(k_base + rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where((t[None, :] <= qpos[:, None]) & tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no key of this split yet keeps a max of -inf: its
-        # exponentials are taken against 0 so that they are 0, not NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(s - m_ref[:, None])
-        v = tl.load(v_base + rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-    out_row = (row0 + tok).to(tl.int64)
-    if used == 1:  # (every row sees key 0, so its denominator is not 0)
-        tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
-    else:  # Part [T, H, SPLITS, D], Stats [T, H, SPLITS, 2]: (max, denominator)
-        at = (out_row * HEADS + head) * SPLITS + split
-        tl.store(Part + at[:, None] * D + d[None, :], acc, mask=live[:, None])
-        tl.store(Stats + at * 2, m_i, mask=live)
-        tl.store(Stats + at * 2 + 1, l_i, mask=live)
-
-
-# (W, the tile count, is read only where the device chooses splits: no variant per W's value)
-@triton.jit(do_not_specialize=["W"])
 def _chunk_attention_kernel(
-    Q, K, V, Table, Tiles, Out, Part, Stats, W,
+    Q, K, V, Table, Tiles, Out, Part, Stats,
     stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh, scale,
     HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr,
-    ON_DEVICE: tl.constexpr, SLOTS: tl.constexpr, MIN_KEYS: tl.constexpr, W_PAD: tl.constexpr,
-    SMALL_ROWS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr, PDL: tl.constexpr,
 ):
     GROUP: tl.constexpr = HEADS // HKV
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
@@ -175,32 +97,55 @@ def _chunk_attention_kernel(
     table_row = Table + tl.load(Tiles + w * 4 + 3).to(tl.int64) * stride_table
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if n > 0:  # (a padding tile's programs, most of a graph's, leave before reading the tile list)
-        used = _splits_of(Tiles, W, n, pos0 + n, SPLITS, SPLIT_ALL, ON_DEVICE, HKV, SLOTS, MIN_KEYS, W_PAD)
-        if split < used:
-            if SMALL_ROWS > 0:
-                # a tile of a few tokens (a decode token) on SMALL_ROWS rows of tl.dot, not ROWS:
-                # the same keys, a fraction of the multiply-adds and exponentials
-                if n <= SMALL_TILE:
-                    _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
-                                 stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
-                                 HEADS, GROUP, GROUP_PAD, D, SMALL_ROWS, BLOCK_N, BS, SPLITS)
-                else:
-                    _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
-                                 stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
-                                 HEADS, GROUP, GROUP_PAD, D, ROWS, BLOCK_N, BS, SPLITS)
-            else:
-                _attend_tile(Q, K, V, table_row, Out, Part, Stats, row0, n, pos0, hkv, split, used,
-                             stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_ot, stride_oh, scale,
-                             HEADS, GROUP, GROUP_PAD, D, ROWS, BLOCK_N, BS, SPLITS)
+    used = _splits_of(n, SPLITS, SPLIT_ALL)
+    if (n > 0) & (split < used):
+        tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
+        q = tl.load(Q + (row0 + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=live[:, None], other=0.0)
+        qpos = pos0 + tok
+        k_base = K + hkv * stride_kh
+        v_base = V + hkv * stride_kh
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        end = pos0 + n  # keys [0, end): the last token's position and all before it
+        # this split's keys: a run of whole key tiles (the last splits may have none)
+        span = tl.cdiv(tl.cdiv(end, used), BLOCK_N) * BLOCK_N
+        lo = split * span
+        hi = tl.minimum(end, lo + span)
+        for t0 in range(lo, hi, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tmask = t < hi
+            blk = tl.load(table_row + t // BS, mask=tmask, other=0)
+            rows = blk.to(tl.int64) * stride_kb + (t % BS) * stride_kt
+            k = tl.load(k_base + rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where((t[None, :] <= qpos[:, None]) & tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no key of this split yet keeps a max of -inf: its
+            # exponentials are taken against 0 so that they are 0, not NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(s - m_ref[:, None])
+            v = tl.load(v_base + rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out_row = (row0 + tok).to(tl.int64)
+        if used == 1:  # (every row sees key 0, so its denominator is not 0)
+            tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+        else:  # Part [T, H, SPLITS, D], Stats [T, H, SPLITS, 2]: (max, denominator)
+            at = (out_row * HEADS + head) * SPLITS + split
+            tl.store(Part + at[:, None] * D + d[None, :], acc, mask=live[:, None])
+            tl.store(Stats + at * 2, m_i, mask=live)
+            tl.store(Stats + at * 2 + 1, l_i, mask=live)
 
 
-@triton.jit(do_not_specialize=["W"])
-def _merge_splits_kernel(Tiles, Part, Stats, Out, W, stride_ot, stride_oh,
+@triton.jit
+def _merge_splits_kernel(Tiles, Part, Stats, Out, stride_ot, stride_oh,
                          HEADS: tl.constexpr, HKV: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr,
-                         ON_DEVICE: tl.constexpr, SLOTS: tl.constexpr, MIN_KEYS: tl.constexpr, W_PAD: tl.constexpr,
-                         PDL: tl.constexpr):
+                         BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ALL: tl.constexpr, PDL: tl.constexpr):
     """One tile's rows of one KV head's group: the splits' sums rescaled to their common
     max and added, over the added denominators."""
     GROUP: tl.constexpr = HEADS // HKV
@@ -211,29 +156,24 @@ def _merge_splits_kernel(Tiles, Part, Stats, Out, W, stride_ot, stride_oh,
     hkv = tl.program_id(1)
     row0 = tl.load(Tiles + w * 4)
     n = tl.load(Tiles + w * 4 + 1)
-    pos0 = tl.load(Tiles + w * 4 + 2)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if n > 0:
-        used = _splits_of(Tiles, W, n, pos0 + n, SPLITS, SPLIT_ALL, ON_DEVICE, HKV, SLOTS, MIN_KEYS, W_PAD)
-        if used > 1:  # (a tile of one split wrote its rows itself)
-            tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
-            out_row = (row0 + tok).to(tl.int64)
-            base = (out_row * HEADS + head) * SPLITS
-            m = tl.full([ROWS], float("-inf"), tl.float32)
-            for s in tl.static_range(SPLITS):
-                m = tl.maximum(m, tl.load(Stats + (base + s) * 2, mask=live & (s < used), other=float("-inf")))
-            m = tl.where(live, m, 0.0)  # (split 0 holds key 0 for every live row: m is finite there)
-            acc = tl.zeros([ROWS, D], tl.float32)
-            den = tl.zeros([ROWS], tl.float32)
-            for s in tl.static_range(SPLITS):
-                mine = live & (s < used)
-                scale = tl.exp(tl.load(Stats + (base + s) * 2, mask=mine, other=float("-inf")) - m)
-                den += scale * tl.load(Stats + (base + s) * 2 + 1, mask=mine, other=0.0)
-                part = tl.load(Part + (base + s)[:, None] * D + d[None, :], mask=mine[:, None], other=0.0)
-                acc += scale[:, None] * part
-            tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     (acc / tl.where(live, den, 1.0)[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+    if (n > 0) & (_splits_of(n, SPLITS, SPLIT_ALL) > 1):  # (a tile of one split wrote its rows itself)
+        tok, head, live, d = _tile_rows(n, hkv, GROUP, GROUP_PAD, ROWS, D)
+        out_row = (row0 + tok).to(tl.int64)
+        base = (out_row * HEADS + head) * SPLITS
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for s in tl.static_range(SPLITS):
+            m = tl.maximum(m, tl.load(Stats + (base + s) * 2, mask=live, other=float("-inf")))
+        m = tl.where(live, m, 0.0)  # (split 0 holds key 0 for every live row: m is finite there)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        den = tl.zeros([ROWS], tl.float32)
+        for s in tl.static_range(SPLITS):
+            scale = tl.exp(tl.load(Stats + (base + s) * 2, mask=live, other=float("-inf")) - m)
+            den += scale * tl.load(Stats + (base + s) * 2 + 1, mask=live, other=0.0)
+            acc += scale[:, None] * tl.load(Part + (base + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 (acc / tl.where(live, den, 1.0)[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
 
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -245,50 +185,40 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     two), first position, block-table row) cover; written into ``out`` ``[T, H, D]`` (new if None;
     rows no tile covers are left as they are). ``k_cache``/``v_cache``: one layer's blocks
     ``[N, Hkv, BS, D]``; ``block_table``: int32 ``[rows, blocks_per_row]``. ``splits``: key
-    splits of a split tile, chosen here (None: ``walk``'s choice: on the device up to
-    ``walk.device_split_rows`` rows where it says so, else ``SPLITS`` up to ``SPLIT_TOKENS`` rows
-    and 1 beyond); ``walk``: keys a step and pipeline stages of an unsplit launch. The launch
-    depends on ``W`` and ``T`` only (CUDA-graph safe)."""
+    splits of a split tile (None: ``SPLITS`` up to ``SPLIT_TOKENS`` rows, else 1);
+    ``walk``: keys a step and pipeline stages of an unsplit launch. The launch depends on
+    ``W`` and ``T`` only (CUDA-graph safe)."""
     T, H, D = q.shape
-    W = tiles.shape[0]
     Hkv, bs = k_cache.shape[1], k_cache.shape[2]
     assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1, "k and v caches of one layout"
     assert block_table.stride(1) == 1 and tiles.is_contiguous() and tiles.dtype == torch.int32
     assert q.stride(2) == 1 and D & (D - 1) == 0, f"head_dim {D} must be a power of two"
     if out is None:
         out = torch.empty_like(q)
-    on_device = splits is None and walk.device_splits and T <= walk.device_split_rows
     if splits is None:
-        splits = SPLITS if on_device or T <= SPLIT_TOKENS else 1
+        splits = SPLITS if T <= SPLIT_TOKENS else 1
     split_all = T <= SPLIT_ALL_TOKENS
     group_pad = triton.next_power_of_2(H // Hkv)
-    # keys per step: whole blocks, ~16 KB of k at 64 keys of head_dim 128; launches that split
-    # by the host's choice walk 64 keys in 2 stages, measured best for them
-    unsplit_walk = splits == 1 or (on_device and T > SPLIT_TOKENS)
-    keys, stages = (walk.keys_per_step, walk.stages) if unsplit_walk else (64, 2)
+    # keys per step: whole blocks, ~16 KB of k at 64 keys of head_dim 128
+    keys, stages = (walk.keys_per_step, walk.stages) if splits == 1 else (64, 2)
     block_n = max(bs, keys if D <= 128 else keys // 2)
     warps = 4 if tile_tokens * group_pad * D <= 8192 else 8
-    small_rows = max(16, SMALL_TILE.value * group_pad)  # (tl.dot's rows: 16 at least)
-    small_rows = small_rows if walk.small_tiles and small_rows < tile_tokens * group_pad else 0
-    choice = dict(SPLITS=splits, SPLIT_ALL=split_all, ON_DEVICE=on_device,
-                  SLOTS=walk.programs_per_sm * sm_count(q.device), MIN_KEYS=2 * block_n,
-                  W_PAD=max(16, triton.next_power_of_2(W)) if on_device else 16)
-    if W:
+    if tiles.shape[0]:
         # (the partial sums of every row, head and split, and their max and denominator)
         part = q.new_empty((T, H, splits, D), dtype=torch.float32) if splits > 1 else out
         stats = q.new_empty((T, H, splits, 2), dtype=torch.float32) if splits > 1 else out
-        _chunk_attention_kernel[(W, Hkv, splits)](
-            q, k_cache, v_cache, block_table, tiles, out, part, stats, W,
+        _chunk_attention_kernel[(tiles.shape[0], Hkv, splits)](
+            q, k_cache, v_cache, block_table, tiles, out, part, stats,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1), 1.0 / math.sqrt(D),
             HEADS=H, HKV=Hkv, GROUP_PAD=group_pad, D=D, BLOCK_M=tile_tokens, BLOCK_N=block_n, BS=bs,
-            SMALL_ROWS=small_rows, num_warps=warps, num_stages=stages, **choice,
+            SPLITS=splits, SPLIT_ALL=split_all, num_warps=warps, num_stages=stages,
             **pdl.triton_kwargs(q.device, programmatic),
         )
         if splits > 1:
-            _merge_splits_kernel[(W, Hkv)](
-                tiles, part, stats, out, W, out.stride(0), out.stride(1),
-                HEADS=H, HKV=Hkv, GROUP_PAD=group_pad, D=D, BLOCK_M=tile_tokens, num_warps=warps, **choice,
-                **pdl.triton_kwargs(q.device, programmatic),
+            _merge_splits_kernel[(tiles.shape[0], Hkv)](
+                tiles, part, stats, out, out.stride(0), out.stride(1),
+                HEADS=H, HKV=Hkv, GROUP_PAD=group_pad, D=D, BLOCK_M=tile_tokens, SPLITS=splits,
+                SPLIT_ALL=split_all, num_warps=warps, **pdl.triton_kwargs(q.device, programmatic),
             )
     return out

@@ -50,16 +50,6 @@ class ChunkAttentionOptions:
 
     keys_per_step: int = 64  # keys a program loads per step (head_dim <= 128; half beyond)
     stages: int = 3  # software-pipeline stages of that walk
-    # Key splits chosen by each program from the launch's tiles (on the device) in launches
-    # of up to device_split_rows rows; off: chosen by the row count.
-    device_splits: bool = False
-    # (the partial sums' buffer, fp32 [rows, heads, 8, head_dim], grows with them: 67 MB
-    # at 512 rows of Llama-3-8B's 32 heads)
-    device_split_rows: int = 512
-    # Programs that run at once on an SM, the count device-chosen splits aim to fill.
-    programs_per_sm: int = 2
-    # Tiles of a few tokens (decode tokens) on 16 rows of tl.dot instead of the tile's 64.
-    small_tiles: bool = False
 
 
 @dataclass(frozen=True)

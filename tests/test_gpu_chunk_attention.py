@@ -96,39 +96,3 @@ def test_chunk_attention_walk_option_sets_an_unsplit_launch(dtype, dim, keys, st
     assert_causal(out, q, k, v, table, chunks, dtype)
     split = chunk_attention(q, k, v, table, tiles, TILE_TOKENS, splits=8, walk=walk)
     assert torch.equal(split[:T], chunk_attention(q, k, v, table, tiles, TILE_TOKENS, splits=8)[:T])
-
-
-# (launch, device_split_rows, options): launches of 57 rows (few) and 274 (many), both split
-# on the device under the default bound; 274 past a bound of 128 does not (the bound is the
-# device splits' alone: small tiles without them have no past-the-bound case)
-_OPTIONS = {"device": (True, False), "small": (False, True), "device-small": (True, True)}
-_DEVICE_CASES = [(case, rows, *opts, f"{label}-{opt}") for case, rows, label in
-                 [("few", 512, "few-rows"), ("many", 512, "many-rows"), ("many", 128, "past-the-bound")]
-                 for opt, opts in _OPTIONS.items() if opts[0] or rows == 512]
-
-
-@pytest.mark.parametrize("case,split_rows,device_splits,small_tiles", [c[:4] for c in _DEVICE_CASES],
-                         ids=[c[4] for c in _DEVICE_CASES])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
-def test_chunk_attention_device_splits_and_small_tiles(dtype, heads, kv_heads, dim, case, split_rows, device_splits,
-                                                       small_tiles):
-    """Key splits each program chooses from the launch's tiles, and decode tokens' tiles on
-    fewer rows, against fp64: in the few rows' launch a decode token deep in its sequence
-    and a full tile after 600 positions split (walks of 300 and 616 keys against a share of
-    128 at the least) and the short tiles do not; the many rows' launch holds a 200-token
-    chunk after 700 positions; past ``device_split_rows`` the launch is unsplit, the small
-    tiles still on fewer rows. Uncovered rows stay NaN; a programmatic launch gives the same."""
-    from woq.kernels.chunk_attention import chunk_attention
-    from woq.kernels.options import ChunkAttentionOptions
-
-    case = CHUNKS[:3] + [(16, 600)] if case == "few" else CHUNKS
-    walk = ChunkAttentionOptions(device_splits=device_splits, small_tiles=small_tiles, device_split_rows=split_rows)
-    q, k, v, table, tiles, chunks, T = packed_case(heads, kv_heads, dim, dtype, 16, case)
-    out = torch.full_like(q, float("nan"))
-    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, out, walk=walk)
-    assert torch.isnan(out[T:]).all()
-    assert_causal(out, q, k, v, table, chunks, dtype)
-    again = torch.full_like(q, float("nan"))
-    chunk_attention(q, k, v, table, tiles, TILE_TOKENS, again, programmatic=True, walk=walk)
-    assert torch.equal(again[:T], out[:T])
