@@ -142,8 +142,9 @@ def kernel_summary(r: dict) -> str:
             f"{BLOCK}), fp16; µs per call, median of a CUDA graph of {LAYERS} calls over {LAYERS} layers' caches. "
             f"`split`: {SPLITS} key splits of every tile in a launch of up to 128 rows, of the tiles of up "
             "to 4 tokens in a larger one (kernels/chunk_attention.py); memory µs: the keys and values the tiles "
-            "read, at the copy bandwidth. Unsplit launches walk the keys 64 a step in 2 stages; the last "
-            "columns: other walks (keys / stages), their time over that.\n\n"
+            f"read, at the copy bandwidth. Unsplit launches walk the keys {_DEFAULT_WALK[0]} a step in "
+            f"{_DEFAULT_WALK[1]} stages (the default); the last columns: other walks (keys / stages), their time "
+            "over that.\n\n"
             + markdown_table(["B decode", "T prompt", "cached", "padded rows", "unsplit µs", "split µs",
                               "speed-up", "memory µs"] + [f"{k}/{st}" for k, st in WALKS[1:]], rows) + "\n")
 

@@ -85,7 +85,6 @@ class _Attention:
         self.batch, self.h, self.rope, self.cache, self.fused = batch, heads, rope, cache, fused
         self.programmatic = options.programmatic_launch
         self.wide, self.walk = options.decode_attention, options.chunk_attention
-        self.shared = None  # what an implementation works out once for all the pass's layers
 
     def context(self):
         """Entered once around a whole forward (switching SDPA backends costs host time)."""
@@ -191,49 +190,63 @@ class FusedDecodeAttention(_Attention):
         return out.view(B, -1)
 
 
+@dataclass(frozen=True)
+class _DecodePass:
+    """What every layer of a torch decode pass uses, worked out once (each is a few small
+    ops, and on the CPU small ops are much of a decode step: docs/design/kv_cache.md):
+    RoPE's tables and where the new keys go (``KVCache.locate``); on the CPU also the
+    longest length, ``KVCache.read``'s index and the mask as the additive bias (0 or -inf)
+    that SDPA would otherwise make of a boolean mask at every call."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    at: tuple[torch.Tensor, torch.Tensor]
+    length: int = 0
+    index: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
 class TorchDecodeAttention(_Attention):
     """A decode step through torch ops (the fused kernels' reference): RoPE, the cache write,
     then on CUDA the decode-attention kernel over the live tokens, elsewhere the batch's
     cached rows gathered up to its longest sequence and masked per row."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        # (made at the first layer's call, inside a graph's capture where there is one)
+        self.shared: _DecodePass | None = None
 
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         b, B = self.batch, qkv.shape[0]
         H, Hkv, D = self.h.heads, self.h.kv_heads, self.h.head_dim
         if self.shared is None:
             self.shared = self._shared(qkv)
-        cos, sin, at = self.shared[:3]
+        s = self.shared
         q, k, v = self.h.split(qkv.view(B, 1, -1))
-        q = self.rope.rotate(q.view(B, 1, H, D).transpose(1, 2), cos, sin)
-        k = self.rope.rotate(k.view(B, 1, Hkv, D).transpose(1, 2), cos, sin)
-        self.cache.write(layer, b.slots, b.positions.view(B), k.view(B, Hkv, D), v.view(B, Hkv, D), at=at)
+        q = self.rope.rotate(q.view(B, 1, H, D).transpose(1, 2), s.cos, s.sin)
+        k = self.rope.rotate(k.view(B, 1, Hkv, D).transpose(1, 2), s.cos, s.sin)
+        self.cache.write(layer, b.slots, b.positions.view(B), k.view(B, Hkv, D), v.view(B, Hkv, D), at=s.at)
         if qkv.is_cuda:
             from ..kernels.decode_attention import decode_attention
 
             out = decode_attention(q[:, :, 0], self.cache.k[layer], self.cache.v[layer], self.cache.block_table,
                                    b.slots, b.lengths, programmatic=self.programmatic, wide=self.wide)
             return out.reshape(B, H * D)
-        length, index, bias = self.shared[3:]
-        k, v = self.cache.read(layer, b.slots, length, index)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=H != Hkv)
+        k, v = self.cache.read(layer, b.slots, s.length, s.index)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=s.bias, enable_gqa=H != Hkv)
         return out.transpose(1, 2).reshape(B, H * D)
 
-    def _shared(self, qkv: torch.Tensor) -> tuple:
-        """What every layer of the pass uses, worked out once (each is a few small ops, and
-        on the CPU small ops are much of a decode step: docs/design/kv_cache.md): RoPE's
-        tables and where the new keys go; on the CPU also the longest length, ``read``'s
-        index and the mask as the additive bias (0 or -inf) that SDPA would otherwise make
-        of a boolean mask at every call."""
+    def _shared(self, qkv: torch.Tensor) -> _DecodePass:
         b = self.batch
         cos, sin = self.rope.tables(b.positions, qkv.dtype)
         at = self.cache.locate(b.slots, b.positions.view(-1))
         if qkv.is_cuda:
-            return cos, sin, at
+            return _DecodePass(cos, sin, at)
         length = int(b.lengths.max())
         keys = torch.arange(length, device=qkv.device)
         visible = (keys[None, None, :] <= b.positions[:, :, None]).unsqueeze(1)  # [B, 1, 1, length]
         bias = torch.zeros(visible.shape, dtype=qkv.dtype, device=qkv.device).masked_fill_(~visible, float("-inf"))
-        return cos, sin, at, length, self.cache.read_index(b.slots, length), bias
+        return _DecodePass(cos, sin, at, length, self.cache.read_index(b.slots, length), bias)
 
 
 def attention_for(batch: Batch, heads: Heads, rope: Rotary, cache: KVCache | None, fused,
