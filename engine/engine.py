@@ -322,6 +322,13 @@ class Engine:
                              f"--gpu-memory-fraction")
         log.info("KV cache: %s; %d blocks of %d positions for %d sequences", summary, min(blocks, most), block_size,
                  max_num_seqs)
+        # the most positions one request can take (prompt + completion): a pool smaller than
+        # one --max-seq-len sequence bounds it, and requests that leave max_tokens unset fill
+        # this, not the context length
+        self.context_len = min(self.max_seq_len, self.longest)
+        if self.context_len < self.max_seq_len:
+            log.warning("the KV cache holds %d positions, fewer than --max-seq-len %d: a request takes at most %d",
+                        self.longest, self.max_seq_len, self.context_len)
         # Block 0 and one more row: the scratch block, and the graphs' padding rows' row (every entry block 0).
         self.cache = KVCache(cfg.num_layers, max_num_seqs + 1, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim,
                              model.dtype, model.device, block_size=block_size, num_blocks=1 + min(blocks, most))
@@ -417,10 +424,10 @@ class Engine:
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"of {self.max_seq_len} tokens"
             )
-        if prompt_tokens + max_tokens > self.longest:
+        if prompt_tokens + max_tokens > self.context_len:
             raise RequestTooLongError(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the KV cache's "
-                f"{self.longest} positions"
+                f"{self.context_len} positions"
             )
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None,

@@ -44,18 +44,22 @@ def text_encoder(tokenizer) -> Callable[[str], list[int]]:
 
 def sampling_params(state: ServerState, req, prompt_len: int) -> SamplingParams:
     """What ``req`` asks of the engine, for a prompt of ``prompt_len`` tokens (the longest of
-    a completion's prompts): its token budget checked against the context, its processors,
-    and the grammar of a ``response_format`` or a forced tool call."""
-    room = state.engine.max_seq_len - prompt_len
+    a completion's prompts): its token budget checked against what a request can take
+    (``Engine.context_len``; unset, the rest of that), its processors, and the grammar of
+    a ``response_format`` or a forced tool call."""
+    engine = state.engine
+    room = engine.context_len - prompt_len
+    limit = (f"the context length of {engine.context_len} tokens" if engine.context_len == engine.max_seq_len
+             else f"the KV cache's {engine.context_len} positions")
     if room < 1:
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-        raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context length of "
-                            f"{state.engine.max_seq_len} tokens", param=prompt, code="context_length_exceeded")
+        raise APIError(400, f"the prompt ({prompt_len} tokens) fills {limit}", param=prompt,
+                       code="context_length_exceeded")
     wanted = req.wanted_max_tokens()
     max_tokens = wanted if wanted is not None else room
     if max_tokens > room:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                            f"of {state.engine.max_seq_len} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds {limit}",
+                       param="max_tokens", code="context_length_exceeded")
     vocab = state.engine.model.cfg.vocab_size
     bias = tuple((int(k), v) for k, v in req.logit_bias.items())
     if any(t >= vocab for t, _ in bias):

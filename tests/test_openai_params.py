@@ -4,6 +4,8 @@ nothing; types are strict; errors speak of the JSON the client sent."""
 import httpx
 import pytest
 
+from conftest import LiveServer, metric_value
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -236,6 +238,35 @@ def test_a_too_long_prompt_names_prompt_or_messages(server):
     assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
     err = _error(_post(server, CHAT, _chat(messages=[{"role": "user", "content": "Hi " * 1100}])))
     assert (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+
+
+@pytest.fixture(scope="module")
+def small_pool(smollm2_dir):
+    """A KV pool of a few blocks (on the CPU: --kv-cache-gib), far below --max-seq-len."""
+    s = LiveServer("--model", str(smollm2_dir), "--served-model-name", MODEL, "--quant", "int4",
+                   "--max-seq-len", "512", "--max-num-seqs", "2", "--kv-cache-gib", "0.003")
+    yield s
+    s.stop()
+
+
+def test_a_pool_below_the_context_bounds_requests_by_its_positions(small_pool):
+    """Where the KV pool holds fewer positions than one --max-seq-len sequence, a request
+    without max_tokens is served up to the pool's positions (not refused for a budget it
+    did not ask for), and one that asks for more is refused by naming max_tokens."""
+    metrics = httpx.get(small_pool.url + "/metrics").text
+    positions = int(metric_value(metrics, "woq_kv_cache_blocks") * metric_value(metrics, "woq_kv_cache_block_size"))
+    assert 0 < positions < 512
+    r = _post(small_pool, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
+                                 "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == positions
+    err = _error(_post(small_pool, CHAT, _chat(max_tokens=positions)))
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"the KV cache's {positions} positions" in err["message"]
+    err = _error(_post(small_pool, COMPLETIONS, _completion(prompt=[42] * positions)))
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
 
 
 def test_the_openai_client(server):
