@@ -184,6 +184,10 @@ def _check_unicode(req) -> None:
                             "part of a pair; send valid UTF-8 text", code="invalid_unicode") from None
 
 
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine.context_len)
+
+
 def _check_model(state: ServerState, requested: str | None) -> None:
     if requested is not None and requested != state.model_name:
         raise APIError(404, f"the model '{requested}' does not exist; this server serves '{state.model_name}'",
@@ -437,12 +441,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", responses=_errors({}))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, created=state.created)])
+        return ModelList(data=[_card(state)])
 
     @app.get("/v1/models/{model_id:path}", responses=_errors({404: "the model is not the one served"}))
     async def model(model_id: str) -> ModelCard:
         _check_model(state, model_id)
-        return ModelCard(id=state.model_name, created=state.created)
+        return _card(state)
 
     @app.post("/v1/chat/completions", responses={**_GENERATE_ERRORS, **_GENERATED})
     async def chat_completions(req: ChatCompletionRequest, request: Request):

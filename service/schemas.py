@@ -364,6 +364,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "woq"
+    # (vLLM's extension, read by clients that size their prompts: the most tokens, prompt and
+    # completion together, one request can take)
+    max_model_len: int
 
 
 class ModelList(BaseModel):

@@ -250,12 +250,14 @@ def small_pool(smollm2_dir):
 
 
 def test_a_pool_below_the_context_bounds_requests_by_its_positions(small_pool):
-    """Where the KV pool holds fewer positions than one --max-seq-len sequence, a request
-    without max_tokens is served up to the pool's positions (not refused for a budget it
-    did not ask for), and one that asks for more is refused by naming max_tokens."""
+    """Where the KV pool holds fewer positions than one --max-seq-len sequence, the model's
+    card says so, a request without max_tokens is served up to the pool's positions (not
+    refused for a budget it did not ask for), and one that asks for more is refused by
+    naming max_tokens."""
     metrics = httpx.get(small_pool.url + "/metrics").text
     positions = int(metric_value(metrics, "woq_kv_cache_blocks") * metric_value(metrics, "woq_kv_cache_block_size"))
     assert 0 < positions < 512
+    assert httpx.get(small_pool.url + f"/v1/models/{MODEL}").json()["max_model_len"] == positions
     r = _post(small_pool, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
                                  "ignore_eos": True})
     assert r.status_code == 200, r.text

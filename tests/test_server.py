@@ -78,7 +78,8 @@ def test_completions_streaming_and_not(server):
 
 
 def test_models_health_metrics(server):
-    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert (card["id"], card["max_model_len"]) == (MODEL, 512)  # (--max-seq-len: the pool holds more)
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     text = httpx.get(server.url + "/metrics").text
