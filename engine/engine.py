@@ -180,6 +180,8 @@ class _Sequence:
     # prompt blocks once it is prefilled (one prefill for all); ``forked`` once they are.
     siblings: list["_Sequence"] = field(default_factory=list)
     forked: bool = False
+    # a further choice's first choice, which ``by_id`` holds until every choice has ended
+    head: "_Sequence | None" = field(default=None, repr=False, compare=False)
     finished: bool = False
     matcher: object | None = None  # the grammar's llguidance matcher (SamplingParams.grammar)
 
@@ -454,6 +456,8 @@ class Engine:
 
         seq = sequence(0, sink)
         seq.siblings = [sequence(i + 1, s) for i, s in enumerate(choices)]
+        for sibling in seq.siblings:
+            sibling.head = seq
         with self._cv:
             if self._stop:
                 raise EngineStoppedError("the server is shutting down")
@@ -1027,7 +1031,9 @@ class Engine:
         if seq.kv is not None:
             self.kv.release(seq.kv)
             seq.kv, seq.slot = None, -1
-        self.by_id.pop(seq.request_id, None)
+        head = seq.head or seq
+        if all(s.finished for s in (head, *head.siblings)):  # (a cancel reaches every choice until the last ends)
+            self.by_id.pop(head.request_id, None)
         if reason != "error" and reason != "abort" and seq.stream is not None:
             text += seq.stream.finish()
         n_out = len(seq.generated)

@@ -1,8 +1,11 @@
-"""Continuous batching, stop strings and the dispatch record, on the real SmolLM2 (int4 g128)."""
+"""Continuous batching, stop strings and the dispatch record, on the real SmolLM2 (int4 g128);
+a request's choices cancelled together, on a tiny random model."""
 import threading
 
 import pytest
+import torch
 
+from conftest import random_llama
 from woq.engine.detokenizer import TextStream
 from woq.engine.engine import Engine, QueueFullError, RequestTooLongError
 from woq.engine.sampling import SamplingParams
@@ -79,6 +82,50 @@ def test_stop_strings_and_finish_reasons(engine, smollm2_int4):
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("Paris")]
     short = engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0))
     assert short.finish_reason == "length" and short.completion_tokens == 3
+
+
+def test_a_cancel_ends_the_choices_still_running_after_the_first_ended():
+    """A request's cancel (its client gone) ends its choices still running after its first
+    choice has ended, within the steps in flight, rather than leaving them to run on for
+    nobody. The model samples at temperature 1 with 1 token in 16 an end of sequence, so
+    that choices end at different steps; seeds are tried until three requests have had
+    their first choice end while another still ran."""
+    model = random_llama(torch.float32, "cpu", 512)
+    eng = Engine(model, None, set(range(0, 512, 16)), max_num_seqs=4, max_queue=4, max_seq_len=512).start()
+    slack = 3  # tokens: the step handed out late, the one running, the next
+    cases = 0
+    try:
+        for seed in range(200):
+            tokens, ended, first, done = [0, 0, 0], {}, threading.Event(), threading.Event()
+
+            def sink(i):
+                def on(ev):
+                    tokens[i] += len(ev.token_ids)
+                    if ev.finish_reason:
+                        ended[i] = ev
+                        if i == 0:
+                            first.set()
+                        if len(ended) == 3:
+                            done.set()
+                return on
+
+            rid = eng.submit([1, 2, 3], SamplingParams(max_tokens=400, temperature=1.0, seed=seed), sink(0),
+                             choices=[sink(1), sink(2)])
+            assert first.wait(60)
+            running = {i: tokens[i] for i in (1, 2) if i not in ended}
+            eng.cancel(rid)
+            assert done.wait(60)
+            if not running or ended[0].finish_reason != "stop":
+                continue
+            cases += 1
+            for i, before in running.items():
+                assert ended[i].completion_tokens <= before + slack, (seed, i, before, ended[i])
+            if cases == 3:
+                break
+        assert cases == 3
+        assert not eng.running and not eng.waiting and not eng.by_id
+    finally:
+        eng.shutdown()
 
 
 def test_admission_limits(smollm2_int4):
