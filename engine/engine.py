@@ -318,8 +318,8 @@ class Engine:
             blocks, summary = kv_blocks_for_budget(model, gpu_memory_fraction, block_size, step)
         else:
             blocks, summary = int(kv_cache_gib * (1 << 30) // per_block), f"{kv_cache_gib:g} GiB"
-        self.longest = min(blocks, most) * block_size  # the most positions one sequence can hold
-        if self.longest < min(self.max_seq_len, 2 * block_size):
+        longest = min(blocks, most) * block_size  # the most positions one sequence can hold
+        if longest < min(self.max_seq_len, 2 * block_size):
             raise ValueError(f"the KV cache does not fit: {summary}; lower --max-seq-len or raise "
                              f"--gpu-memory-fraction")
         log.info("KV cache: %s; %d blocks of %d positions for %d sequences", summary, min(blocks, most), block_size,
@@ -327,10 +327,10 @@ class Engine:
         # the most positions one request can take (prompt + completion): a pool smaller than
         # one --max-seq-len sequence bounds it, and requests that leave max_tokens unset fill
         # this, not the context length
-        self.context_len = min(self.max_seq_len, self.longest)
+        self.context_len = min(self.max_seq_len, longest)
         if self.context_len < self.max_seq_len:
-            log.warning("the KV cache holds %d positions, fewer than --max-seq-len %d: a request takes at most %d",
-                        self.longest, self.max_seq_len, self.context_len)
+            log.warning("the KV cache holds %d positions, fewer than --max-seq-len %d: a request takes at most that",
+                        longest, self.max_seq_len)
         # Block 0 and one more row: the scratch block, and the graphs' padding rows' row (every entry block 0).
         self.cache = KVCache(cfg.num_layers, max_num_seqs + 1, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim,
                              model.dtype, model.device, block_size=block_size, num_blocks=1 + min(blocks, most))

@@ -10,10 +10,10 @@ wide weight (docs/design/cpu_linear.md has the measurements).
   keeps. Each output row then gets the same bits whatever the number of rows beside it
   (its sums over K run in the order the blocked layout fixes), so a request's tokens do
   not depend on the batch it shares; MKL's sgemm rounds small batches' rows differently.
-  One exception is found at packing: with AVX-512, oneDNN's matmul takes a sum order of
-  its own for a single row when K > 1024 (oneDNN 3.12; every other row count agrees). A
-  layer whose single row does not get the bits it gets beside another runs one row as
-  two (the row twice: ~10-15 µs a call, on calls of 46 µs or more there).
+  One exception is found at packing: with AVX-512, oneDNN's matmul may take a sum order
+  of its own for a single row (seen for K > 1024). A layer whose single row does not get
+  the bits it gets beside another runs one row as two, the row twice (its cost:
+  cpu_linear.md).
 * plain (a weight the model holds, such as an unquantized LM head): oneDNN reads it where
   it is, without a copy (one row takes oneDNN's matrix-vector path: bits of its own).
 
@@ -57,7 +57,6 @@ class CpuLinear:
 
     def _one_row_agrees(self) -> bool:
         """Whether a row alone gets the bits it gets beside another, on fixed random rows (a
-        different sum order over K > 1024 terms changes some of the outputs' bits all but
-        surely)."""
+        different order of a long sum changes some of the outputs' bits all but surely)."""
         x = torch.randn(2, self.weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=self.weight.dtype)
         return torch.equal(self._onednn(x[:1]), self._onednn(x)[:1])
