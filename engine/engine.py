@@ -418,19 +418,19 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def context_limit(self) -> str:
+        """What bounds a request's tokens (``context_len``), in words for its error messages."""
+        if self.context_len == self.max_seq_len:
+            return f"the context length of {self.context_len} tokens"
+        return f"the KV cache's {self.context_len} positions"
+
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens < 1:
             raise RequestTooLongError("the prompt is empty")
-        if prompt_tokens + max_tokens > self.max_seq_len:
-            raise RequestTooLongError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                f"of {self.max_seq_len} tokens"
-            )
         if prompt_tokens + max_tokens > self.context_len:
             raise RequestTooLongError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the KV cache's "
-                f"{self.context_len} positions"
-            )
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds {self.context_limit}")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, request_id: str | None = None,
                choices: list[Sink] | None = None) -> str:

@@ -49,8 +49,7 @@ def sampling_params(state: ServerState, req, prompt_len: int) -> SamplingParams:
     a ``response_format`` or a forced tool call."""
     engine = state.engine
     room = engine.context_len - prompt_len
-    limit = (f"the context length of {engine.context_len} tokens" if engine.context_len == engine.max_seq_len
-             else f"the KV cache's {engine.context_len} positions")
+    limit = engine.context_limit
     if room < 1:
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         raise APIError(400, f"the prompt ({prompt_len} tokens) fills {limit}", param=prompt,
