@@ -12,15 +12,17 @@ kind (``graph_time_us`` over the model's 32 weights of that kind: rotated past L
 kernel benchmark calls them).
 
 It also keeps what the live gauge would receive: the reported layer's call of each kind
-at every timed replay (``--stamped-layers 2``: the second layer's, as the server reports),
-their median, mean and maximum, and their bytes / time / copy bandwidth. The other options
+at every timed replay (``--stamped-layers 3``: the third layer's, as the server reports;
+with ``--paired`` timed as the server times it, between calls of the two layers before it
+of its kind: ``kernels/observe.py``, ``BlockStampRows``), their median, mean and maximum, and
+their bytes / time / copy bandwidth. The other options
 set up the engine as a server runs it: the prompt length before decoding (the dashboard's
 chat requests are 43 tokens), one timed replay in ``--sample-every`` (the server's
 ``--kernel-timing-every``, 8), sampling, the engine's batch slots, and weights loaded and
 quantized from an HF directory as ``woq serve`` does.
 
     python benchmarks/gemv_in_place.py --out docs/bench
-    python benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 2 \
+    python benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 3 --paired \
         --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --name gemv_in_place_server
 """
 from __future__ import annotations
@@ -88,14 +90,14 @@ def run(a: argparse.Namespace) -> dict:
         layers, vocab = config.num_hidden_layers, config.vocab_size
     torch.cuda.empty_cache()
     steps = _Steps()
-    timing = KernelTiming(steps, a.sample_every, stamped_layers=a.stamped_layers or layers)
+    timing = KernelTiming(steps, a.sample_every, stamped_layers=a.stamped_layers or layers, paired=a.paired)
     params = SamplingParams(max_tokens=NEW, temperature=a.temperature, seed=0, ignore_eos=True)
     model.observe_kernels(timing)
     engine = Engine(model, None, set(), max_num_seqs=a.max_num_seqs, max_queue=64, max_seq_len=CONTEXT,
                     max_prefill_tokens=2048).start()
     result = dict(gpu_info(), model="llama3-8b int4 g128", bandwidth=bandwidth, prompt=a.prompt,
                   sample_every=a.sample_every, temperature=a.temperature, source=a.model or "random state",
-                  batches={})
+                  paired=a.paired, batches={})
     for b in BATCHES:
         per_layer: dict[str, list[list[float]]] = {k: [[] for _ in range(layers)] for k in KINDS}
         steps.steps.clear()
@@ -123,7 +125,8 @@ def run(a: argparse.Namespace) -> dict:
             in_place = [statistics.median(s) * 1e6 for s in per_layer[kind] if s]
             gauge = steps.gauge.get((b, kind), [])
             rows[kind] = dict(n=linears[0].out_features, k=linears[0].in_features, chain_us=chain,
-                              first_us=in_place[0], second_us=in_place[1], others_us=statistics.median(in_place[1:]),
+                              first_us=in_place[0], second_us=in_place[1],
+                              others_us=in_place[-1] if a.paired else statistics.median(in_place[1:]),
                               per_layer_us=in_place, gauge_us=[t * 1e6 for _, t in gauge],
                               gauge_ratio=sum(m for m, _ in gauge) / sum(t for _, t in gauge) / bandwidth
                               if gauge else None)
@@ -146,6 +149,8 @@ def summary(result: dict) -> str:
            f"{result['sample_every']} timed. Weights: {result['source']}. The gauge's samples: the reported layer's "
            f"call at every timed replay, as the live gauge receives them; its ratio: their bytes / their time / "
            f"the copy bandwidth ({result['bandwidth'] / 1e12:.2f} TB/s).\n"]
+    paired = result.get("paired", False)
+    later = "the reported layer, paired µs" if paired else "in place, later layers µs"
     for b, r in result["batches"].items():
         table, sums = [], [0.0, 0.0]
         for kind, k in r["kinds"].items():
@@ -159,7 +164,7 @@ def summary(result: dict) -> str:
         table.append(["a layer's four", "", f"{sums[0]:.1f}", "", f"{sums[1]:.1f}", f"{sums[1] / sums[0]:.2f}", "", ""])
         out.append(f"\n**Batch {b}** (step {r['step_us']:.0f} µs median, {r['timed_replays']} timed replays)\n\n"
                    + markdown_table(["layer kind", "N x K", "chain µs", "in place, layer 0 µs",
-                                     "in place, later layers µs", "in place / chain",
+                                     later, f"{'paired' if paired else 'in place'} / chain",
                                      "gauge's samples: n, median / mean / max µs", "gauge's ratio"], table))
     return "\n".join(out) + f"\n\n`{result['command']}`\n"
 
@@ -190,7 +195,10 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens of each request")
     p.add_argument("--sample-every", type=int, default=1, help="one replay in N runs the timed twin")
     p.add_argument("--stamped-layers", type=int, default=0,
-                   help="the GEMV calls of each kind stamped (the server's: 2; default: every layer)")
+                   help="the GEMV calls of each kind stamped (the server's: 3; default: every layer)")
+    p.add_argument("--paired", action="store_true",
+                   help="time the reported layer's calls between calls of the two layers before it, as the server does "
+                        "(default: every stamped call in place)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--max-num-seqs", type=int, default=max(BATCHES), help="the engine's (the server's: 16)")
     p.add_argument("--model", help="an HF model directory, loaded and quantized as the server does "

@@ -72,7 +72,7 @@ for stage in "$@"; do
       run startup $PY benchmarks/startup.py --random-config llama3-8b --workdir /tmp/llama3-8b --device cuda --runs ${STARTUP_RUNS:-1} --out "$OUT" --name startup_h100_llama3-8b_int4 ;;
     overhead) run overhead $PY benchmarks/metrics_overhead.py --rounds ${OVERHEAD_ROUNDS:-8} --out "$OUT" ;;
     inplace)  # each GEMV in the step against its chain; then as the dashboard's server runs (its stage's model, prompts, sampling)
-      run inplace bash -c "$PY benchmarks/gemv_in_place.py --out $OUT && $RANDOM_8B && $PY benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 2 --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --out $OUT --name gemv_in_place_server" ;;
+      run inplace bash -c "$PY benchmarks/gemv_in_place.py --out $OUT && $RANDOM_8B && $PY benchmarks/gemv_in_place.py --prompt 43 --sample-every 8 --stamped-layers 3 --paired --temperature 0.7 --max-num-seqs 16 --model /tmp/llama3-8b --out $OUT --name gemv_in_place_server" ;;
     sampling) run sampling $PY benchmarks/sampling_cost.py --tokenizer .tok --out "$OUT" ;;  # (the Llama-3 tokenizer carried in .tok/)
     budget) run budget $PY benchmarks/step_budget.py --out "$OUT" ;;
     chunkattn) run chunkattn $PY benchmarks/chunk_attention.py --step ${CHUNKATTN_STEP:-64/3,64/2,32/3} --out "$OUT" ;;

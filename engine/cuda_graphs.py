@@ -32,8 +32,8 @@ from .decode import DecodeRunner
 @dataclass(eq=False)
 class Graph:
     """One captured graph and its output; with kernel metrics on, also its timed twin (the
-    same work with the first linear-layer call of each kind timed -- a GEMV or mixed GEMM by
-    its blocks' stamps, others by event pairs -- and event nodes around a decode step,
+    same work with one linear-layer call of each kind timed -- a GEMV or mixed GEMM by its
+    blocks' stamps, others by event pairs -- and event nodes around a decode step,
     ``kernels/observe.py``) and the calls each one replays."""
 
     graph: torch.cuda.CUDAGraph

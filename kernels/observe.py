@@ -12,8 +12,9 @@ the plan itself never knows.
   is also captured a second time with one call of each kind timed (path, layer kind, bits,
   shape: the decoder layers repeat them), and with event nodes around the whole step: its
   *timed twin*. A GEMV or mixed-GEMM call is timed by its blocks' ``%globaltimer`` stamps
-  (``BlockStampRows``: the second decoder layer's, see there), other calls by event nodes
-  around the first call of their kind. One replay in ``sample_every`` of each graph runs
+  (``BlockStampRows``: the third decoder layer's, run between calls of the second and the
+  first layer's of its kind, see there), other calls by event nodes around the first call
+  of their kind. One replay in ``sample_every`` of each graph runs
   its twin instead, which keeps the latencies flowing while the fast graph itself stays
   free of event nodes (an event node between two kernels ends their programmatic overlap,
   and adds its launch to the call it times: the GEMVs and mixed GEMMs, most of a step,
@@ -101,6 +102,11 @@ class Captured:
     in_flight: torch.cuda.Event | None = None  # a timed replay not yet read back
     step: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None  # a timed twin's (batch, start, end)
     blocks: "BlockStampRows | None" = None  # a timed twin's GEMV and mixed-GEMM calls' block stamps
+    # a timed twin: each stamped kind's partners (its two previous layers' calls, run again
+    # around the reported one: BlockStampRows) until that call is captured, and the weight
+    # bytes the partners' calls add to the twin's step (uncounted calls: not in ``counts``)
+    partners: dict = field(default_factory=dict)
+    partner_bytes: int = 0
 
     def replayed(self) -> None:
         self.replays += 1
@@ -120,9 +126,12 @@ class Captured:
         """Inside a timed twin's capture, after its forward: the block stamps' copy out."""
         if self.blocks is not None and self.blocks.calls:
             self.blocks.copy_out()
+        self.partners.clear()  # (their inputs stay alive while they are held)
 
     def weight_bytes(self) -> int:
-        return sum(call.weight_bytes() * n for call, n in self.counts.items() if call.layer != "attention")
+        """The weight bytes one replay reads (a timed twin's partners' calls included)."""
+        return self.partner_bytes + sum(call.weight_bytes() * n for call, n in self.counts.items()
+                                        if call.layer != "attention")
 
 
 class BlockStampRows:
@@ -131,12 +140,22 @@ class BlockStampRows:
     rewritten by the same blocks at every replay (a graph's grids are fixed); blocks that
     never write leave zeros. Copied to pinned host memory at the end of each timed replay.
 
-    The first ``layers`` calls of each kind are stamped (``KernelTiming``'s
-    ``stamped_layers``) and the last of them reported: by default the second decoder
-    layer's. A call's stamps run from its wait for the previous kernel to its last block's
-    end, and under programmatic launches its first weight stages stream in before that
-    wait, during whatever ran before it; the first layer's qkv follows the embedding, not a
-    previous layer's down, and is slower than every later layer's (docs/design/metrics.md)."""
+    A call's stamps run from its wait for the previous kernel to its last block's end.
+    Under programmatic launches its first weight stages stream in before that wait, during
+    whatever ran before it, and the next kernel's first stages stream in during its own
+    tail: in place, each kind's time holds some of its neighbours' loads (qkv's prologue runs
+    during the norm and the previous down, down's during gate_up), and the first layer's qkv
+    follows the embedding (docs/design/metrics.md). So by default (``KernelTiming``'s
+    ``paired``) the twin times a call as the kernel benchmark chains them: the kind's
+    ``stamped_layers``-th call (by default the third decoder layer's) is stamped, the second
+    layer's call of its kind runs again just before it and the first layer's just after it,
+    so that the stamped call's prologue and tail overlap calls like itself, each on weights
+    of its own that left L2 a layer or more ago (one partner run twice would find its
+    weights in L2 the second time: an 8B model's o weights take 8.4 MB); its time is then
+    its own weights' and the roofline gauges read the kernel's rate on the live shapes. The calls before it are stamped in place; a kind's last stamped call is
+    the one reported (with fewer layers the last one, paired with what layers it has before
+    it). Without pairing every stamped call is timed in place
+    (``benchmarks/gemv_in_place.py`` compares the two ways)."""
 
     # Layer kinds a twin stamps (qkv, o, gate_up, down: each on one path in a graph, its M
     # fixed), then events; blocks a call stamps at most (a GEMM's grid is one resident wave
@@ -205,12 +224,15 @@ class KernelTiming:
     ``sample_every``, graphs their timed twin one replay in ``sample_every``). One per model
     (its layers share the sampling)."""
 
-    def __init__(self, observer: KernelObserver, sample_every: int = 1, stamped_layers: int = 2):
-        """``stamped_layers``: how many of each GEMV or mixed-GEMM kind's calls a timed twin
-        stamps, the last of them reported (``BlockStampRows``)."""
+    def __init__(self, observer: KernelObserver, sample_every: int = 1, stamped_layers: int = 3,
+                 paired: bool = True):
+        """``stamped_layers``: which of each GEMV or mixed-GEMM kind's calls a timed twin
+        reports (the last of that many); ``paired``: time it between calls of the two before
+        it, else stamp all of them in place (``BlockStampRows``)."""
         self.observer = observer
         self.sample_every = max(1, sample_every)
         self.stamped_layers = max(1, stamped_layers)
+        self.paired = paired
         self.count = 0
         self.pending: deque[tuple[KernelCall, torch.cuda.Event, torch.cuda.Event]] = deque()
         self.pending_stamps: deque[tuple[StageStamps, torch.cuda.Event]] = deque()
@@ -339,9 +361,19 @@ class KernelTiming:
         if not self._timed_capture:
             return compute(None)
         if call.path in (GEMV, MIXED_GEMM) and occurrence < self.stamped_layers:
-            stamps = self._recording.blocks.take(call)
+            rec = self._recording
+            partners = rec.partners.setdefault(call, [])
+            stamps = rec.blocks.take(call)
             if stamps is not None:
-                return compute(stamps)
+                if self.paired and partners and occurrence == self.stamped_layers - 1:
+                    partners[-1](None)  # (their outputs are not used; the calls are not counted)
+                    y = compute(stamps)
+                    partners[0](None)  # (the one before: with one layer before this, the same one again)
+                    rec.partner_bytes += 2 * call.weight_bytes()
+                    return y
+                if self.paired:
+                    partners[:] = (partners + [compute])[-2:]  # (the two latest before the reported call)
+                return compute(stamps)  # (in place)
         if occurrence:
             return compute(None)
         start = torch.cuda.Event(enable_timing=True, external=True)

@@ -270,8 +270,9 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
 
 def test_a_timed_twin_stamps_its_mixed_gemm_calls():
     """A graph whose layers run the mixed GEMM (a 40-token packed forward): its timed twin
-    times each kind's GEMM by block stamps, not event nodes, and reports every kind with a
-    latency within its replay's wall time."""
+    times each kind's GEMM by block stamps, not event nodes, the third layer's between
+    uncounted calls of the second and the first layer's (their weight bytes added to the twin's), reports
+    every kind with a latency within its replay's wall time, and computes the graph's bits."""
     from conftest import random_llama
     from woq.engine.cuda_graphs import capture_graphs
     from woq.kernels import plans
@@ -296,6 +297,15 @@ def test_a_timed_twin_stamps_its_mixed_gemm_calls():
         assert stamped == {"qkv", "o", "gate_up", "down"} and all(c.path == plans.MIXED_GEMM
                                                                  for c in twin.blocks.calls)
         assert not [c for c, _, _ in twin.events if c.path == plans.MIXED_GEMM]  # (no event node around a GEMM)
+        reported = {c for c in twin.blocks.calls}
+        assert len(twin.blocks.calls) == 3 * len(reported) == 12  # (the three layers' calls of each kind)
+        assert twin.counts == graph.calls.counts  # (the partners' calls are not counted)
+        assert twin.partner_bytes == 2 * sum(c.weight_bytes() for c in reported)
+        assert twin.weight_bytes() == graph.calls.weight_bytes() + twin.partner_bytes
+        graph.graph.replay()
+        fast = graph.out.clone()
+        graph.twin.replay()
+        assert torch.equal(graph.twin_out, fast)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()  # (sample_every 1: the twin)
