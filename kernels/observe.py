@@ -135,26 +135,30 @@ class Captured:
 
 
 class BlockStampRows:
-    """The block stamps of a timed twin's GEMV and mixed-GEMM calls: row i of ``buffer``
-    (int64, zeroed once before the capture) is call i's ``[blocks, 2]`` (start, end) pairs,
-    rewritten by the same blocks at every replay (a graph's grids are fixed); blocks that
-    never write leave zeros. Copied to pinned host memory at the end of each timed replay.
+    """The block stamps of a timed twin's GEMV and mixed-GEMM calls: each stamped call has a
+    row of ``buffer`` (int64, zeroed once before the capture), its ``[blocks, 2]`` (start,
+    end) pairs, rewritten by the same blocks at every replay (a graph's grids are fixed);
+    blocks that never write leave zeros. Copied to pinned host memory at the end of each
+    timed replay.
 
-    A call's stamps run from its wait for the previous kernel to its last block's end.
-    Under programmatic launches its first weight stages stream in before that wait, during
-    whatever ran before it, and the next kernel's first stages stream in during its own
-    tail: in place, each kind's time holds some of its neighbours' loads (qkv's prologue runs
-    during the norm and the previous down, down's during gate_up), and the first layer's qkv
-    follows the embedding (docs/design/metrics.md). So by default (``KernelTiming``'s
-    ``paired``) the twin times a call as the kernel benchmark chains them: the kind's
-    ``stamped_layers``-th call (by default the third decoder layer's) is stamped, the second
-    layer's call of its kind runs again just before it and the first layer's just after it,
-    so that the stamped call's prologue and tail overlap calls like itself, each on weights
-    of its own that left L2 a layer or more ago (one partner run twice would find its
-    weights in L2 the second time: an 8B model's o weights take 8.4 MB); its time is then
-    its own weights' and the roofline gauges read the kernel's rate on the live shapes. The calls before it are stamped in place; a kind's last stamped call is
-    the one reported (with fewer layers the last one, paired with what layers it has before
-    it). Without pairing every stamped call is timed in place
+    In place, a call's time runs from its blocks' first return from the wait for the
+    previous kernel to its last block's end. Under programmatic launches its first weight
+    stages stream in before that wait, during whatever ran before it, and the next kernel's
+    first stages stream in during its own tail: each kind's time holds some of its
+    neighbours' loads (qkv's prologue runs during the norm and the previous down, down's
+    during gate_up), and the first layer's qkv follows the embedding
+    (docs/design/metrics.md). So by default (``KernelTiming``'s ``paired``) the twin times a
+    call as the kernel benchmark's chain does: the kind's ``stamped_layers``-th call (by
+    default the third decoder layer's) runs between calls of its kind, the second layer's
+    just before it (its *leader*, stamped too) and the first layer's just after it, and its
+    time runs from the leader's last block's end to its own last block's end, the interval
+    a chain's call takes (the wait's own latency included). Its prologue and tail then
+    overlap calls like itself, each on weights of its own that left L2 a layer or more ago
+    (one partner run twice would find its weights in L2 the second time: an 8B model's o
+    weights take 8.4 MB), so its time is its own weights' and the roofline gauges read the
+    kernel's rate on the live shapes. The calls before it are stamped in place; a kind's
+    last stamped call is the one reported (with fewer layers the last one, paired with what
+    layers it has before it). Without pairing every stamped call is timed in place
     (``benchmarks/gemv_in_place.py`` compares the two ways)."""
 
     # Layer kinds a twin stamps (qkv, o, gate_up, down: each on one path in a graph, its M
@@ -163,29 +167,60 @@ class BlockStampRows:
     KINDS, BLOCKS = 4, 4096
 
     def __init__(self, device: torch.device, layers: int):
-        self.buffer = torch.zeros(self.KINDS * layers, 2 * self.BLOCKS, dtype=torch.int64, device=device)
-        self.host = torch.zeros(self.buffer.shape, dtype=torch.int64, pin_memory=True)
-        self.calls: list[KernelCall] = []
+        # (a row a kind and layer, and one a kind for a paired call's leader)
+        self.buffer = torch.zeros(self.KINDS * (layers + 1), 2 * self.BLOCKS, dtype=torch.int64, device=device)
+        self.host = torch.zeros(self.buffer.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.calls: list[KernelCall] = []  # the stamped calls, in call order (a leader is not one)
+        self._rows: list[int] = []  # each call's row
+        self._leaders: dict[int, int] = {}  # a paired call's index in ``calls``: its leader's row
+        self._taken = 0
+
+    def _row(self) -> int | None:
+        if self._taken == len(self.buffer):
+            return None
+        self._taken += 1
+        return self._taken - 1
 
     def take(self, call: KernelCall) -> torch.Tensor | None:
         """The stamps row of ``call``, or None when every row is taken."""
-        if len(self.calls) == len(self.buffer):
+        row = self._row()
+        if row is None:
             return None
         self.calls.append(call)
-        return self.buffer[len(self.calls) - 1]
+        self._rows.append(row)
+        return self.buffer[row]
+
+    def take_paired(self, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stamps rows of a paired ``call``'s leader and of ``call``, or None when fewer
+        than two rows are left."""
+        if self._taken + 2 > len(self.buffer):
+            return None
+        leader = self._row()
+        self._leaders[len(self.calls)] = leader
+        return self.buffer[leader], self.take(call)
 
     def copy_out(self) -> None:
         self.host.copy_(self.buffer, non_blocking=True)
 
+    def _pairs(self, row: int) -> torch.Tensor:
+        pairs = self.host[row].view(-1, 2)
+        return pairs[pairs[:, 0] > 0]
+
     def every_call(self) -> list[tuple[KernelCall, float]]:
         """Each stamped call's latency in seconds, in call order: its last block's end minus
-        its first block's start."""
+        its leader's last block's end (a paired call whose leader stamped), else minus its
+        first block's start."""
         out = []
         for i, call in enumerate(self.calls):
-            pairs = self.host[i].view(-1, 2)
-            pairs = pairs[pairs[:, 0] > 0]
-            if len(pairs):
-                out.append((call, max(int(pairs[:, 1].max()) - int(pairs[:, 0].min()), 0) / 1e9))
+            pairs = self._pairs(self._rows[i])
+            if not len(pairs):
+                continue
+            start = int(pairs[:, 0].min())
+            if i in self._leaders:
+                leader = self._pairs(self._leaders[i])
+                if len(leader):
+                    start = int(leader[:, 1].max())
+            out.append((call, max(int(pairs[:, 1].max()) - start, 0) / 1e9))
         return out
 
     def latencies(self) -> list[tuple[KernelCall, float]]:
@@ -363,17 +398,19 @@ class KernelTiming:
         if call.path in (GEMV, MIXED_GEMM) and occurrence < self.stamped_layers:
             rec = self._recording
             partners = rec.partners.setdefault(call, [])
-            stamps = rec.blocks.take(call)
-            if stamps is not None:
-                if self.paired and partners and occurrence == self.stamped_layers - 1:
-                    partners[-1](None)  # (their outputs are not used; the calls are not counted)
-                    y = compute(stamps)
+            if self.paired and partners and occurrence == self.stamped_layers - 1:
+                rows = rec.blocks.take_paired(call)
+                if rows is not None:
+                    partners[-1](rows[0])  # (the leader; the partners' outputs are not used, their calls not counted)
+                    y = compute(rows[1])
                     partners[0](None)  # (the one before: with one layer before this, the same one again)
                     rec.partner_bytes += 2 * call.weight_bytes()
                     return y
+            stamps = rec.blocks.take(call)
+            if stamps is not None:  # (in place)
                 if self.paired:
                     partners[:] = (partners + [compute])[-2:]  # (the two latest before the reported call)
-                return compute(stamps)  # (in place)
+                return compute(stamps)
         if occurrence:
             return compute(None)
         start = torch.cuda.Event(enable_timing=True, external=True)

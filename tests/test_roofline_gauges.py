@@ -75,3 +75,42 @@ def test_the_lm_head_and_attention_stay_out_of_the_layer_gauge():
     m.time(c, 1e-5)
     assert abs(gauge(m, "woq_decoder_layer_roofline_ratio", path="decode_step")
                - c.bytes_moved() / 1e-5 / BANDWIDTH) < 1e-12
+
+
+def test_a_paired_call_is_timed_from_its_leaders_last_end():
+    """A timed twin's block stamps (``BlockStampRows``, filled here as the kernels would):
+    a call stamped in place runs from its first block's start to its last block's end; a
+    paired call from its leader's last block's end (the interval a chain's call takes) to
+    its own; blocks that never stamped (zeros) are left out, and a leader that never stamped
+    leaves its call timed in place."""
+    import torch
+
+    from woq.kernels.observe import BlockStampRows
+
+    rows = BlockStampRows(torch.device("cpu"), layers=3)
+    rng = random.Random(1)
+
+    def fill(row: torch.Tensor, t0: int, blocks: int) -> tuple[int, int]:
+        starts = [t0 + rng.randint(0, 900) for _ in range(blocks)]
+        ends = [s + rng.randint(1, 5000) for s in starts]
+        for b, (s, e) in enumerate(zip(starts, ends)):
+            row[2 * b], row[2 * b + 1] = s, e
+        return min(starts), max(ends)
+
+    in_place = call("o")
+    first, last = fill(rows.take(in_place), 10_000, 7)
+    paired = call("gate_up")
+    leader_row, row = rows.take_paired(paired)
+    _, leader_end = fill(leader_row, 20_000, 5)
+    _, end = fill(row, 26_000, 9)
+    silent = call("down")  # (its leader never stamped)
+    leader_row, row = rows.take_paired(silent)
+    s_first, s_end = fill(row, 40_000, 3)
+    rows.take(call("qkv"))  # (no block stamped: not reported)
+    rows.copy_out()
+    assert rows.every_call() == [(in_place, (last - first) / 1e9), (paired, (end - leader_end) / 1e9),
+                                 (silent, (s_end - s_first) / 1e9)]
+    # 16 rows (4 kinds x (3 layers + a leader)), 6 taken: a paired call takes two
+    assert all(rows.take_paired(call(kind, m=8)) is not None for kind in ("qkv", "o", "gate_up", "down"))
+    assert rows.take(call("o", m=16)) is not None and rows.take_paired(call("qkv", m=16)) is None
+    assert rows.take(call("qkv", m=16)) is not None and rows.take(call("qkv", m=32)) is None
