@@ -149,10 +149,12 @@ class BlockStampRows:
     during gate_up), and the first layer's qkv follows the embedding
     (docs/design/metrics.md). So by default (``KernelTiming``'s ``paired``) the twin times a
     call as the kernel benchmark's chain does: the kind's ``stamped_layers``-th call (by
-    default the third decoder layer's) runs between calls of its kind, the second layer's
-    just before it (its *leader*, stamped too) and the first layer's just after it, and its
-    time runs from the leader's last block's end to its own last block's end, the interval
-    a chain's call takes (the wait's own latency included). Its prologue and tail then
+    default the third decoder layer's) runs between two other layers' kernels of its kind,
+    the second layer's just before it (its *leader*, stamped too) and the first layer's
+    just after it, each without a SwiGLU that runs as a kernel of its own
+    (``KernelPlan.epilogue_in_kernel``: nothing runs between the leader's end and the
+    call's wait). Its time runs from the leader's last block's end to its own last block's
+    end, the interval a chain's call takes (the wait's own latency included). Its prologue and tail then
     overlap calls like itself, each on weights of its own that left L2 a layer or more ago
     (one partner run twice would find its weights in L2 the second time: an 8B model's o
     weights take 8.4 MB), so its time is its own weights' and the roofline gauges read the
@@ -278,10 +280,12 @@ class KernelTiming:
 
     # -- eager calls -------------------------------------------------------------------------
     def run(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor],
-            on_cuda: bool) -> torch.Tensor:
-        """``compute(stamps)`` makes the call; ``stamps`` (a GEMV's or GEMM's block stamps) or None."""
+            on_cuda: bool, kernel: Callable[[torch.Tensor | None], torch.Tensor] | None = None) -> torch.Tensor:
+        """``compute(stamps)`` makes the call; ``stamps`` (a GEMV's or GEMM's block stamps) or
+        None. ``kernel(stamps)``: the call's kernel alone, without an epilogue that runs as a
+        kernel of its own (a timed twin's partner: ``BlockStampRows``; default ``compute``)."""
         if on_cuda and torch.cuda.is_current_stream_capturing():
-            return self._captured_call(call, compute)
+            return self._captured_call(call, compute, kernel or compute)
         if self._quiet:
             return compute(None)
         self.count += 1
@@ -387,8 +391,8 @@ class KernelTiming:
             self._recording, self._timed_capture = None, False
         self.captured.append(captured)
 
-    def _captured_call(self, call: KernelCall,
-                       compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    def _captured_call(self, call: KernelCall, compute: Callable[[torch.Tensor | None], torch.Tensor],
+                       kernel: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         if self._recording is None:
             return compute(None)
         occurrence = self._recording.counts[call]
@@ -409,7 +413,9 @@ class KernelTiming:
             stamps = rec.blocks.take(call)
             if stamps is not None:  # (in place)
                 if self.paired:
-                    partners[:] = (partners + [compute])[-2:]  # (the two latest before the reported call)
+                    # (the two latest before the reported call; their kernels alone, so that
+                    # nothing runs between the leader's end and the reported call's wait)
+                    partners[:] = (partners + [kernel])[-2:]
                 return compute(stamps)
         if occurrence:
             return compute(None)
@@ -464,7 +470,10 @@ class ObservedPlan:
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE) -> torch.Tensor:
         m = x.shape[0]
         call = KernelCall(self.plan.path(m), self.layer_kind, self.bits, m, self.n, self.k, self.group_size, self.zeros)
-        def compute(stamps: torch.Tensor | None) -> torch.Tensor:
+        def compute(stamps: torch.Tensor | None, epilogue: Epilogue = epilogue) -> torch.Tensor:
             return self.plan(x, epilogue) if stamps is None else self.plan(x, epilogue, stamps=stamps)
 
-        return self.timing.run(call, compute, x.is_cuda)
+        def kernel(stamps: torch.Tensor | None) -> torch.Tensor:  # (a GEMV's or mixed GEMM's: KernelPlan)
+            return compute(stamps, epilogue if self.plan.epilogue_in_kernel(m, epilogue) else Epilogue.NONE)
+
+        return self.timing.run(call, compute, x.is_cuda, kernel)

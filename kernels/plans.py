@@ -179,6 +179,13 @@ class KernelPlan:
             return GEMV
         return MIXED_GEMM if m <= self.max_kernel_m else DEQUANT_CUBLAS
 
+    def epilogue_in_kernel(self, m: int, epilogue: Epilogue) -> bool:
+        """Whether a call of M rows with ``epilogue`` is one kernel: no epilogue, or SwiGLU
+        in the GEMV's own epilogue (on a gate/up weight with interleaved rows); else the
+        epilogue is a kernel of its own after it."""
+        return epilogue is Epilogue.NONE or (epilogue is Epilogue.SWIGLU and self.path(m) == GEMV
+                                             and self.gw.swiglu_rows and self.options.fused_ops)
+
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
         """``stamps``: a timed call's block stamps (``ops.gemv``, ``ops.gemm``; dequantize +
@@ -190,7 +197,7 @@ class KernelPlan:
         if path == GEMV:
             k_warps, blocks, pipeline = self._gemv_launch[m]
             # (SwiGLU in the GEMV's epilogue is one of the fused ops: their reference is torch's)
-            fused = epilogue is Epilogue.SWIGLU and gw.swiglu_rows and self.options.fused_ops
+            fused = epilogue is Epilogue.SWIGLU and self.epilogue_in_kernel(m, epilogue)
             y = ops.gemv(x, gw, self.bias, blocks, k_warps, pipeline, swiglu=fused, stamps=stamps)
             if fused:
                 return y
