@@ -271,8 +271,9 @@ def test_graph_replays_count_every_call_as_eager_steps_do(persistent):
 def test_a_timed_twin_stamps_its_mixed_gemm_calls():
     """A graph whose layers run the mixed GEMM (a 40-token packed forward): its timed twin
     times each kind's GEMM by block stamps, not event nodes, the third layer's between
-    uncounted calls of the second and the first layer's (their weight bytes added to the twin's), reports
-    every kind with a latency within its replay's wall time, and computes the graph's bits."""
+    uncounted calls of the second and the first layer's (their weight bytes added to the
+    twin's), reports every kind with a latency within its replay's wall time, and computes
+    the graph's bits."""
     from conftest import random_llama
     from woq.engine.cuda_graphs import capture_graphs
     from woq.kernels import plans
