@@ -102,9 +102,9 @@ class Captured:
     in_flight: torch.cuda.Event | None = None  # a timed replay not yet read back
     step: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None  # a timed twin's (batch, start, end)
     blocks: "BlockStampRows | None" = None  # a timed twin's GEMV and mixed-GEMM calls' block stamps
-    # a timed twin: each stamped kind's partners (its two previous layers' calls, run again
-    # around the reported one: BlockStampRows) until that call is captured, and the weight
-    # bytes the partners' calls add to the twin's step (uncounted calls: not in ``counts``)
+    # a timed twin: each stamped kind's partners (its two previous layers' kernels, run again
+    # around the reported call: BlockStampRows) until that call is captured, and the weight
+    # bytes the partners add to the twin's step (uncounted calls: not in ``counts``)
     partners: dict = field(default_factory=dict)
     partner_bytes: int = 0
 

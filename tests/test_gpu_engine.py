@@ -298,7 +298,7 @@ def test_a_timed_twin_stamps_its_mixed_gemm_calls():
         assert stamped == {"qkv", "o", "gate_up", "down"} and all(c.path == plans.MIXED_GEMM
                                                                  for c in twin.blocks.calls)
         assert not [c for c, _, _ in twin.events if c.path == plans.MIXED_GEMM]  # (no event node around a GEMM)
-        reported = {c for c in twin.blocks.calls}
+        reported = set(twin.blocks.calls)
         assert len(twin.blocks.calls) == 3 * len(reported) == 12  # (the three layers' calls of each kind)
         assert twin.counts == graph.calls.counts  # (the partners' calls are not counted)
         assert twin.partner_bytes == 2 * sum(c.weight_bytes() for c in reported)
