@@ -154,13 +154,13 @@ class BlockStampRows:
     just after it, each without a SwiGLU that runs as a kernel of its own
     (``KernelPlan.epilogue_in_kernel``: nothing runs between the leader's end and the
     call's wait). Its time runs from the leader's last block's end to its own last block's
-    end, the interval a chain's call takes (the wait's own latency included). Its prologue and tail then
-    overlap calls like itself, each on weights of its own that left L2 a layer or more ago
-    (one partner run twice would find its weights in L2 the second time: an 8B model's o
-    weights take 8.4 MB), so its time is its own weights' and the roofline gauges read the
-    kernel's rate on the live shapes. The calls before it are stamped in place; a kind's
-    last stamped call is the one reported (with fewer layers the last one, paired with what
-    layers it has before it). Without pairing every stamped call is timed in place
+    end, the interval a chain's call takes (the wait's own latency included). Its prologue
+    and tail then overlap calls like itself, each on weights of its own that left L2 a layer
+    or more ago (one partner run twice would find its weights in L2 the second time: an 8B
+    model's o weights take 8.4 MB), so its time is its own weights' and the roofline gauges
+    read the kernel's rate on the live shapes. The calls before it are stamped in place; a
+    kind's last stamped call is the one reported (with fewer layers the last one, paired
+    with what layers it has before it). Without pairing every stamped call is timed in place
     (``benchmarks/gemv_in_place.py`` compares the two ways)."""
 
     # Layer kinds a twin stamps (qkv, o, gate_up, down: each on one path in a graph, its M
