@@ -6,7 +6,7 @@
 # machine: benchmarks/ab_files.sh)
 #   set-up:     env build model aot
 #   tests:      test enginetests gemmtest pytest e2e sanitize racecheck
-#   benchmarks: bench msweep tiles engine profile serving startup overhead inplace sampling budget chunkattn decodeattn paged pacing
+#   benchmarks: bench msweep tiles engine profile serving startup overhead inplace sampling budget chunkattn decodeattn paged slots pacing
 #               engineload dashboard tune served
 #   2+ GPUs:    tp (tensor parallelism: its GPU tests, the all-reduce sweep, decode steps and
 #               HTTP at TP 1, 2 and, with 4 GPUs, 4; run after `build model`), tp70b (4 GPUs)
@@ -14,7 +14,7 @@
 #               docs/bench; DOCS_FROM=<the fetched folder> bash benchmarks/gpu_check.sh docs)
 # Per-stage extra arguments: BENCH_ARGS MSWEEP_ARGS ENGINE_ARGS PROFILE_ARGS TUNE_ARGS
 # DASHBOARD_ARGS SERVING_NAME PYTEST_K DECODEATTN_STEP CHUNKATTN_STEP SERVED_NAME SERVED_ARGS
-# SERVED_WORKLOADS TILES_TAG TILES_ARGS.
+# SERVED_WORKLOADS TILES_TAG TILES_ARGS SLOTS_NAME SLOTS_TGZ.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/woq-out}
@@ -79,6 +79,17 @@ for stage in "$@"; do
     decodeattn) run decodeattn $PY benchmarks/decode_attention.py --step ${DECODEATTN_STEP:-32/3,64/3,32/2,128/2} --out "$OUT" ;;
     engineload) run engineload bash -c "$RANDOM_8B && $PY benchmarks/engine_load.py --model /tmp/llama3-8b --config mix512:512:1 --config sep2048:2048:0 --out $OUT" ;;
     paged) run paged bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'paged=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning' --server 'no-prefix=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --no-prefix-caching --log-level warning' --out $OUT" ;;
+    slots)  # the before/after of the paged KV cache on one machine: this tree's defaults on every workload (and
+      # --no-prefix-caching on the chat), then the slot cache's tree (e58e439, carried: git archive --format=tar.gz
+      # -o .slots/e58e439.tgz e58e439) installed in its place; this tree installed again after
+      A="--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning"
+      N=${SLOTS_NAME:-paged_vs_slots}
+      run slots bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server 'paged=$A' --out $OUT --name $N \
+        && $PY benchmarks/paged_serving.py --server 'no-prefix=$A --no-prefix-caching' --workloads chat --out $OUT --name $N \
+        && rm -rf /tmp/slots && mkdir /tmp/slots && tar xzf ${SLOTS_TGZ:-.slots/e58e439.tgz} -C /tmp/slots \
+        && cd /tmp/slots && $PY -m pip install -q --no-deps --no-build-isolation -e . \
+        && $PY $PWD/benchmarks/paged_serving.py --server 'slots=$A --max-batch-size 64 --gpu-memory-fraction 0.9' --out $OUT --name $N; \
+        rc=\$?; cd $PWD && $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null; exit \$rc" ;;
     served)  # one 8B int4 server, chosen workloads: a side of a served A/B (benchmarks/ab_files.sh, B_ENV=SERVED_NAME=...)
       run served bash -c "$RANDOM_8B && $PY benchmarks/paged_serving.py --server '${SERVED_NAME:-served}=--model /tmp/llama3-8b --quant int4 --max-seq-len 8192 --max-queue 512 --log-level warning ${SERVED_ARGS:-}' --workloads ${SERVED_WORKLOADS:-c1,p515_c16,p515_c64} --out $OUT --name paged_serving_served" ;;
     pacing)  # the default (prompt chunks paced by step times, --mixed-step-ratio 2) against the token budget alone, one machine
