@@ -179,12 +179,15 @@ class KernelPlan:
             return GEMV
         return MIXED_GEMM if m <= self.max_kernel_m else DEQUANT_CUBLAS
 
+    def _gemv_swiglu(self, epilogue: Epilogue) -> bool:
+        """Whether a GEMV call runs ``epilogue`` in its own epilogue: SwiGLU, on a gate/up
+        weight with interleaved rows (one of the fused ops: their reference is torch's)."""
+        return epilogue is Epilogue.SWIGLU and self.gw.swiglu_rows and self.options.fused_ops
+
     def epilogue_in_kernel(self, m: int, epilogue: Epilogue) -> bool:
         """Whether a call of M rows with ``epilogue`` is one kernel: no epilogue, or SwiGLU
-        in the GEMV's own epilogue (on a gate/up weight with interleaved rows); else the
-        epilogue is a kernel of its own after it."""
-        return epilogue is Epilogue.NONE or (epilogue is Epilogue.SWIGLU and self.path(m) == GEMV
-                                             and self.gw.swiglu_rows and self.options.fused_ops)
+        in the GEMV's own epilogue; else the epilogue is a kernel of its own after it."""
+        return epilogue is Epilogue.NONE or (self.path(m) == GEMV and self._gemv_swiglu(epilogue))
 
     def __call__(self, x: torch.Tensor, epilogue: Epilogue = Epilogue.NONE,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,8 +199,7 @@ class KernelPlan:
         path = self.path(m)
         if path == GEMV:
             k_warps, blocks, pipeline = self._gemv_launch[m]
-            # (SwiGLU in the GEMV's epilogue is one of the fused ops: their reference is torch's)
-            fused = epilogue is Epilogue.SWIGLU and self.epilogue_in_kernel(m, epilogue)
+            fused = self._gemv_swiglu(epilogue)
             y = ops.gemv(x, gw, self.bias, blocks, k_warps, pipeline, swiglu=fused, stamps=stamps)
             if fused:
                 return y
