@@ -86,7 +86,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     if not stamps:
         return {"error": "no tokens"}
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ttft": stamps[0] - t0, "itl": itl, "tokens": tokens, "latency": end - t0}
+    return {"ttft": stamps[0] - t0, "itl": itl, "tokens": tokens, "latency": end - t0, "stamps": stamps}
 
 
 async def send_all(url: str, model: str, clients: int, prompts: list[str], out_tokens: int,

@@ -1,6 +1,7 @@
 """The serving benchmark's readings of the engine's iteration histogram (bucket counts
 between two scrapes, bucket quantiles) against the observed values themselves, through the
-real ``Metrics`` registry's exposition text; and its split of a stream's slow gaps."""
+real ``Metrics`` registry's exposition text; its split of a stream's slow gaps; and its
+rate over a run's middle half."""
 import bisect
 import math
 import random
@@ -12,7 +13,7 @@ from prometheus_client import generate_latest
 from woq.service.metrics import ITERATION_BUCKETS, Metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from paged_serving import bucket_quantile, iteration_buckets, slow_gaps, steps_by_size  # noqa: E402
+from paged_serving import bucket_quantile, iteration_buckets, middle_half_rate, slow_gaps, steps_by_size  # noqa: E402
 
 
 def _bucket_of(seconds: float) -> str:
@@ -58,3 +59,18 @@ def test_slow_gaps_are_split_by_their_place_in_the_stream():
     assert math.isclose(s["mean_ms"], (9 + 8 + 7 + 6) / 4) and math.isclose(s["threshold_ms"], 4)
     assert s["at"] == [(0, 9.0), (3, 8.0), (1, 7.0), (0, 6.0)]  # (index in its stream, ms), in stream order
     assert slow_gaps(ok, 1.0)["count"] == 0 and slow_gaps(ok, 1.0)["mean_ms"] == 0.0
+
+
+def test_middle_half_rate_leaves_out_the_ramp_and_the_tail():
+    """A run of three parts, each request's tokens at one stamp a token: a ramp (0-10 s, one
+    request of 50 tokens), a steady middle (10-30 s: 4 streams at 100 tokens/s each) and a
+    tail (30-40 s, one request). The middle half is 10-30 s: 400 tokens/s exactly, where the
+    whole run's mean is (50 + 8,000 + 50) / 40."""
+    ramp = {"stamps": [0.2 * i for i in range(50)], "tokens": 50}
+    tail = {"stamps": [30 + 0.2 * i for i in range(50)], "tokens": 50}
+    steady = [{"stamps": [10 + 0.01 * i for i in range(2000)], "tokens": 2000} for _ in range(4)]
+    tail["stamps"][-1] = 40.0
+    assert math.isclose(middle_half_rate([ramp, *steady, tail]), 400.0)
+    # several tokens a chunk: a chunk's tokens spread evenly over the request's chunks
+    chunked = [{"stamps": r["stamps"][::4], "tokens": r["tokens"]} for r in steady]
+    assert math.isclose(middle_half_rate([ramp, *chunked, tail]), 400.0)
