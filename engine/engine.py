@@ -19,22 +19,23 @@ One background thread owns the model and the KV cache and loops:
    hand each request its new text through its sink, and free the blocks of finished or
    cancelled requests.
 
-Look-ahead: on CUDA, while the running batch stays the same (no sequence can end by
-length at this step, no newcomer to prefill, the next step a graph replay), the next
-decode step is queued right behind this one, fed on the device with this step's sampled
-ids (``DecodeGraphs.run_next``), before this step's ids are read back. The host's
-bookkeeping -- detokenising, stop checks, building the next step -- then runs while the
-GPU decodes, instead of between two steps with the GPU idle (as vLLM's async
-scheduling). A sequence that turns out to have ended (end of sequence, stop string,
-cancelled) had one step too many computed for it: that step is dropped, and the next
-step is launched from the host's state. Its KV write went to a position past the
+Look-ahead: on CUDA, while no newcomer is to be prefilled and the next step is a graph
+replay, the next decode step is queued right behind this one, fed on the device with this
+step's sampled ids (``DecodeGraphs.run_next``; where sequences end by length with this
+step's token, for the rest of the batch: ``_launch_rows_ahead``), before this step's ids
+are read back. The host's bookkeeping -- detokenising, stop checks, building the next
+step -- then runs while the GPU decodes, instead of between two steps with the GPU idle
+(as vLLM's async scheduling). A sequence that turns out to have ended (end of sequence,
+stop string, cancelled) had one step too many computed for it: that step is dropped, and
+the next step is launched from the host's state. Its KV write went to a position past the
 sequence's end, in a slot that a later prefill overwrites and that decode attention
 never reads past a sequence's length. Mixed steps are queued the same way, one behind
-the other, while prompts are left to mix (``_queue_mixed``): the next step's decode
-tokens are fed on the device with this step's ids and its prompt chunks planned before
-this step's ids are read; a row of a sequence that ended meanwhile is dropped, the rest
-of that step kept. Every input a queued step takes from the host is copied from pinned
-memory: a copy from pageable memory would wait for the step queued before it.
+the other, while prompts are left to mix (``_queue_mixed``), and behind a decode step
+when a prompt is waiting: the next step's decode tokens are fed on the device with this
+step's ids and its prompt chunks planned before this step's ids are read; a row of a
+sequence that ended meanwhile is dropped, the rest of that step kept. Every input a
+queued step takes from the host is copied from pinned memory: a copy from pageable memory
+would wait for the step queued before it.
 
 Sinks run on this thread, but a step's events are handed out only once the step whose
 tokens are read next is on the GPU (``_deliver`` after its launch or the look-ahead's,
@@ -377,12 +378,14 @@ class Engine:
                         if on_cuda else [])
         self._pinned_next = 0
         self.look_ahead_steps = 0  # look-ahead steps queued ...
-        self.look_ahead_dropped = 0  # ... and those dropped because the batch changed
+        self.look_ahead_dropped = 0  # ... those dropped because the batch changed ...
+        self.look_ahead_partial = 0  # ... and those for part of a batch, the rest ending by length
         # A mixed step queued behind the one being read (``_queue_mixed``), and how many were.
         self.overlap_mixed = self.packed_graphs is not None if overlap_mixed_steps is None else overlap_mixed_steps
         self._queued: _QueuedMixed | None = None
         self.mixed_steps_queued = 0  # mixed steps queued ahead ...
-        self.mixed_rows_dropped = 0  # ... and their rows of sequences that had ended by then
+        self.mixed_rows_dropped = 0  # ... their rows of sequences that had ended by then ...
+        self.mixed_behind_decode = 0  # ... and those queued behind a decode step
         self._cv = threading.Condition()
         self._stop = False
         self._ids = itertools.count()
@@ -522,7 +525,11 @@ class Engine:
                 if queued is None:
                     if self.running and self._ahead is None and (self.prefilling or self.waiting):
                         decoding = self._make_room([s for s in self.running if not s.cancelled])
-                    chunks = self._prefill_chunks(len(decoding))
+                    # Behind a decode step queued ahead, prompts go in the mixed step that
+                    # ``_decode_step`` queues behind it, not in a forward of their own between
+                    # the two, which every running stream would wait for.
+                    if self._ahead is None or not self.overlap_mixed:
+                        chunks = self._prefill_chunks(len(decoding))
             try:
                 if queued is not None:
                     self._queued_step(queued)
@@ -566,8 +573,8 @@ class Engine:
         context."""
         chunks, budget = [], self._step_budget(decoding)
         # Paced (step_pacing.py): running streams wait for this step, so its time is bounded
-        # by theirs. A prefill of its own, between a decode step queued ahead and the next,
-        # is paced as if it carried their tokens.
+        # by theirs. A prefill of its own, between a decode step queued ahead and the next
+        # (without ``overlap_mixed``), is paced as if it carried their tokens.
         if self.pacing is not None and (self.prefilling or self.waiting):  # (else nothing to bound)
             streams = decoding or len(self.running)
             if streams:
@@ -830,7 +837,9 @@ class Engine:
 
     def _decode_step(self, prefill_tokens: int) -> bool:
         """One decode step of the running sequences, reported with the ``prefill_tokens``
-        prefilled before it. False where none was left to decode (nothing reported)."""
+        prefilled before it, and behind it, before its ids are read, the next step: a decode
+        step (look-ahead) or, where a prompt waits, a mixed step. False where none was left
+        to decode (nothing reported)."""
         seqs = [s for s in self.running if not s.cancelled]
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not _same(ahead.seqs, seqs):
@@ -845,8 +854,18 @@ class Engine:
         if self.observer:
             self.observer.on_step(len(seqs), prefill_tokens)
         self._deliver()  # the previous step's events, while the GPU works (module docstring)
-        if self._may_look_ahead(step) and self._room_ahead(step.seqs):
-            self._ahead = self._launch_next_step(step)
+        if self._may_look_ahead(step):
+            rows = [i for i, s in enumerate(step.seqs) if self._goes_on(s)]
+            going = [step.seqs[i] for i in rows]
+            if len(rows) == len(step.seqs):
+                if self._room_ahead(going):
+                    self._ahead = self._launch_next_step(step)
+            # (penalized rows keep a step launched from the host, as ``_queue_mixed`` leaves them)
+            elif going and not any(s.params.penalized for s in going) and self._room_ahead(going):
+                self._ahead = self._launch_rows_ahead(step, rows)
+        else:  # where a prompt waits, its first chunk goes in a mixed step queued behind this one
+            self._queue_mixed(step)
+            self.mixed_behind_decode += self._queued is not None
         self._accept_all(seqs, step.token_ids(), step.logprobs)
         return True
 
@@ -904,16 +923,31 @@ class Engine:
         self.look_ahead_steps += 1
         return self._queue_tokens(step.seqs, logits, sampling, graph=True)
 
+    def _launch_rows_ahead(self, step: _Launched, rows: list[int]) -> _Launched:
+        """Queue the step after ``step`` for its ``rows``, the sequences that go on past this
+        token (the others end by length with it), fed on the device with the ids ``step``
+        sampled: a decode graph's replay for the smaller batch, its positions and rows from
+        pinned memory (queued behind ``step``). Without it the GPU idled while the host
+        launched that step once it had read ``step``'s ids: 1-2.5 ms on an H100 host, a
+        stream's longest gaps (docs/design/kv_cache.md)."""
+        seqs, dev = [step.seqs[i] for i in rows], self.model.device
+        ids = step.tokens[self._rows(rows)].view(-1, 1)
+        positions = to_device(torch.tensor([[s.next_position + 1] for s in seqs]), dev)
+        slots = to_device(torch.tensor([s.slot for s in seqs]), dev)
+        logits = self.graphs.run(ids, positions, slots)
+        self.look_ahead_steps += 1
+        self.look_ahead_partial += 1
+        return self._queue_tokens(seqs, logits, self._batch_sampling(seqs, ahead=len(seqs)), graph=True)
+
     def _may_look_ahead(self, step: _Launched) -> bool:
-        """Whether the next step is known now to decode the same batch by a graph replay."""
+        """Whether the step after ``step`` is known now to decode (those of) its sequences (that
+        go on past this token) by a graph replay."""
         if not step.graph:  # (a graph replay: CUDA, graphs captured)
             return False
         if self.prefilling or self._may_admit():  # a newcomer is prefilled first
             return False
-        if any(s.matcher is not None for s in step.seqs):  # (its next mask needs this step's token)
-            return False
-        # no sequence ends by length with this step's token (its next step would be past it)
-        return all(self._goes_on(s) for s in step.seqs)
+        # (a grammar's next mask needs this step's token)
+        return not any(s.matcher is not None for s in step.seqs)
 
     def _may_admit(self) -> bool:
         """Whether the head of the queue may be admitted at the next iteration (a row and

@@ -103,18 +103,25 @@ class PrefillCounter:
         pass
 
 
-def run_to_end(engine, requests: list, timeout: float = 300) -> list[list]:
+def run_to_end(engine, requests: list, timeout: float = 300, arrivals: tuple = ()) -> list[list]:
     """Queue every (prompt ids, SamplingParams) of ``requests`` on ``engine`` (not started:
     all of them arrive before its first step), start it, wait for them all and shut it
-    down; each request's ids, then its finish reason."""
+    down; each request's ids, then its finish reason. ``arrivals``: (request index, tokens,
+    prompt ids, SamplingParams), each submitted from that request's sink once it has that
+    many tokens (on the engine thread: at the same point of its stream whatever the
+    schedule); their results follow those of ``requests``."""
     import threading
 
-    out: list[list] = [[] for _ in requests]
+    out: list[list] = [[] for _ in range(len(requests) + len(arrivals))]
     done = threading.Semaphore(0)
 
     def sink_for(i):
         def sink(ev):
+            had = len(out[i])
             out[i].extend(ev.token_ids)
+            for k, (j, n, prompt, params) in enumerate(arrivals):
+                if j == i and had < n <= len(out[i]):
+                    engine.submit(prompt, params, sink_for(len(requests) + k))
             if ev.finish_reason:
                 out[i].append(ev.finish_reason)
                 done.release()
@@ -124,7 +131,7 @@ def run_to_end(engine, requests: list, timeout: float = 300) -> list[list]:
         engine.submit(prompt, params, sink_for(i))
     engine.start()
     try:
-        for _ in requests:
+        for _ in out:
             assert done.acquire(timeout=timeout)
     finally:
         engine.shutdown()

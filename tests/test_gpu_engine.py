@@ -170,6 +170,7 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     assert graph_out == eager_out
     assert sum(o[-1] == "stop" for o in eager_out) >= 3  # ended by the id, not by length
     assert graph_eng.look_ahead_steps > 0 and graph_eng.look_ahead_dropped > 0
+    assert graph_eng.look_ahead_partial > 0  # (queued for the rest of a batch some of which ended by length)
     assert eager_eng.look_ahead_steps == 0
 
 
@@ -188,6 +189,30 @@ def test_queued_mixed_steps_under_graphs_give_the_tokens_of_steps_read_one_by_on
     requests, got = check_overlap(model, None, prompts)
     eager, eng = run_requests(model, None, None, requests, cuda_graphs=False)
     assert eng.packed_graphs is None and eng.mixed_steps_queued == 0 and eager == got
+
+
+def test_a_prompt_arriving_beside_graph_decode_steps_is_queued_behind_one():
+    """tests/test_mixed_overlap.py's arrival through the graphs (a random-weight Llama, token
+    ids only): two sequences decode by graph replays with look-ahead, a prompt of three
+    chunks arrives, and its first chunk goes in a packed step queued behind the decode step
+    being read, fed that step's ids on the device; later, sequences ending by length leave
+    a look-ahead for the rest of the batch. The same ids as the same graphs read step by
+    step, and as the eager engine."""
+    from conftest import random_llama
+    from test_mixed_overlap import run_requests
+
+    model = random_llama(torch.float16, "cuda", 256)
+    g = torch.Generator().manual_seed(1)
+    prompt = lambda n: torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    early = [(prompt(9), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)),
+             (prompt(12), SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True))]
+    late = [(0, 6, prompt(41), SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))]
+    got, queued = run_requests(model, None, True, early, arrivals=late, mixed_step_ratio=0)
+    want, serial = run_requests(model, None, False, early, arrivals=late, mixed_step_ratio=0)
+    eager, eng = run_requests(model, None, None, early, arrivals=late, mixed_step_ratio=0, cuda_graphs=False)
+    assert got == want == eager and [len(o) - 1 for o in got] == [30, 24, 14]
+    assert queued.mixed_behind_decode > 0 and serial.mixed_behind_decode == 0
+    assert queued.look_ahead_partial > 0 and eng.look_ahead_steps == 0
 
 
 class _Tally:

@@ -7,14 +7,15 @@ from woq.engine.engine import Engine
 from woq.engine.sampling import SamplingParams
 
 
-def run_requests(model, tokenizer, overlap: bool, requests: list[tuple[list[int], SamplingParams]],
-                 budget: int = 16, **engine_args) -> tuple[list[list], Engine]:
-    """Every request queued before the engine starts (both engines see the same arrivals);
-    each request's ids, then its finish reason."""
+def run_requests(model, tokenizer, overlap: bool | None, requests: list[tuple[list[int], SamplingParams]],
+                 budget: int = 16, arrivals: tuple = (), **engine_args) -> tuple[list[list], Engine]:
+    """Every request queued before the engine starts, and ``arrivals`` submitted from a
+    request's sink (``run_to_end``): both engines see the same arrivals; each request's
+    ids, then its finish reason."""
     eos = {tokenizer.eos_token_id} if tokenizer is not None else set()
     eng = Engine(model, tokenizer, eos, max_num_seqs=8, max_seq_len=256, max_prefill_tokens=budget,
                  prefix_caching=False, overlap_mixed_steps=overlap, **engine_args)
-    return run_to_end(eng, requests), eng
+    return run_to_end(eng, requests, arrivals=arrivals), eng
 
 
 def requests_of(model, tokenizer, prompts: list[list[int]],
@@ -131,6 +132,29 @@ def test_queued_mixed_steps_beside_preemption_choices_logprobs_and_a_cancel(smol
     assert got == want
     assert want[1][-1] == "abort" and all(o[-1] == "length" for i, o in enumerate(want) if i != 1)
     assert serial.preemptions > 0 and overlapped.preemptions > 0 and overlapped.mixed_steps_queued > 0
+    for eng in (serial, overlapped):
+        assert eng.kv_blocks_used == 0 and sorted(eng.kv.free_rows) == list(range(8))
+        eng.kv.pool.check()
+
+
+def test_a_prompt_arriving_beside_decode_steps_goes_in_a_mixed_step_queued_behind_one(smollm2_int4):
+    """Two requests decode alone (their prompts went in first); a third, of 2-3 chunks, is
+    submitted once the first has 6 tokens, so it arrives while decode steps run. With steps
+    queued ahead its first chunk goes in a mixed step queued behind the decode step being
+    read, not in one planned once that step's ids are read (with the GPU idle meanwhile).
+    Against the engine reading each step before planning the next: the same ids and finish
+    reasons, and no block or row left held."""
+    tok = smollm2_int4.tokenizer
+    prompts = _prompts(tok)
+    short = [tok("Say hi.")["input_ids"], tok("Name a colour.")["input_ids"]]
+    early = [(short[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)),
+             (short[1], SamplingParams(max_tokens=26, temperature=0.8, seed=11, ignore_eos=True))]
+    late = [(0, 6, prompts[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    want, serial = run_requests(smollm2_int4.model, tok, False, early, arrivals=late)
+    got, overlapped = run_requests(smollm2_int4.model, tok, True, early, arrivals=late)
+    assert got == want and [o[-1] for o in want] == ["length"] * 3
+    assert [len(o) - 1 for o in want] == [30, 26, 12]
+    assert overlapped.mixed_behind_decode > 0 and serial.mixed_behind_decode == 0
     for eng in (serial, overlapped):
         assert eng.kv_blocks_used == 0 and sorted(eng.kv.free_rows) == list(range(8))
         eng.kv.pool.check()
