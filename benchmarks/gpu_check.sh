@@ -57,9 +57,11 @@ for stage in "$@"; do
     env) run env bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
     build) run build $PY -c "from woq.kernels import build; from woq.kernels.options import RuntimeOptions; import logging; logging.basicConfig(level=logging.INFO); assert build.load(RuntimeOptions())" ;;
     test) run test $PY -m pytest -q -x -m "gpu and not slow" tests/ ;;
-    model)  # the default model's GGUF, carried in two halves (.carry1, .carry2: 64 MiB a call)
+    model)  # the default model's GGUF (94 MiB), carried in three parts, one a call on one held machine (64 MiB a
+      # call, ~19 MiB of it the tree and .whl): `split -n 3 -d <the GGUF> gguf.part`, part0N into .carry(N+1)/;
+      # a carried path not named in a later call stays, so the last call finds all three
       mkdir -p "$WOQ_CACHE/downloads"
-      run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && $PY -c 'from woq.models.fetch import fetch_default_model as f; print(f())'" ;;
+      run model bash -c "cat .carry1/gguf.part00 .carry2/gguf.part01 .carry3/gguf.part02 > '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && sha256sum '$WOQ_CACHE/downloads/SmolLM2-135M-Instruct.Q4_1.gguf' && $PY -c 'from woq.models.fetch import fetch_default_model as f; print(f())'" ;;
     enginetests) run enginetests $PY -m pytest -q -x -m gpu tests/test_gpu_engine.py ;;
     engine) run engine $PY benchmarks/engine.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     profile) run profile $PY benchmarks/profile_decode.py --out "$OUT" ${PROFILE_ARGS:-} ;;
