@@ -90,7 +90,10 @@ def middle_half_rate(ok: list[dict]) -> float:
     to the last one's last): what a load that never starts or ends would get. The first
     quarter holds the ramp (every client's prompt arriving at once) and the last the tail
     (fewer streams left). A request's tokens are spread evenly over its chunks, since a
-    server may send several tokens in one chunk (the slot cache's tree does)."""
+    server may send several tokens in one chunk (the slot cache's tree does). NaN with no
+    request served, as the other rates' percentiles."""
+    if not ok:
+        return float("nan")
     t0, t1 = min(r["stamps"][0] for r in ok), max(r["stamps"][-1] for r in ok)
     lo, hi = t0 + (t1 - t0) / 4, t1 - (t1 - t0) / 4
     tokens = sum(r["tokens"] * sum(lo <= s < hi for s in r["stamps"]) / len(r["stamps"]) for r in ok)

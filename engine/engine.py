@@ -927,11 +927,11 @@ class Engine:
         """Queue the step after ``step`` for its ``rows``, the sequences that go on past this
         token (the others end by length with it), fed on the device with the ids ``step``
         sampled: a decode graph's replay for the smaller batch, its positions and rows from
-        pinned memory (queued behind ``step``). Without it the GPU idled while the host
-        launched that step once it had read ``step``'s ids: 1-2.5 ms on an H100 host, a
-        stream's longest gaps (docs/design/kv_cache.md). Under tensor parallelism the
-        replay's announcement takes the ids to the host (``_LeadingDecodeGraphs.run``), so
-        there this waits for ``step`` as before: correct, not ahead."""
+        pinned memory (queued behind ``step``), so that the GPU does not idle while the
+        host launches that step after reading ``step``'s ids (docs/design/kv_cache.md,
+        "Where a stream's slow gaps come from"). Under tensor parallelism the replay's
+        announcement takes the ids to the host (``_LeadingDecodeGraphs.run``), so there
+        this waits for ``step`` as before: correct, not ahead."""
         seqs, dev = [step.seqs[i] for i in rows], self.model.device
         ids = step.tokens[self._rows(rows)].view(-1, 1)
         positions = to_device(torch.tensor([[s.next_position + 1] for s in seqs]), dev)

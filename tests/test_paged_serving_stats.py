@@ -74,3 +74,4 @@ def test_middle_half_rate_leaves_out_the_ramp_and_the_tail():
     # several tokens a chunk: a chunk's tokens spread evenly over the request's chunks
     chunked = [{"stamps": r["stamps"][::4], "tokens": r["tokens"]} for r in steady]
     assert math.isclose(middle_half_rate([ramp, *chunked, tail]), 400.0)
+    assert math.isnan(middle_half_rate([]))  # (every request failed: reported, not a crash)
