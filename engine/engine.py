@@ -33,7 +33,8 @@ never reads past a sequence's length. Mixed steps are queued the same way, one b
 the other, while prompts are left to mix (``_queue_mixed``), and behind a decode step
 when a prompt is waiting: the next step's decode tokens are fed on the device with this
 step's ids and its prompt chunks planned before this step's ids are read; a row of a
-sequence that ended meanwhile is dropped, the rest of that step kept. Every input a
+sequence that ended meanwhile is dropped, the rest of that step kept; the decode step
+after the last of them is queued behind it (``_queue_decode_behind``). Every input a
 queued step takes from the host is copied from pinned memory: a copy from pageable memory
 would wait for the step queued before it.
 
@@ -386,6 +387,7 @@ class Engine:
         self.mixed_steps_queued = 0  # mixed steps queued ahead ...
         self.mixed_rows_dropped = 0  # ... their rows of sequences that had ended by then ...
         self.mixed_behind_decode = 0  # ... and those queued behind a decode step
+        self.decode_behind_mixed = 0  # decode steps queued behind a mixed step (``_queue_decode_behind``)
         self._cv = threading.Condition()
         self._stop = False
         self._ids = itertools.count()
@@ -776,7 +778,33 @@ class Engine:
         the rows dropped (``_accept_all``)."""
         self._deliver()
         self._queue_mixed(step)
+        if self._queued is None:
+            self._queue_decode_behind(step)
         return self._accept_all(step.seqs, step.token_ids(), step.logprobs)
+
+    def _queue_decode_behind(self, step: _Launched) -> None:
+        """Where no mixed step follows ``step`` (a mixed step whose ids the host has not
+        read) because no prompt is left to mix, queue the decode step after it for its
+        sequences that go on past this token (``_launch_rows_ahead``), so that the GPU
+        does not idle while the host reads ``step``'s ids and launches that step. A prompt
+        that arrives meanwhile then goes in a mixed step queued behind this decode step
+        (``_decode_step``), not in one launched from the host once ``step`` is read: the
+        last two kinds of step launched with the GPU idle (docs/design/kv_cache.md, "Where
+        a stream's slow gaps come from"). Not queued where the next iteration may have to
+        decide on the host, as in ``_queue_mixed``; a sequence that ends with ``step``'s
+        token by a stop drops the decode step (``_decode_step``: the batch changed)."""
+        if not self.overlap_mixed or self.prefilling or self._may_admit():
+            return  # (a prompt waits that ``_queue_mixed`` could not queue: planned on the host)
+        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s)]
+        going = [step.seqs[i] for i in rows]
+        if not going or any(s.matcher is not None or s.params.penalized for s in going):
+            return
+        in_step = {id(s) for s in step.seqs}
+        if any(not s.cancelled and id(s) not in in_step for s in self.running):
+            return
+        if self._room_ahead(going):
+            self._ahead = self._launch_rows_ahead(step, rows)
+            self.decode_behind_mixed += 1
 
     def _sampled_rows(self, logits: torch.Tensor, decoded: int, started: list[int]) -> torch.Tensor:
         """The rows of a mixed step's ``logits`` to sample: its ``decoded`` decode rows, then
@@ -863,6 +891,7 @@ class Engine:
             # (penalized rows keep a step launched from the host, as ``_queue_mixed`` leaves them)
             elif going and not any(s.params.penalized for s in going) and self._room_ahead(going):
                 self._ahead = self._launch_rows_ahead(step, rows)
+                self.look_ahead_partial += 1
         else:  # where a prompt waits, its first chunk goes in a mixed step queued behind this one
             self._queue_mixed(step)
             self.mixed_behind_decode += self._queued is not None
@@ -924,9 +953,10 @@ class Engine:
         return self._queue_tokens(step.seqs, logits, sampling, graph=True)
 
     def _launch_rows_ahead(self, step: _Launched, rows: list[int]) -> _Launched:
-        """Queue the step after ``step`` for its ``rows``, the sequences that go on past this
-        token (the others end by length with it), fed on the device with the ids ``step``
-        sampled: a decode graph's replay for the smaller batch, its positions and rows from
+        """Queue the decode step after ``step`` (a decode step, or a mixed step:
+        ``_queue_decode_behind``) for its ``rows``, the sequences that go on past this token
+        (the others end by length with it), fed on the device with the ids ``step``
+        sampled: a decode graph's replay for that batch, its positions and rows from
         pinned memory (queued behind ``step``), so that the GPU does not idle while the
         host launches that step after reading ``step``'s ids (docs/design/kv_cache.md,
         "Where a stream's slow gaps come from"). Under tensor parallelism the replay's
@@ -936,10 +966,13 @@ class Engine:
         ids = step.tokens[self._rows(rows)].view(-1, 1)
         positions = to_device(torch.tensor([[s.next_position + 1] for s in seqs]), dev)
         slots = to_device(torch.tensor([s.slot for s in seqs]), dev)
-        logits = self.graphs.run(ids, positions, slots)
+        if self.graphs is not None:
+            logits = self.graphs.run(ids, positions, slots)
+        else:  # (behind a mixed step without decode graphs: the CPU, where it runs as called)
+            logits = self.decode(ids, Decode.at(positions, slots))
         self.look_ahead_steps += 1
-        self.look_ahead_partial += 1
-        return self._queue_tokens(seqs, logits, self._batch_sampling(seqs, ahead=len(seqs)), graph=True)
+        return self._queue_tokens(seqs, logits, self._batch_sampling(seqs, ahead=len(seqs)),
+                                  graph=self.graphs is not None)
 
     def _may_look_ahead(self, step: _Launched) -> bool:
         """Whether the step after ``step`` is known now to decode (those of) its sequences (that

@@ -158,3 +158,35 @@ def test_a_prompt_arriving_beside_decode_steps_goes_in_a_mixed_step_queued_behin
     for eng in (serial, overlapped):
         assert eng.kv_blocks_used == 0 and sorted(eng.kv.free_rows) == list(range(8))
         eng.kv.pool.check()
+
+
+def test_a_prompt_arriving_as_mixed_steps_end_goes_behind_a_decode_step_queued_behind_them(smollm2_int4):
+    """Two requests decode; a third arrives at the first's sixth token (in a mixed step
+    queued behind a decode step, as above), and a fourth at the third's first token: the
+    token of the mixed step that ends the third's prompt, with no prompt left to mix. With
+    steps queued ahead, the decode step after that mixed step is queued behind it, fed on
+    the device with its ids, before they are read (``_queue_decode_behind``); the fourth
+    prompt, handed to the engine once that decode step is queued, goes in a mixed step
+    queued behind it. (A sink runs on the engine thread, so here the fourth arrives after
+    the decode step is queued either way; a client's request arriving while the host
+    waits for the mixed step's ids is the case this serves, which a GPU shows.) Against
+    the engine reading each step before planning the next: the same ids and finish
+    reasons, and no block or row left held."""
+    tok = smollm2_int4.tokenizer
+    prompts = _prompts(tok)
+    short = [tok("Say hi.")["input_ids"], tok("Name a colour.")["input_ids"]]
+    early = [(short[0], SamplingParams(max_tokens=34, temperature=0, ignore_eos=True)),
+             (short[1], SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True))]
+    late = [(0, 6, prompts[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+            (2, 1, prompts[4], SamplingParams(max_tokens=10, temperature=0.7, seed=5, ignore_eos=True))]
+    want, serial = run_requests(smollm2_int4.model, tok, False, early, arrivals=late)
+    got, overlapped = run_requests(smollm2_int4.model, tok, True, early, arrivals=late)
+    assert got == want and [o[-1] for o in want] == ["length"] * 4
+    assert [len(o) - 1 for o in want] == [34, 30, 12, 10]
+    # a decode step queued behind the last mixed step of the third prompt and of the fourth,
+    # and a mixed step behind a decode step for each arrival
+    assert overlapped.decode_behind_mixed == 2 and overlapped.mixed_behind_decode == 2
+    assert serial.mixed_behind_decode == 0 and serial.decode_behind_mixed == 0
+    for eng in (serial, overlapped):
+        assert eng.kv_blocks_used == 0 and sorted(eng.kv.free_rows) == list(range(8))
+        eng.kv.pool.check()
