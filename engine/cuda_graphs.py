@@ -18,6 +18,7 @@ prompts' chunks, or mixes them with the running sequences' decode tokens.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,12 @@ def capture_graphs(forward, sizes: list[int], timing: KernelTiming | None, decod
     ``timing``, each graph's calls are recorded and a timed twin is captured beside it (a
     ``decode`` step's twin also times the whole step: the step's roofline gauge); the
     warm-up runs are not counted."""
+    # Freeing a graph while another is captured invalidates that capture (destroying one is
+    # not permitted during a global-mode capture): dead cycles that hold an earlier engine's
+    # graphs are collected now, not by a collection that an allocation sets off mid-capture
+    # (torch.cuda.graph no longer collects on entry; seen as a failed capture in a test
+    # process that had dropped an engine).
+    gc.collect()
     graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):
         stream = torch.cuda.Stream()
