@@ -45,8 +45,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, write_json  # noqa: E402
-from serving import (StreamError, level_stats, pct, prompt_of, send_all, send_processes, start_server,  # noqa: E402
-                     stream_chunks)
+from serving import level_stats, pct, prompt_of, send_all, send_processes, start_server  # noqa: E402
+from sse_client import Client, StreamError  # noqa: E402
 
 WORKLOADS = {  # name: (clients, requests, prompt tokens (a range: uniform), output tokens)
     "c1": (1, 8, (128, 128), 128),
@@ -111,19 +111,20 @@ def slow_gaps(ok: list[dict], threshold: float) -> dict:
             "at": [(i, round(1e3 * x, 2)) for i, _, x in slow[:64]]}
 
 
-async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], out: int) -> dict:
+async def chat_turn(client: Client, model: str, messages: list[dict], out: int) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": out, "temperature": 0, "ignore_eos": True,
             "stream": True}
     t0 = time.perf_counter()
     first, text = None, []
     try:
-        async for chunk in stream_chunks(client, url + "/v1/chat/completions", body):
-            delta = chunk["choices"][0]["delta"] if chunk["choices"] else {"role": None}
-            if "role" not in delta:  # (a chunk per token after the role's: its content maybe empty)
-                first = first or time.perf_counter()
-                text.append(delta.get("content") or "")
-    except StreamError as exc:
-        return {"error": str(exc)}
+        events = await client.stream("/v1/chat/completions", body)
+    except (StreamError, OSError, asyncio.TimeoutError) as exc:
+        return {"error": str(exc) or repr(exc)}
+    for stamp, chunk in events:
+        delta = chunk["choices"][0]["delta"] if chunk["choices"] else {"role": None}
+        if "role" not in delta:  # (a chunk per token after the role's: its content maybe empty)
+            first = first or stamp
+            text.append(delta.get("content") or "")
     if first is None:
         return {"error": "no tokens"}
     return {"ttft": first - t0, "text": "".join(text)}
@@ -133,22 +134,25 @@ async def chat(url: str, model: str, conversations: int = 32, turns: int = 8, ou
     system = prompt_of(1000, 10_000)  # (one system prompt for every conversation)
     ttft: dict[int, list[float]] = {t: [] for t in range(turns)}
     errors: list[str] = []
-    limits = httpx.Limits(max_connections=conversations, max_keepalive_connections=conversations)
-    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
-        async def conversation(c: int):
-            messages = [{"role": "system", "content": system}]
+
+    async def conversation(c: int):
+        client = Client(url, 900)  # (a conversation's own connection)
+        messages = [{"role": "system", "content": system}]
+        try:
             for t in range(turns):
                 messages.append({"role": "user", "content": f"Turn {t} of chat {c}: " + prompt_of(40, 100 * c + t)})
-                r = await chat_turn(client, url, model, messages, out)
+                r = await chat_turn(client, model, messages, out)
                 if "error" in r:
                     errors.append(r["error"])
                     return
                 ttft[t].append(r["ttft"])
                 messages.append({"role": "assistant", "content": r["text"]})
+        finally:
+            client.close()
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(conversation(c) for c in range(conversations)))
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(c) for c in range(conversations)))
+    wall = time.perf_counter() - t0
     later = [x for t in range(1, turns) for x in ttft[t]]
     return {"conversations": conversations, "turns": turns, "errors": len(errors), "error_kinds": sorted(set(errors))[:3],
             "wall_s": wall, "ttft_first_turn_p50_ms": 1e3 * pct(ttft[0], 0.5),

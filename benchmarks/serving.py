@@ -32,6 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, write_json  # noqa: E402
+from sse_client import Client, StreamError  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over the lazy dog while a curious cat watches from the warm windowsill "
          "and the city hums with distant traffic").split()
@@ -50,39 +51,23 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-class StreamError(Exception):
-    """A streamed request that failed: its HTTP status or the error chunk's message."""
-
-
-async def stream_chunks(client: httpx.AsyncClient, url: str, body: dict):
-    """The JSON chunks of a streamed OpenAI response (``StreamError`` on a failure)."""
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise StreamError(f"HTTP {r.status_code}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise StreamError(chunk["error"]["message"])
-            yield chunk
-
-
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, out_tokens: int) -> dict:
+async def one_request(client: Client, model: str, prompt: str, out_tokens: int) -> dict:
+    """One streamed completion: its TTFT, its gaps between tokens (each token's chunk stamped
+    on arrival: ``sse_client.py``), its tokens and latency."""
     body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, tokens = [], 0
     try:
-        async for chunk in stream_chunks(client, url + "/v1/completions", body):
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"]:  # (a chunk per token, its text maybe empty: service/app.py)
-                stamps.append(time.perf_counter())
-    except StreamError as exc:
-        return {"error": str(exc)}
+        events = await client.stream("/v1/completions", body)
+    except (StreamError, OSError, asyncio.TimeoutError) as exc:
+        return {"error": str(exc) or repr(exc)}
     end = time.perf_counter()
+    for stamp, chunk in events:
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        elif chunk["choices"]:  # (a chunk per token, its text maybe empty: service/app.py)
+            stamps.append(stamp)
     if not stamps:
         return {"error": "no tokens"}
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -95,19 +80,18 @@ async def send_all(url: str, model: str, clients: int, prompts: list[str], out_t
     (``one_request``) and the wall time of them all."""
     todo = list(prompts)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def worker():
-            while todo:
-                prompt = todo.pop(0)
-                try:
-                    results.append(await one_request(client, url, model, prompt, out_tokens))
-                except httpx.HTTPError as exc:
-                    results.append({"error": repr(exc)})
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        return results, time.perf_counter() - t0
+    async def worker():
+        client = Client(url, timeout)  # (a client's own connection, kept alive between its requests)
+        try:
+            while todo:
+                results.append(await one_request(client, model, todo.pop(0), out_tokens))
+        finally:
+            client.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return results, time.perf_counter() - t0
 
 
 def _send_share(url: str, model: str, clients: int, prompts: list[str], out_tokens: int, timeout: float,
@@ -229,8 +213,11 @@ def paired_level(url: str, model: str, spawn_args: str, requests: int, prompt_to
                 "tokens": last[0].completion_tokens, "latency": end - t0}
 
     async def http(prompt: str) -> dict:
-        async with httpx.AsyncClient(timeout=600) as client:
-            return await one_request(client, url, model, prompt, out_tokens)
+        client = Client(url)
+        try:
+            return await one_request(client, model, prompt, out_tokens)
+        finally:
+            client.close()
 
     sides: dict[str, list[dict]] = {"http": [], "offline": []}
     try:

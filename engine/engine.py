@@ -722,7 +722,7 @@ class Engine:
         ``step``'s sequences that go on past this token (by length), fed on the device with
         the ids ``step`` sampled, one position further; its prompt chunks are planned now
         (``_prefill_chunks``). Nothing is queued with no prompt left to mix (the next step
-        decodes: its own look-ahead), nor where the next iteration may have to decide on
+        decodes: ``_queue_decode_behind``), nor where the next iteration may have to decide on
         the host: a row needing a block that is not free (no preemption ahead), a running
         sequence outside ``step`` (resumed after a preemption: its token is on the host), a
         grammar or penalties (their state follows the host's tokens), or a step larger than
@@ -733,13 +733,10 @@ class Engine:
         sequence."""
         if not self.overlap_mixed or not (self.prefilling or self._may_admit()):
             return
-        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s)]
+        rows = self._rows_fed_ahead(step)
+        if rows is None:
+            return
         seqs = [step.seqs[i] for i in rows]
-        if not seqs or any(s.matcher is not None or s.params.penalized for s in seqs):
-            return
-        in_step = {id(s) for s in step.seqs}
-        if any(not s.cancelled and id(s) not in in_step for s in self.running):
-            return
         graphs = self.packed_graphs  # (pacing only lowers the budget: the step's tokens are at most these)
         most = len(seqs) + self._step_budget(len(seqs))
         if self.model.device.type == "cuda" and (graphs is None or most > graphs.max_tokens):
@@ -795,16 +792,24 @@ class Engine:
         token by a stop drops the decode step (``_decode_step``: the batch changed)."""
         if not self.overlap_mixed or self.prefilling or self._may_admit():
             return  # (a prompt waits that ``_queue_mixed`` could not queue: planned on the host)
-        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s)]
-        going = [step.seqs[i] for i in rows]
-        if not going or any(s.matcher is not None or s.params.penalized for s in going):
-            return
-        in_step = {id(s) for s in step.seqs}
-        if any(not s.cancelled and id(s) not in in_step for s in self.running):
-            return
-        if self._room_ahead(going):
+        rows = self._rows_fed_ahead(step)
+        if rows is not None and self._room_ahead([step.seqs[i] for i in rows]):
             self._ahead = self._launch_rows_ahead(step, rows)
             self.decode_behind_mixed += 1
+
+    def _rows_fed_ahead(self, step: _Launched) -> list[int] | None:
+        """The rows of ``step`` (a step whose ids the host has not read) that a step
+        queued behind it carries: its sequences that decode again after this token. None
+        where there is none, or where the next step must be built on the host: a row with a
+        grammar or penalties (their state follows the host's tokens), or a running sequence
+        outside ``step`` (resumed after a preemption: its token is on the host)."""
+        rows = [i for i, s in enumerate(step.seqs) if not (s.finished or s.cancelled) and self._goes_on(s)]
+        if not rows or any(step.seqs[i].matcher is not None or step.seqs[i].params.penalized for i in rows):
+            return None
+        in_step = {id(s) for s in step.seqs}
+        if any(not s.cancelled and id(s) not in in_step for s in self.running):
+            return None
+        return rows
 
     def _sampled_rows(self, logits: torch.Tensor, decoded: int, started: list[int]) -> torch.Tensor:
         """The rows of a mixed step's ``logits`` to sample: its ``decoded`` decode rows, then

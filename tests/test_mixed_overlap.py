@@ -137,6 +137,14 @@ def test_queued_mixed_steps_beside_preemption_choices_logprobs_and_a_cancel(smol
         eng.kv.pool.check()
 
 
+def _two_decoding(tok, greedy_tokens: int, sampled_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+    """Two short requests that decode alone once their prompts are in: one greedy, one
+    seeded, of the given lengths."""
+    return [(tok("Say hi.")["input_ids"], SamplingParams(max_tokens=greedy_tokens, temperature=0, ignore_eos=True)),
+            (tok("Name a colour.")["input_ids"],
+             SamplingParams(max_tokens=sampled_tokens, temperature=0.8, seed=11, ignore_eos=True))]
+
+
 def test_a_prompt_arriving_beside_decode_steps_goes_in_a_mixed_step_queued_behind_one(smollm2_int4):
     """Two requests decode alone (their prompts went in first); a third, of 2-3 chunks, is
     submitted once the first has 6 tokens, so it arrives while decode steps run. With steps
@@ -146,9 +154,7 @@ def test_a_prompt_arriving_beside_decode_steps_goes_in_a_mixed_step_queued_behin
     reasons, and no block or row left held."""
     tok = smollm2_int4.tokenizer
     prompts = _prompts(tok)
-    short = [tok("Say hi.")["input_ids"], tok("Name a colour.")["input_ids"]]
-    early = [(short[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)),
-             (short[1], SamplingParams(max_tokens=26, temperature=0.8, seed=11, ignore_eos=True))]
+    early = _two_decoding(tok, 30, 26)
     late = [(0, 6, prompts[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
     want, serial = run_requests(smollm2_int4.model, tok, False, early, arrivals=late)
     got, overlapped = run_requests(smollm2_int4.model, tok, True, early, arrivals=late)
@@ -174,9 +180,7 @@ def test_a_prompt_arriving_as_mixed_steps_end_goes_behind_a_decode_step_queued_b
     reasons, and no block or row left held."""
     tok = smollm2_int4.tokenizer
     prompts = _prompts(tok)
-    short = [tok("Say hi.")["input_ids"], tok("Name a colour.")["input_ids"]]
-    early = [(short[0], SamplingParams(max_tokens=34, temperature=0, ignore_eos=True)),
-             (short[1], SamplingParams(max_tokens=30, temperature=0.8, seed=11, ignore_eos=True))]
+    early = _two_decoding(tok, 34, 30)
     late = [(0, 6, prompts[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
             (2, 1, prompts[4], SamplingParams(max_tokens=10, temperature=0.7, seed=5, ignore_eos=True))]
     want, serial = run_requests(smollm2_int4.model, tok, False, early, arrivals=late)
