@@ -190,6 +190,7 @@ def test_a_prompt_arriving_as_mixed_steps_end_goes_behind_a_decode_step_queued_b
     # a decode step queued behind the last mixed step of the third prompt and of the fourth,
     # and a mixed step behind a decode step for each arrival
     assert overlapped.decode_behind_mixed == 2 and overlapped.mixed_behind_decode == 2
+    assert overlapped.look_ahead_dropped == 0  # (each queued decode step was the one read next)
     assert serial.mixed_behind_decode == 0 and serial.decode_behind_mixed == 0
     for eng in (serial, overlapped):
         assert eng.kv_blocks_used == 0 and sorted(eng.kv.free_rows) == list(range(8))
