@@ -118,8 +118,8 @@ async def chat_turn(client: Client, model: str, messages: list[dict], out: int) 
     first, text = None, []
     try:
         events = await client.stream("/v1/chat/completions", body)
-    except (StreamError, OSError, asyncio.TimeoutError) as exc:
-        return {"error": str(exc) or repr(exc)}
+    except StreamError as exc:
+        return {"error": str(exc)}
     for stamp, chunk in events:
         delta = chunk["choices"][0]["delta"] if chunk["choices"] else {"role": None}
         if "role" not in delta:  # (a chunk per token after the role's: its content maybe empty)

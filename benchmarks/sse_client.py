@@ -21,7 +21,8 @@ import h11
 
 
 class StreamError(Exception):
-    """A streamed request that failed: an HTTP error status or an error event."""
+    """A streamed request that failed: an HTTP error status, an error event, a lost
+    connection or the timeout."""
 
 
 class _Exchange(asyncio.Protocol):
@@ -113,9 +114,12 @@ class Client:
 
     async def stream(self, path: str, body: dict) -> list[tuple[float, dict]]:
         """A streamed OpenAI request's JSON events (``data: [DONE]`` left out), each with
-        the time the bytes that completed it arrived; ``StreamError`` on an error status or
-        an error event."""
-        status, parts = await self.post(path, body)
+        the time the bytes that completed it arrived; ``StreamError`` on an error status,
+        an error event, a lost connection or the timeout."""
+        try:
+            status, parts = await self.post(path, body)
+        except (OSError, asyncio.TimeoutError, h11.ProtocolError) as exc:
+            raise StreamError(str(exc) or repr(exc)) from exc
         if status != 200:
             raise StreamError(f"HTTP {status}")
         events, pending = [], b""

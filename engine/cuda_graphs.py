@@ -68,8 +68,7 @@ def capture_graphs(forward, sizes: list[int], timing: KernelTiming | None, decod
     # Freeing a graph while another is captured invalidates that capture (destroying one is
     # not permitted during a global-mode capture): dead cycles that hold an earlier engine's
     # graphs are collected now, not by a collection that an allocation sets off mid-capture
-    # (torch.cuda.graph no longer collects on entry; seen as a failed capture in a test
-    # process that had dropped an engine).
+    # (torch.cuda.graph no longer collects on entry).
     gc.collect()
     graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):

@@ -792,10 +792,16 @@ class Engine:
         token by a stop drops the decode step (``_decode_step``: the batch changed)."""
         if not self.overlap_mixed or self.prefilling or self._may_admit():
             return  # (a prompt waits that ``_queue_mixed`` could not queue: planned on the host)
+        self.decode_behind_mixed += self._queue_rows_ahead(step)
+
+    def _queue_rows_ahead(self, step: _Launched) -> bool:
+        """Queue the decode step after ``step`` for the rows ``_rows_fed_ahead`` gives, where
+        each has its next position's block free (``_launch_rows_ahead``); whether it was."""
         rows = self._rows_fed_ahead(step)
-        if rows is not None and self._room_ahead([step.seqs[i] for i in rows]):
-            self._ahead = self._launch_rows_ahead(step, rows)
-            self.decode_behind_mixed += 1
+        if rows is None or not self._room_ahead([step.seqs[i] for i in rows]):
+            return False
+        self._ahead = self._launch_rows_ahead(step, rows)
+        return True
 
     def _rows_fed_ahead(self, step: _Launched) -> list[int] | None:
         """The rows of ``step`` (a step whose ids the host has not read) that a step
@@ -888,15 +894,11 @@ class Engine:
             self.observer.on_step(len(seqs), prefill_tokens)
         self._deliver()  # the previous step's events, while the GPU works (module docstring)
         if self._may_look_ahead(step):
-            rows = [i for i, s in enumerate(step.seqs) if self._goes_on(s)]
-            going = [step.seqs[i] for i in rows]
-            if len(rows) == len(step.seqs):
-                if self._room_ahead(going):
+            if all(self._goes_on(s) for s in step.seqs):
+                if self._room_ahead(step.seqs):
                     self._ahead = self._launch_next_step(step)
-            # (penalized rows keep a step launched from the host, as ``_queue_mixed`` leaves them)
-            elif going and not any(s.params.penalized for s in going) and self._room_ahead(going):
-                self._ahead = self._launch_rows_ahead(step, rows)
-                self.look_ahead_partial += 1
+            else:  # (some end by length with this token: the step for the others)
+                self.look_ahead_partial += self._queue_rows_ahead(step)
         else:  # where a prompt waits, its first chunk goes in a mixed step queued behind this one
             self._queue_mixed(step)
             self.mixed_behind_decode += self._queued is not None
