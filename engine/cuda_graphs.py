@@ -17,6 +17,7 @@ prompts' chunks, or mixes them with the running sequences' decode tokens.
 """
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.observe import Captured, KernelTiming
-from ..models.batches import TILE_TOKENS, Decode, Prefill, query_tiles
+from ..models.batches import TILE_TOKENS, Decode, Prefill, packed_rows, query_tiles
 from ..models.kv_cache import KVCache
 from ..models.llama import CausalLM
 from .decode import DecodeRunner
@@ -209,13 +210,18 @@ class PackedGraphs:
         self.buckets = prefill_buckets(min(max_tokens, cache.max_seq_len))
         self.max_chunks = max_chunks
         self.scratch_slot = scratch_slot
-        dev = model.device
         n = self.buckets[-1]
-        self.ids = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=dev)
-        self.last = torch.zeros(self._chunks(n), dtype=torch.long, device=dev)
-        self.tiles = torch.zeros(self._tiles(n), 4, dtype=torch.int32, device=dev)
+        # Every input of every graph lies in one int64 buffer, so that a replay's host values
+        # go over in one copy (``run``): ids, positions, rows [n each], each chunk's last row
+        # [chunks(n)], then the query tiles, int32 [tiles(n), 4] in 2 x tiles(n) words.
+        c, w = self._most_chunks, self._most_tiles = self._chunks(n), self._tiles(n)
+        self.inputs = torch.zeros(3 * n + c + 2 * w, dtype=torch.long, device=model.device)
+        self.ids = self.inputs[:n].view(1, n)
+        self.positions = self.inputs[n:2 * n].view(1, n)
+        self.slots = self.inputs[2 * n:3 * n]
+        self.last = self.inputs[3 * n:3 * n + c]
+        self.tiles = self.inputs[3 * n + c:].view(torch.int32).view(w, 4)
+        self.slots.fill_(scratch_slot)
         self.graphs: dict[int, Graph] = {}
         self.replays = 0
 
@@ -257,26 +263,23 @@ class PackedGraphs:
         if not self.fits(n, c):
             raise ValueError(f"a packed graph takes up to {self.max_tokens} tokens in {self.max_chunks} chunks, "
                              f"got {n} in {c}")
-        t = self._bucket(n)
-        batch = Prefill.pack(lens, slots, "cpu", starts, tiled=False)
-        tiles = query_tiles(list(batch.chunks), TILE_TOKENS)  # (every chunk: a graph has no SDPA calls)
-        # (copies from pinned memory, queued: one from pageable memory would wait for the
+        chunks, positions, rows, last = packed_rows(lens, slots, starts)
+        tiles = query_tiles(list(chunks), TILE_TOKENS)  # (every chunk: a graph has no SDPA calls)
+        # The whole input buffer, padding included (rows past ``n`` write token 0 at position 0
+        # of the scratch row, tiles of 0 tokens do nothing, chunks past ``c`` are not read):
+        # one copy from pinned memory, queued (one from pageable memory would wait for the
         # GPU's queued work, a step queued ahead included; torch's pinned-memory cache keeps
-        # each buffer until its copy has run)
-        self.ids[0, :n].copy_(torch.tensor(ids).pin_memory(), non_blocking=True)
+        # the buffer until its copy has run), and few torch calls (``packed_rows``).
+        pad = self.buckets[-1] - n
+        words = array.array("q", [*ids, *[0] * pad, *positions, *[0] * pad, *rows, *[self.scratch_slot] * pad,
+                                  *last, *[0] * (self._most_chunks - c)])
+        quads = array.array("i", [v for tile in tiles for v in tile])
+        quads.extend([0] * (4 * self._most_tiles - len(quads)))
+        host = torch.frombuffer(bytearray(words.tobytes() + quads.tobytes()), dtype=torch.long)
+        self.inputs.copy_(host.pin_memory() if self.inputs.is_cuda else host, non_blocking=True)
         if fed is not None:
             self.ids[0, :len(fed)].copy_(fed)
-        self.positions[0, :n].copy_(batch.positions[0].pin_memory(), non_blocking=True)
-        self.slots[:n].copy_(batch.slots.pin_memory(), non_blocking=True)
-        if n < t:
-            self.ids[0, n:t] = 0
-            self.positions[0, n:t] = 0
-            self.slots[n:t] = self.scratch_slot
-        self.last[:c].copy_(batch.last_index.pin_memory(), non_blocking=True)
-        self.last[c:self._chunks(t)] = 0  # (an earlier replay's rows may lie past this bucket's)
-        w = self._tiles(t)
-        padded = torch.tensor(tiles + [(0, 0, 0, 0)] * (w - len(tiles)), dtype=torch.int32)  # (0 tokens: padding)
-        self.tiles[:w].copy_(padded.pin_memory(), non_blocking=True)
+        t = self._bucket(n)
         out = self.graphs[t].replay()
         self.replays += 1
         return out[:c]

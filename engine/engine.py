@@ -750,7 +750,7 @@ class Engine:
         self.kv.flush()  # (the blocks of sequences admitted now)
         contexts = [s.context() for s, _, _ in chunks]
         ids, lens, slots, starts = self._chunk_inputs(chunks, contexts)
-        fed = step.tokens[self._rows(rows)]
+        fed = step.tokens if len(rows) == len(step.seqs) else step.tokens[self._rows(rows)]
         logits = self._packed_forward([0] * len(seqs) + ids, [1] * len(seqs) + lens, [s.slot for s in seqs] + slots,
                                       [s.next_position + 1 for s in seqs] + starts, fed)
         first, started = self._prefilled(chunks, contexts)
@@ -819,7 +819,10 @@ class Engine:
 
     def _sampled_rows(self, logits: torch.Tensor, decoded: int, started: list[int]) -> torch.Tensor:
         """The rows of a mixed step's ``logits`` to sample: its ``decoded`` decode rows, then
-        the chunks at ``started`` (those that completed a context)."""
+        the chunks at ``started`` (those that completed a context). (Most steps complete
+        none: a slice, not an index copied to the device.)"""
+        if not started:
+            return logits[:decoded]
         return logits[self._rows(list(range(decoded)) + [decoded + r for r in started])]
 
     def _goes_on(self, seq: _Sequence) -> bool:

@@ -14,6 +14,7 @@ reads and writes the KV cache for it is chosen from its kind (``models/attention
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,6 +57,20 @@ def query_tiles(chunks: list[Chunk], tile: int) -> list[tuple[int, int, int, int
             for c in chunks for i in range(0, c.tokens, tile)]
 
 
+def packed_rows(lens: list[int], slots: list[int],
+                starts: list[int] | None = None) -> tuple[tuple[Chunk, ...], list[int], list[int], list[int]]:
+    """Chunks of ``lens`` tokens packed into one row, for block-table rows ``slots`` from
+    positions ``starts`` (default 0): the chunks, every token's position and block-table
+    row, and each chunk's last row. Host lists, not tensors: the engine packs a step while
+    the GPU runs the one before, and every torch call there lets go of the GIL and may then
+    wait for the event loop to give it back (docs/design/serving.md, "The GIL between the
+    engine and the event loop")."""
+    offsets = itertools.accumulate(lens, initial=0)  # where each chunk begins in the packed row
+    chunks = tuple(Chunk(o, n, s, p) for o, n, s, p in zip(offsets, lens, slots, starts or [0] * len(lens)))
+    return (chunks, [p for c in chunks for p in range(c.start, c.start + c.tokens)],
+            [c.slot for c in chunks for _ in range(c.tokens)], [c.row + c.tokens - 1 for c in chunks])
+
+
 @dataclass(frozen=True)
 class Prefill:
     positions: torch.Tensor  # [1, T]: every token's position in its sequence
@@ -74,18 +89,13 @@ class Prefill:
         """The packed prefill of chunks of ``prompt_lens`` tokens into ``prompt_slots`` from
         positions ``prompt_starts`` (default 0: whole prompts). ``tiled`` (default: on
         CUDA): chunks shorter than ``dense_from`` go to the chunk kernel."""
-        starts = list(prompt_starts or [0] * len(prompt_lens))
-        lens = torch.tensor(prompt_lens)
-        offsets = torch.cumsum(lens, 0) - lens  # where each chunk begins in the packed row
-        positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(offsets - torch.tensor(starts), lens)
-        slots = torch.repeat_interleave(torch.tensor(prompt_slots), lens)
-        chunks = tuple(Chunk(int(o), n, s, p) for o, n, s, p in zip(offsets, prompt_lens, prompt_slots, starts))
+        chunks, positions, slots, last = packed_rows(prompt_lens, prompt_slots, prompt_starts)
         tiles = None
         if torch.device(device).type == "cuda" if tiled is None else tiled:
             work = query_tiles([c for c in chunks if c.tokens < dense_from], TILE_TOKENS)
             tiles = torch.tensor(work, dtype=torch.int32).view(-1, 4).to(device)
-        return cls(positions[None].to(device), slots.to(device), (offsets + lens - 1).to(device), tiles, chunks,
-                   dense_from)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(device)  # noqa: E731
+        return cls(as_tensor([positions]), as_tensor(slots), as_tensor(last), tiles, chunks, dense_from)
 
     def last_rows(self, h: torch.Tensor) -> torch.Tensor:
         """Each chunk's last hidden state: ``[1, T, C]`` -> ``[chunks, C]``."""
