@@ -3,6 +3,7 @@ official ``openai`` client on the live SmolLM2 server, its error path, its kept-
 connection, and its stamps (the arrival of the bytes that complete an event) against a
 loopback server that sends an event in two writes."""
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="needs the openai client (pip install -e '.[dev]')")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from sse_client import Client, StreamError  # noqa: E402
+from sse_client import PARSE_BETWEEN_YIELDS, Client, StreamError, parse_events  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +95,42 @@ def test_an_event_is_stamped_when_its_last_bytes_arrive():
     events = asyncio.run(run())
     assert [e["n"] for _, e in events] == [1, 2]
     assert events[0][0] < written["rest"] <= events[1][0]
+
+
+def test_a_long_response_is_parsed_a_few_parts_at_a_time_between_other_work():
+    """A 130-part response (a 128-token stream, its usage and [DONE], events split across
+    parts) parses to its events with each part's stamp, and the event loop runs other work
+    between every ``PARSE_BETWEEN_YIELDS`` parts (a task counting the loop's turns meanwhile),
+    so that other clients' bytes are not stamped after the whole parse."""
+    events = [{"choices": [{"index": 0, "text": f" w{i}"}]} for i in range(128)] + [{"usage": {"completion_tokens": 128}}]
+    body = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events) + b"data: [DONE]\n\n"
+    cut = len(body) // 130
+    parts = [(float(i), body[i * cut:(i + 1) * cut if i < 129 else None]) for i in range(130)]
+
+    async def run():
+        turns = 0
+        stop = asyncio.Event()
+
+        async def count():
+            nonlocal turns
+            while not stop.is_set():
+                turns += 1
+                await asyncio.sleep(0)
+
+        counter = asyncio.create_task(count())
+        await asyncio.sleep(0)
+        before = turns
+        got = await parse_events(parts)
+        during = turns - before
+        stop.set()
+        await counter
+        return got, during
+
+    got, during = asyncio.run(run())
+    assert [e for _, e in got] == events
+    # each event's stamp: that of the part holding its last byte
+    ends = [body.index(b"\n\n", body.index(json.dumps(e).encode())) + 1 for e in events]
+    assert [s for s, _ in got] == [float(min(end // cut, 129)) for end in ends]
+    assert PARSE_BETWEEN_YIELDS <= 32 and during >= 130 // PARSE_BETWEEN_YIELDS
+    with pytest.raises(StreamError, match="boom"):
+        asyncio.run(parse_events([(0.0, b'data: {"error": {"message": "boom"}}\n\n')]))
