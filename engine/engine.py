@@ -750,7 +750,7 @@ class Engine:
         self.kv.flush()  # (the blocks of sequences admitted now)
         contexts = [s.context() for s, _, _ in chunks]
         ids, lens, slots, starts = self._chunk_inputs(chunks, contexts)
-        fed = step.tokens if len(rows) == len(step.seqs) else step.tokens[self._rows(rows)]
+        fed = self._fed_ids(step, rows)
         logits = self._packed_forward([0] * len(seqs) + ids, [1] * len(seqs) + lens, [s.slot for s in seqs] + slots,
                                       [s.next_position + 1 for s in seqs] + starts, fed)
         first, started = self._prefilled(chunks, contexts)
@@ -816,6 +816,11 @@ class Engine:
         if any(not s.cancelled and id(s) not in in_step for s in self.running):
             return None
         return rows
+
+    def _fed_ids(self, step: _Launched, rows: list[int]) -> torch.Tensor:
+        """The ids ``step`` sampled for its ``rows`` (from ``_rows_fed_ahead``), on the device,
+        to feed the step queued behind it; all of its rows without an index copied there."""
+        return step.tokens if len(rows) == len(step.seqs) else step.tokens[self._rows(rows)]
 
     def _sampled_rows(self, logits: torch.Tensor, decoded: int, started: list[int]) -> torch.Tensor:
         """The rows of a mixed step's ``logits`` to sample: its ``decoded`` decode rows, then
@@ -973,7 +978,7 @@ class Engine:
         announcement takes the ids to the host (``_LeadingDecodeGraphs.run``), so there
         this waits for ``step`` as before: correct, not ahead."""
         seqs, dev = [step.seqs[i] for i in rows], self.model.device
-        ids = step.tokens[self._rows(rows)].view(-1, 1)
+        ids = self._fed_ids(step, rows).view(-1, 1)
         positions = to_device(torch.tensor([[s.next_position + 1] for s in seqs]), dev)
         slots = to_device(torch.tensor([s.slot for s in seqs]), dev)
         if self.graphs is not None:
