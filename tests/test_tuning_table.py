@@ -87,3 +87,16 @@ def test_gemv_reach_serves_each_measured_m_closest_to_its_fastest_path():
         def worst(r):
             return max((gemv[m] if m <= r else gemm[m]) / min(gemv[m], gemm[m]) for m in (16, 17, 24, 32))
         assert reach in (8, 16, 17, 24, 32) and worst(reach) == min(worst(r) for r in (8, 16, 17, 24, 32))
+
+
+def test_tuner_measures_each_packed_step_size_the_mixed_gemm_serves():
+    """The engine pads a packed step to one of its graphs' token counts, and past the GEMV's
+    reach the mixed GEMM serves M rows with the launch of the smallest measured M at or
+    above them. Each count up to the default step budget (512 tokens) must be measured
+    itself: 192-384 rows on the launch of the next measured M ran qkv and down 1.10-1.46x
+    slower than their best (docs/design/mixed_gemm.md)."""
+    from woq.engine.cuda_graphs import prefill_buckets
+    from woq.kernels.tuning import GEMM_MS
+
+    served = [t for t in prefill_buckets(4096) if 17 <= t <= 512]
+    assert served and not [t for t in served if t not in GEMM_MS]
