@@ -40,10 +40,10 @@ log = logging.getLogger("woq.kernels")
 
 DEFAULT_MAX_KERNEL_M = 128  # without measurements (tuning off)
 # 16: the GEMV's rival at a decode batch of 16 (config 9's 16-row tile); 17: at its measured 17 rows.
-# From 128 on, every 64 rows up to 512: the engine pads its packed steps to these counts
-# (engine/cuda_graphs.py, prefill_buckets), and a count between two measured Ms would take the
-# larger one's launch, whose tiles or splits fit that M's grid of blocks, not its own (192 rows
-# on qkv 6144 x 4096 ran 1.46x its best launch with 256's; docs/design/mixed_gemm.md).
+# From 128 on, every 64 rows up to 512: the counts the engine pads its packed steps to
+# (engine/cuda_graphs.py, prefill_buckets). A count between two measured Ms would run the larger
+# one's launch, whose tiles and splits were chosen for that M's grid of blocks, not its own
+# (docs/design/mixed_gemm.md, "The launches at the engine's step sizes").
 GEMM_MS = (16, 17, 24, 32, 64, 128, 192, 256, 320, 384, 448, 512, MAX_GEMM_M)
 POWER_CAPPED_M, POWER_CAPPED_ROUNDS = 512, 3  # the GEMM against dequantize + cuBLAS (measure)
 # The Ms at which the GEMV's launch is measured, each standing for the Ms up to it: the
