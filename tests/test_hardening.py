@@ -269,16 +269,21 @@ def test_special_token_strings_in_content_stay_text(smollm2_dir):
     assert evil in tok.decode(ids)
 
 
-def test_tokenizing_huge_prompts_does_not_stall_the_server(one_slot):
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_tokenizing_huge_prompts_does_not_stall_the_server(one_slot, route):
     """Megabyte prompts (refused in the end: longer than the context) are tokenized off the
-    event loop: /health keeps answering within a fraction of a second meanwhile."""
-    huge = _completion(prompt="The quick brown fox jumps over the lazy dog. " * 20000, max_tokens=1)
+    event loop, and their tokenizer lets the GIL go: /health keeps answering within a
+    fraction of a second meanwhile. (A chat message's content went through the tokenizer's
+    ``encode``, which keeps the GIL for the whole text.)"""
+    text = "The quick brown fox jumps over the lazy dog. " * 20000
+    huge = (_completion(prompt=text, max_tokens=1) if route == "/v1/completions" else
+            {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
     codes, gaps = [], []
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
             async def post():
-                codes.append((await c.post(one_slot.url + "/v1/completions", json=huge)).status_code)
+                codes.append((await c.post(one_slot.url + route, json=huge)).status_code)
 
             async def probe():
                 for _ in range(20):
