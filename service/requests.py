@@ -32,10 +32,10 @@ def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     transformers sets the switch on the shared backend for each call that asks for it, so
     the tokenizer pool's threads would race on it (one thread's template markup split as
     text). It encodes through ``encode_batch``, which lets the GIL go while it works:
-    ``Tokenizer.encode`` keeps it for the whole text, and a chat turn's history (a
-    1,000-token system prompt and the turns before) held the engine thread between its
-    launches for milliseconds a request (docs/design/serving.md, "The GIL between the engine
-    and the event loop")."""
+    ``Tokenizer.encode`` keeps it for the whole text, so a chat turn's history (a long
+    system prompt and the turns before) would hold the engine thread between its launches
+    for milliseconds a request (docs/design/serving.md, "The GIL between the engine and the
+    event loop")."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # (a slow tokenizer: the switch is an argument, nothing shared)
         return lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]

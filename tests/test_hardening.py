@@ -273,8 +273,9 @@ def test_special_token_strings_in_content_stay_text(smollm2_dir):
 def test_tokenizing_huge_prompts_does_not_stall_the_server(one_slot, route):
     """Megabyte prompts (refused in the end: longer than the context) are tokenized off the
     event loop, and their tokenizer lets the GIL go: /health keeps answering within a
-    fraction of a second meanwhile. (A chat message's content went through the tokenizer's
-    ``encode``, which keeps the GIL for the whole text.)"""
+    fraction of a second meanwhile. (A chat message's content has an encoder of its own,
+    which must not be one that keeps the GIL for the whole text, as ``Tokenizer.encode``
+    does.)"""
     text = "The quick brown fox jumps over the lazy dog. " * 20000
     huge = (_completion(prompt=text, max_tokens=1) if route == "/v1/completions" else
             {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
