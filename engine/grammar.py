@@ -24,6 +24,13 @@ def json_schema_grammar(schema: dict | str) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema)
 
 
+def json_schema_error(schema: dict) -> str | None:
+    """Why llguidance cannot enforce ``schema`` (one line; None: it can). No tokenizer needed."""
+    import llguidance
+
+    return " ".join(llguidance.LLMatcher.validate_grammar(json_schema_grammar(schema)).split()) or None
+
+
 def regex_grammar(regex: str) -> str:
     import llguidance
 

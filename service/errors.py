@@ -70,7 +70,7 @@ def _problem(e: dict) -> str:
     if kind == "literal_error":
         return f"must be {ctx['expected']}"
     if kind == "missing":
-        return "is required"
+        return f"is required ({ctx['hint']})" if ctx.get("hint") else "is required"
     if kind == "extra_forbidden":
         return "is not a parameter of this API (neither OpenAI's nor an extension of this server)"
     if kind == "too_short":
@@ -123,6 +123,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        bad = exc.__cause__
+        if isinstance(bad, UnicodeDecodeError):  # (FastAPI's "There was an error parsing the body")
+            return error_response(400, f"the request body is not valid UTF-8 (byte 0x{bad.object[bad.start]:02x} "
+                                       f"at offset {bad.start}); send JSON as UTF-8 text", code="invalid_unicode")
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 

@@ -8,7 +8,7 @@ import logging
 from typing import Callable, Protocol
 
 from ..engine.engine import Engine
-from ..engine.grammar import json_schema_grammar, lark_grammar, regex_grammar
+from ..engine.grammar import json_schema_error, json_schema_grammar, lark_grammar, regex_grammar
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -88,11 +88,19 @@ def tool_grammar(state: ServerState, req) -> str | None:
         return None
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
-        functions = [f for f in req.called_tools() if f["name"] == choice.function.name]
+        forced = [i for i, t in enumerate(req.tools) if t.function.name == choice.function.name]
     elif choice == "required":
-        functions = req.called_tools()
+        forced = list(range(len(req.tools)))
     else:
         return None
+    # Each enforced function's schema alone, so that an error names the tool rather than the
+    # call grammar they make together (whose compiler error quotes that grammar, many lines).
+    for i in forced:
+        schema = req.tools[i].function.parameters
+        if schema is not None and (why := json_schema_error(schema)):
+            param = f"tools[{i}].function.parameters"
+            raise APIError(400, f"'{param}' cannot be enforced as a JSON schema: {why}", param=param)
+    functions = [req.tools[i].function.model_dump(exclude_none=True) for i in forced]
     tools = state.tools
     try:
         return lark_grammar(tools.fmt.grammar(functions, req.parallel_tool_calls, tools.marker_token))
@@ -108,6 +116,9 @@ def format_grammar(fmt) -> str | None:
         if fmt.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if fmt.type == "json_schema":
+            if why := json_schema_error(fmt.json_schema.schema_):
+                param = "response_format.json_schema.schema"
+                raise APIError(400, f"'{param}' cannot be enforced as a JSON schema: {why}", param=param)
             return json_schema_grammar(fmt.json_schema.schema_)
         return regex_grammar(fmt.regex) if fmt.type == "regex" else lark_grammar(fmt.grammar)
     except (ValueError, TypeError) as e:  # (llguidance refuses a schema it cannot compile)

@@ -130,10 +130,13 @@ class ChatMessage(_Body):
     def _roles(self):
         if self.tool_calls and self.role != "assistant":
             raise PydanticCustomError("tool_calls_role", "only an assistant message makes tool calls")
+        # (param: the missing field, so that the error names it: "'messages[1].tool_call_id' is required")
         if self.role == "tool" and not self.tool_call_id:
-            raise PydanticCustomError("missing", "a tool message needs 'tool_call_id'")
+            raise PydanticCustomError("missing", "a tool message needs 'tool_call_id'", {"param": "tool_call_id"})
         if not self.content and not self.tool_calls:
-            raise PydanticCustomError("missing", "a message needs 'content' (or, from the assistant, 'tool_calls')")
+            hint = {"hint": "or 'tool_calls'"} if self.role == "assistant" else {}
+            raise PydanticCustomError("missing", "a message needs 'content' (or, from the assistant, 'tool_calls')",
+                                      {"param": "content", **hint})
         return self
 
     def text(self) -> str:
@@ -241,7 +244,9 @@ class ResponseFormat(_Body):
     def _argument(self):
         needed = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}.get(self.type)
         if needed and getattr(self, needed) is None:
-            raise PydanticCustomError("missing", "type '{type}' needs '{field}'", {"type": self.type, "field": needed})
+            raise PydanticCustomError("missing", "type '{type}' needs '{field}'",
+                                      {"type": self.type, "field": needed, "param": needed,
+                                       "hint": f"by type '{self.type}'"})
         return self
 
 
@@ -256,11 +261,19 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=20)
+    top_logprobs: int = Field(0, ge=0, le=20, description="with 'logprobs': true")
     response_format: ResponseFormat | None = None
     tools: list[Tool] = Field([], max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        # (as vLLM and llama.cpp's server do: answering without the logprobs asked for would hide the mistake)
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs_without_logprobs", "needs 'logprobs': true",
+                                      {"param": "top_logprobs"})
+        return self
 
     @model_validator(mode="after")
     def _tool_choice(self):

@@ -194,6 +194,14 @@ def test_union_fields_are_named_as_the_client_wrote_them(server):
         (COMPLETIONS, _completion(prompt=[1, True]), "prompt", "array of token ids (integers)"),
         (COMPLETIONS, _completion(prompt=""), "prompt", "must not be empty"),
         (CHAT, {"model": MODEL}, "messages", "is required"),
+        # a field that a rule across fields asks for is named, not the object holding it
+        (CHAT, _chat(messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}]),
+         "messages[1].tool_call_id", "is required"),
+        (CHAT, _chat(messages=[{"role": "user", "content": []}]), "messages[0].content", "is required"),
+        (CHAT, _chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant"}]), "messages[1].content",
+         "is required (or 'tool_calls')"),
+        (CHAT, _chat(response_format={"type": "regex"}), "response_format.regex", "is required (by type 'regex')"),
+        (CHAT, _chat(top_logprobs=3), "top_logprobs", "needs 'logprobs': true"),
     ]
     for path, body, param, needle in cases:
         err = _error(_post(server, path, body))
@@ -212,6 +220,8 @@ def test_a_body_that_is_no_json_object(server):
         (b'{"prompt": "Hi", "max_tokens": 1}', "text/plain", "'Content-Type: application/json'"),
         (b'{"prompt": "Hi", "max_tokens": 1}', None, "'Content-Type: application/json'"),
         (b'{"prompt": "Hi",}', "application/json", "not valid JSON"),
+        (b'{"prompt": "Hi \xff", "max_tokens": 1}', "application/json",
+         "the request body is not valid UTF-8 (byte 0xff at offset 15)"),
     ]:
         r = httpx.post(url, content=content, headers={"content-type": ctype} if ctype else {}, timeout=60)
         err = _error(r)

@@ -166,6 +166,12 @@ def test_out_of_range_sampling_parameters_are_refused(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **kw)
         assert e.value.body["param"].split(".")[0] == param, (kw, e.value.body)
+    # a schema that llguidance cannot enforce is named, with its reason
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/nope"}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
+    assert "'/$defs/nope' does not exist" in e.value.body["message"], e.value.body
 
 
 def test_response_format_json_schema_and_json_object(client):

@@ -88,6 +88,17 @@ def test_tool_choice_none_and_refusals(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, **kw)
         assert e.value.body["param"].startswith(param), (kw, e.value.body)
+    # a schema that cannot be enforced is named by its tool, in one line (llguidance's reason)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, tools=[WEATHER, bad],
+                                           tool_choice=choice)
+        err = e.value.body
+        assert err["param"] == "tools[1].function.parameters" and "\n" not in err["message"], err
+        assert err["message"].startswith("'tools[1].function.parameters' cannot be enforced") \
+            and "strin" in err["message"], err
 
 
 def test_a_final_assistant_message_is_continued(client, smollm2_dir):
