@@ -129,7 +129,8 @@ class ChatMessage(_Body):
     @model_validator(mode="after")
     def _roles(self):
         if self.tool_calls and self.role != "assistant":
-            raise PydanticCustomError("tool_calls_role", "only an assistant message makes tool calls")
+            raise PydanticCustomError("tool_calls_role", "is only for assistant messages, not '{role}' ones",
+                                      {"param": "tool_calls", "role": self.role})
         # (param: the missing field, so that the error names it: "'messages[1].tool_call_id' is required")
         if self.role == "tool" and not self.tool_call_id:
             raise PydanticCustomError("missing", "a tool message needs 'tool_call_id'", {"param": "tool_call_id"})

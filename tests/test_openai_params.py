@@ -202,6 +202,9 @@ def test_union_fields_are_named_as_the_client_wrote_them(server):
          "is required (or 'tool_calls')"),
         (CHAT, _chat(response_format={"type": "regex"}), "response_format.regex", "is required (by type 'regex')"),
         (CHAT, _chat(top_logprobs=3), "top_logprobs", "needs 'logprobs': true"),
+        (CHAT, _chat(messages=[{"role": "user", "content": "Hi", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+         "messages[0].tool_calls", "is only for assistant messages, not 'user' ones"),
     ]
     for path, body, param, needle in cases:
         err = _error(_post(server, path, body))
