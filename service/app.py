@@ -60,7 +60,7 @@ class ServerState:
         (for the prompt ``longest`` finds longest), in the tokenizer pool, once the request's
         text is known to be Unicode (``_check_unicode``: a pass over the whole body, so there
         too). The parameters are made there because they check the grammar a request asks
-        for: llguidance takes ~0.1 s over a large JSON schema."""
+        for, which takes llguidance long over a large JSON schema (serving.md)."""
         def run() -> tuple[list, SamplingParams]:
             _check_unicode(req)
             prompt = fn(self, req)

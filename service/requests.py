@@ -96,16 +96,20 @@ def tool_grammar(state: ServerState, req) -> str | None:
     # Each enforced function's schema alone, so that an error names the tool rather than the
     # call grammar they make together (whose compiler error quotes that grammar, many lines).
     for i in forced:
-        schema = req.tools[i].function.parameters
-        if schema is not None and (why := json_schema_error(schema)):
-            param = f"tools[{i}].function.parameters"
-            raise APIError(400, f"'{param}' cannot be enforced as a JSON schema: {why}", param=param)
+        if (schema := req.tools[i].function.parameters) is not None:
+            _check_schema(schema, f"tools[{i}].function.parameters")
     functions = [req.tools[i].function.model_dump(exclude_none=True) for i in forced]
     tools = state.tools
     try:
         return lark_grammar(tools.fmt.grammar(functions, req.parallel_tool_calls, tools.marker_token))
     except ValueError as e:
         raise APIError(400, f"a tool's parameters are no usable JSON schema: {e}", param="tools") from e
+
+
+def _check_schema(schema: dict, param: str) -> None:
+    """A 400 naming ``param`` where llguidance cannot enforce the JSON schema it holds."""
+    if why := json_schema_error(schema):
+        raise APIError(400, f"'{param}' cannot be enforced as a JSON schema: {why}", param=param)
 
 
 def format_grammar(fmt) -> str | None:
@@ -116,12 +120,10 @@ def format_grammar(fmt) -> str | None:
         if fmt.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if fmt.type == "json_schema":
-            if why := json_schema_error(fmt.json_schema.schema_):
-                param = "response_format.json_schema.schema"
-                raise APIError(400, f"'{param}' cannot be enforced as a JSON schema: {why}", param=param)
+            _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
             return json_schema_grammar(fmt.json_schema.schema_)
         return regex_grammar(fmt.regex) if fmt.type == "regex" else lark_grammar(fmt.grammar)
-    except (ValueError, TypeError) as e:  # (llguidance refuses a schema it cannot compile)
+    except (ValueError, TypeError) as e:  # (llguidance refuses a grammar it cannot compile)
         raise APIError(400, f"invalid {fmt.type}: {e}", param="response_format") from e
 
 
