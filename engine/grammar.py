@@ -24,17 +24,29 @@ def json_schema_grammar(schema: dict | str) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema)
 
 
-def json_schema_error(schema: dict) -> str | None:
-    """Why llguidance cannot enforce ``schema`` (one line; None: it can). No tokenizer needed."""
+def _why_not(grammar: str) -> str | None:
+    """Why llguidance cannot compile ``grammar``, in one line (None: it can). No tokenizer
+    needed. A regex's parser gives its reason on an ``error:`` line, between a copy of the
+    regex and the wrapping grammar's text, which the client never wrote: only that line."""
     import llguidance
 
-    return " ".join(llguidance.LLMatcher.validate_grammar(json_schema_grammar(schema)).split()) or None
+    msg = llguidance.LLMatcher.validate_grammar(grammar)
+    reason = [line.removeprefix("error: ") for line in msg.splitlines() if line.startswith("error: ")]
+    return reason[0] if reason else " ".join(msg.split()) or None
+
+
+def json_schema_error(schema: dict) -> str | None:
+    return _why_not(json_schema_grammar(schema))
 
 
 def regex_grammar(regex: str) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
+def regex_error(regex: str) -> str | None:
+    return _why_not(regex_grammar(regex))
 
 
 def lark_grammar(lark: str) -> str:

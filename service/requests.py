@@ -8,7 +8,7 @@ import logging
 from typing import Callable, Protocol
 
 from ..engine.engine import Engine
-from ..engine.grammar import json_schema_error, json_schema_grammar, lark_grammar, regex_grammar
+from ..engine.grammar import json_schema_error, json_schema_grammar, lark_grammar, regex_error, regex_grammar
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -97,7 +97,7 @@ def tool_grammar(state: ServerState, req) -> str | None:
     # call grammar they make together (whose compiler error quotes that grammar, many lines).
     for i in forced:
         if (schema := req.tools[i].function.parameters) is not None:
-            _check_schema(schema, f"tools[{i}].function.parameters")
+            _enforceable(json_schema_error(schema), f"tools[{i}].function.parameters", "a JSON schema")
     functions = [req.tools[i].function.model_dump(exclude_none=True) for i in forced]
     tools = state.tools
     try:
@@ -106,10 +106,10 @@ def tool_grammar(state: ServerState, req) -> str | None:
         raise APIError(400, f"a tool's parameters are no usable JSON schema: {e}", param="tools") from e
 
 
-def _check_schema(schema: dict, param: str) -> None:
-    """A 400 naming ``param`` where llguidance cannot enforce the JSON schema it holds."""
-    if why := json_schema_error(schema):
-        raise APIError(400, f"'{param}' cannot be enforced as a JSON schema: {why}", param=param)
+def _enforceable(why: str | None, param: str, kind: str) -> None:
+    """A 400 naming ``param`` where llguidance cannot enforce what it holds (``why``: its reason)."""
+    if why:
+        raise APIError(400, f"'{param}' cannot be enforced as {kind}: {why}", param=param)
 
 
 def format_grammar(fmt) -> str | None:
@@ -120,9 +120,13 @@ def format_grammar(fmt) -> str | None:
         if fmt.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if fmt.type == "json_schema":
-            _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+            _enforceable(json_schema_error(fmt.json_schema.schema_), "response_format.json_schema.schema",
+                         "a JSON schema")
             return json_schema_grammar(fmt.json_schema.schema_)
-        return regex_grammar(fmt.regex) if fmt.type == "regex" else lark_grammar(fmt.grammar)
+        if fmt.type == "regex":
+            _enforceable(regex_error(fmt.regex), "response_format.regex", "a regex")
+            return regex_grammar(fmt.regex)
+        return lark_grammar(fmt.grammar)
     except (ValueError, TypeError) as e:  # (llguidance refuses a grammar it cannot compile)
         raise APIError(400, f"invalid {fmt.type}: {e}", param="response_format") from e
 

@@ -172,6 +172,13 @@ def test_out_of_range_sampling_parameters_are_refused(client):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/nope"}}})
     assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
     assert "'/$defs/nope' does not exist" in e.value.body["message"], e.value.body
+    # a regex, with its parser's reason alone (not the grammar that wraps it)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       response_format={"type": "regex", "regex": "(?<=a)b"})
+    assert e.value.body["param"] == "response_format.regex", e.value.body
+    assert e.value.body["message"] == "'response_format.regex' cannot be enforced as a regex: look-around, " \
+        "including look-ahead and look-behind, is not supported", e.value.body
 
 
 def test_response_format_json_schema_and_json_object(client):
