@@ -75,6 +75,7 @@ class BatchSampling:
     all_greedy: bool
     processors: Processors | None
     logprobs: int | None  # top log-probabilities to return (the largest any row asks); None: none
+    min_p: torch.Tensor | None = None  # [B] fp32; None: no row asks for min-p
 
     @staticmethod
     def of(params: list[SamplingParams], seeds: list[int], steps: list[int], slots: list[int],
@@ -102,7 +103,8 @@ class BatchSampling:
         return BatchSampling(
             t([p.temperature for p in params], torch.float32), t([p.top_k for p in params], torch.long),
             t([p.top_p for p in params], torch.float32), t(seeds, torch.long), t(steps, torch.long),
-            t(slots, torch.long), all(p.greedy for p in params), processors, max(wanted) if wanted else None)
+            t(slots, torch.long), all(p.greedy for p in params), processors, max(wanted) if wanted else None,
+            t([p.min_p for p in params], torch.float32) if any(p.min_p for p in params) else None)
 
     def next(self) -> "BatchSampling":
         """The same rows' sampling one token further (a look-ahead step)."""
@@ -146,7 +148,8 @@ class BatchSampling:
         if self.all_greedy:
             tokens = greedy(processed)
         else:
-            tokens = sample_some(processed, self.temperature, self.top_k, self.top_p, self.seeds, self.steps)
+            tokens = sample_some(processed, self.temperature, self.top_k, self.top_p, self.seeds, self.steps,
+                                 self.min_p)
         if history is not None:
             history.ids[self.slots, self.steps] = tokens
         return tokens, (Logprobs.of(logits, tokens, self.logprobs) if self.logprobs is not None else None)

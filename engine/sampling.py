@@ -1,10 +1,11 @@
-"""Per-request sampling for a whole batch in one pass (greedy, temperature, top-k, top-p, seed).
+"""Per-request sampling for a whole batch in one pass (greedy, temperature, min-p, top-k,
+top-p, seed).
 
 Random draws come from a counter-based hash of (request seed, step, token id) rather than
 from a stateful generator: a request's tokens then depend only on its own seed and
 logits, never on which other requests share its batch, and the whole batch samples in a
 handful of tensor ops on whatever device the logits live (only the chosen ids move to
-the host). Sampling is exact: Gumbel-max over the temperature-scaled, top-k/top-p
+the host). Sampling is exact: Gumbel-max over the temperature-scaled, min-p/top-k/top-p
 filtered logits draws from their softmax.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 = no top-k
+    min_p: float = 0.0  # in [0, 1]: keep tokens at least this times as likely as the most likely; 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -43,6 +45,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
         if self.repetition_penalty <= 0:
@@ -118,11 +122,13 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token ids ``[B]`` (int64) from fp32 ``logits`` ``[B, V]`` and per-row parameters."""
+    """Next token ids ``[B]`` (int64) from fp32 ``logits`` ``[B, V]`` and per-row parameters
+    (``min_p`` None: no row asks for min-p)."""
     if bool(((temperature == 0) | (top_k == 1)).all()):
         return greedy(logits)
-    return sample_some(logits, temperature, top_k, top_p, seeds, steps)
+    return sample_some(logits, temperature, top_k, top_p, seeds, steps, min_p)
 
 
 def sample_some(
@@ -132,6 +138,7 @@ def sample_some(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sample`` for a batch known (on the host) to have at least one sampled row: no
     look at the device values, so nothing waits for the GPU (the engine queues the next
@@ -144,6 +151,10 @@ def sample_some(
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, V)[:, None]
     drop = rank >= k
+    if min_p is not None:
+        # min-p first, as vLLM orders it (top-p then measures what is left): a token stays while
+        # p >= min_p * p_max, i.e. its scaled logit >= the largest + log(min_p) (log 0 = -inf: all stay)
+        drop |= sorted_logits < sorted_logits[:, :1] + min_p.log()[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     mass_before = probs.cumsum(-1) - probs
     drop |= (mass_before >= top_p[:, None]) & (rank > 0)  # keep the smallest set reaching top_p

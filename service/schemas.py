@@ -6,9 +6,10 @@ works or is refused by name: a client must never get a 200 for a request whose p
 had no effect (a few informational ones aside: ``_IGNORED``). So the bodies
 
 * forbid fields that are no OpenAI parameter nor one of our extensions (``top_k``, ``ignore_eos``);
-* take an OpenAI parameter we do not implement only at the value that asks for nothing (its
-  default: real clients send ``presence_penalty: 0`` or ``logprobs: false``), refusing any
-  other value (``unsupported``);
+* take an OpenAI parameter we do not implement, or one of vLLM's extensions that its clients
+  send, only at the value that asks for nothing (its default: real clients send
+  ``presence_penalty: 0`` or ``skip_special_tokens: true``), refusing any other value
+  (``unsupported``);
 * read ``null`` as "the default", as OpenAI's API does;
 * are strict: ``"5"`` or ``true`` is no integer (an integer is a number, though).
 """
@@ -43,8 +44,9 @@ class _Body(BaseModel):
     """A request body or a part of one."""
     model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
 
-    # OpenAI parameters this server does not implement, with the values that ask for nothing
-    # (beyond null, always accepted): such a value is accepted, any other refused.
+    # OpenAI parameters (and vLLM's extensions) this server does not implement, with the values
+    # that ask for nothing (beyond null, always accepted): such a value is accepted, any other
+    # refused.
     unsupported: ClassVar[dict[str, tuple]] = {}
 
     @model_validator(mode="before")
@@ -68,7 +70,7 @@ _IGNORED = "accepted and ignored"
 
 
 class StreamOptions(_Body):
-    unsupported = {"include_obfuscation": (False,)}
+    unsupported = {"include_obfuscation": (False,), "continuous_usage_stats": (False,)}
 
     include_usage: bool = False
 
@@ -187,11 +189,19 @@ def _logit_bias(v: dict[str, float]) -> dict[str, float]:
 
 
 class _Request(_Body):
+    # vLLM's extensions at what this server does anyway: it skips special tokens in the text,
+    # leaves the stop string out, samples (no beam search) and serves first come, first served
+    unsupported = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+                   "include_stop_str_in_output": (False,), "use_beam_search": (False,), "length_penalty": (1.0,),
+                   "priority": (0,), "truncate_prompt_tokens": ()}
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="extension: 0 or -1 (vLLM's and SGLang's spelling) disables top-k")
+    min_p: float = Field(0.0, ge=0, le=1, description="extension (vLLM's, SGLang's, llama.cpp's): keep the tokens "
+                                                      "at least this times as likely as the most likely; 0 = off")
     seed: int | None = None
     stop: Annotated[list[_StopString], BeforeValidator(
         _stops, json_schema_input_type=_StopString | Annotated[list[_StopString], Field(max_length=4)])] = Field(
@@ -257,7 +267,8 @@ class ChatCompletionRequest(_Request):
                    "functions": ([],), "function_call": ("none", "auto"),
                    "modalities": (["text"],), "audio": (),
                    "prediction": (), "reasoning_effort": ("none",), "verbosity": (), "web_search_options": (),
-                   "moderation": ()}
+                   "moderation": (),
+                   "echo": (False,)}  # (vLLM's: the prompt's text in the reply)
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -49,6 +49,17 @@ UNSUPPORTED = [
     (CHAT, "web_search_options", {}, None),
     (COMPLETIONS, "best_of", 2, 1),
     (COMPLETIONS, "suffix", " and so on.", ""),
+    # vLLM's extensions, as its clients send them
+    (CHAT, "skip_special_tokens", False, True),
+    (CHAT, "spaces_between_special_tokens", False, True),
+    (CHAT, "include_stop_str_in_output", True, False),
+    (CHAT, "use_beam_search", True, False),
+    (CHAT, "length_penalty", 0.5, 1.0),
+    (CHAT, "priority", 1, 0),
+    (CHAT, "truncate_prompt_tokens", 8, None),
+    (CHAT, "echo", True, False),
+    (COMPLETIONS, "skip_special_tokens", False, True),
+    (COMPLETIONS, "include_stop_str_in_output", True, False),
 ]
 
 
@@ -67,6 +78,8 @@ def test_unsupported_parameter_is_refused_by_name_unless_neutral(server, case):
 def test_nested_unsupported_parameters_are_named_by_their_path(server):
     cases = [
         (_chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation",
+         "unsupported_parameter"),
+        (_chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats",
          "unsupported_parameter"),
         (_chat(messages=[{"role": "user", "content": "Hi", "name": "bob"}]), "messages[0].name",
          "unsupported_parameter"),
@@ -94,7 +107,8 @@ def test_what_real_clients_send_by_default_is_accepted(server):
                 {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": []},
                 {"role": "user", "content": "Again"}]
     r = _post(server, CHAT, _chat(messages=messages, **neutral, **informational,
-                                  stream_options={"include_usage": False, "include_obfuscation": False}))
+                                  stream_options={"include_usage": False, "include_obfuscation": False,
+                                                  "continuous_usage_stats": False}))
     assert r.status_code == 200, r.text
     nulls = {c[1]: None for c in UNSUPPORTED if c[0] == CHAT} | {"temperature": None, "top_p": None, "stop": None}
     assert _post(server, CHAT, _chat(**nulls)).status_code == 200  # (null asks for the default)

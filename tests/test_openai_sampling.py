@@ -76,6 +76,30 @@ def test_n_choices_each_equal_their_own_seeded_request(client):
     assert usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_min_p_draws_only_tokens_near_the_most_likely(client):
+    """Every token drawn under min_p is at least min_p times as likely as the most likely one, by
+    the model's own log-probabilities (returned beside it; temperature 1: the same distribution);
+    the same seeds without min_p draw tokens below that bar; min_p = 1 is the greedy reply."""
+    import math
+
+    messages = [{"role": "user", "content": "Tell me a story about a dragon."}]
+
+    def draws(**kw):
+        gaps = []  # (the drawn token's log-probability) - (the most likely one's)
+        for c in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=1.0,
+                                                seed=5, n=6, logprobs=True, top_logprobs=1, **kw).choices:
+            gaps += [t.logprob - t.top_logprobs[0].logprob for t in c.logprobs.content]
+        return gaps
+
+    bar = math.log(0.2)
+    assert min(draws(extra_body={"min_p": 0.2})) >= bar - 1e-3
+    assert min(draws()) < bar  # (the check above can fail)
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    top_only = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=1.0,
+                                              seed=3, extra_body={"min_p": 1.0})
+    assert top_only.choices[0].message.content == greedy.choices[0].message.content
+
+
 def test_logit_bias_bans_and_forces_tokens(client, smollm2_dir):
     from transformers import AutoTokenizer
 

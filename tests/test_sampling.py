@@ -7,7 +7,7 @@ import torch
 from woq.engine.sampling import SamplingParams, sample, uniform_noise
 
 
-def _draws(logits, n, temperature=1.0, top_k=0, top_p=1.0):
+def _draws(logits, n, temperature=1.0, top_k=0, top_p=1.0, min_p=None):
     """n draws for one row, each with its own seed (one batch of n identical rows)."""
     B = n
     return sample(
@@ -17,6 +17,7 @@ def _draws(logits, n, temperature=1.0, top_k=0, top_p=1.0):
         torch.full((B,), top_p),
         torch.arange(B, dtype=torch.int64) * 7919 + 13,
         torch.zeros(B, dtype=torch.int64),
+        None if min_p is None else torch.full((B,), min_p),
     )
 
 
@@ -67,6 +68,28 @@ def test_top_k_and_top_p_restrict_then_renormalise():
     assert _draws(logits[None], 100, top_p=0.01).eq(0).all()
 
 
+def test_min_p_keeps_tokens_near_the_most_likely_before_top_p():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
+    logits = torch.log(probs).float()
+    # min_p = 0.3: p >= 0.12 stays, renormalised
+    counts = torch.bincount(_draws(logits[None], 30_000, min_p=0.3), minlength=5).double()
+    kept = torch.where(probs >= 0.3 * probs.max(), probs, 0)
+    assert counts[3:].sum() == 0 and _chi2_ok(counts, kept / kept.sum())
+    # at temperature 2 the same min_p compares the flattened distribution: p^(1/2) >= 0.3 * 0.4^(1/2)
+    flat = probs.sqrt() / probs.sqrt().sum()
+    counts = torch.bincount(_draws(logits[None], 30_000, temperature=2.0, min_p=0.3), minlength=5).double()
+    kept = torch.where(flat >= 0.3 * flat.max(), flat, 0)
+    assert kept.gt(0).sum() == 5 and _chi2_ok(counts, kept / kept.sum())
+    # then top_p over what min_p left (vLLM's order): {0.4, 0.3, 0.15} / 0.85 -> the smallest set
+    # reaching 0.8 is {0.4, 0.3}; top_p alone would keep 0.15 too
+    counts = torch.bincount(_draws(logits[None], 30_000, top_p=0.8, min_p=0.3), minlength=5).double()
+    assert counts[2:].sum() == 0 and _chi2_ok(counts, torch.tensor([0.4, 0.3, 0, 0, 0], dtype=torch.float64) / 0.7)
+    # min_p = 1 keeps the most likely token alone; 0 keeps the whole distribution
+    assert _draws(logits[None], 200, min_p=1.0).eq(0).all()
+    counts = torch.bincount(_draws(logits[None], 30_000, min_p=0.0), minlength=5).double()
+    assert _chi2_ok(counts, probs)
+
+
 def test_greedy_rows_and_batch_independence():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=g)
@@ -81,6 +104,7 @@ def test_greedy_rows_and_batch_independence():
 
 
 def test_params_validation():
-    for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+    for bad in (dict(max_tokens=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                dict(min_p=-0.1), dict(min_p=1.5)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
