@@ -179,8 +179,8 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
     """The graph engine queues each decode step before reading the previous one's ids
     (look-ahead); sequences that end by an end-of-sequence id (not known in advance) make
     it drop the step queued behind. Against the eager engine, which reads every step
-    before the next: the same ids and finish reasons, greedy and seeded sampling mixed,
-    with sequences joining as others end."""
+    before the next: the same ids and finish reasons, greedy and seeded sampling (some of it
+    with min-p) mixed, with sequences joining as others end."""
     lm = smollm2_gpu
     stop_id = lm.tokenizer.convert_tokens_to_ids(".")  # ends most answers mid-stream
     prompts = [_chat(lm.tokenizer, f"Describe the number {i} in two sentences.") for i in range(10)]
@@ -190,7 +190,8 @@ def test_look_ahead_steps_give_the_tokens_of_steps_read_one_by_one(smollm2_gpu):
 
         eng = Engine(lm.model, lm.tokenizer, {stop_id}, max_num_seqs=4, max_seq_len=512, cuda_graphs=graphs,
                      mixed_step_ratio=0)
-        requests = [(p, SamplingParams(max_tokens=48, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i))
+        requests = [(p, SamplingParams(max_tokens=48, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i,
+                                       min_p=0.1 if i % 4 == 2 else 0.0))
                     for i, p in enumerate(prompts)]
         return run_to_end(eng, requests, timeout=120), eng
 
