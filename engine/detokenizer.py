@@ -5,7 +5,8 @@ some tokenizers change the text of earlier tokens when later ones arrive (leadin
 We decode a short window of recent tokens twice (with and without the newest) and emit
 the difference only when it is complete text. Text that could be the beginning of a stop
 string is held back until it either completes the stop string (and is dropped, with
-everything after it) or is known not to.
+everything after it; or kept, with ``keep_stop``, as vLLM's ``include_stop_str_in_output``)
+or is known not to.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from functools import cache
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), keep_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.keep_stop = keep_stop  # the stop string found stays at the text's end
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: tokens before it are settled text
         self.read_offset = 0  # tokens decoded into self.text so far
@@ -60,9 +62,10 @@ class TextStream:
             return
         longest = max(map(len, self.stop))
         start = max(0, self.emitted - longest)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, minus_len = min(hits)  # the first to begin (of two there, the longer)
+            self.text = self.text[: at - minus_len if self.keep_stop else at]
             self.stopped = True
 
     def _held_back(self) -> int:

@@ -456,7 +456,8 @@ class Engine:
         def sequence(i: int, s: Sink) -> _Sequence:
             # (a grammar's matcher is built here, on the caller's thread, not the engine's)
             return _Sequence(f"{rid}/{i}" if i else rid, list(prompt_ids), params, s, (seed + i) % (1 << 63),
-                             TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None, now,
+                             TextStream(self.tokenizer, params.stop, params.include_stop_str)
+                             if self.tokenizer is not None else None, now,
                              matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None)
 
         seq = sequence(0, sink)

@@ -24,6 +24,7 @@ class SamplingParams:
     min_p: float = 0.0  # in [0, 1]: keep tokens at least this times as likely as the most likely; 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str: bool = False  # the stop string found ends the text rather than being cut
     ignore_eos: bool = False
     # Log-probabilities (engine/logits.py): None none; k: the drawn token's and the top k.
     logprobs: int | None = None

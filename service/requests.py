@@ -74,7 +74,8 @@ def sampling_params(state: ServerState, req, prompt_len: int) -> SamplingParams:
     # a top-k of the whole vocabulary or more keeps every token: no top-k (and no int64 overflow)
     top_k = req.top_k if 0 < req.top_k < vocab else 0
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
-                          min_p=req.min_p, seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                          min_p=req.min_p, seed=req.seed, stop=tuple(req.stop),
+                          include_stop_str=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
                           logprobs=req.wanted_logprobs(), presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                           logit_bias=bias, min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),

@@ -190,10 +190,10 @@ def _logit_bias(v: dict[str, float]) -> dict[str, float]:
 
 class _Request(_Body):
     # vLLM's extensions at what this server does anyway: it skips special tokens in the text,
-    # leaves the stop string out, samples (no beam search) and serves first come, first served
+    # samples (no beam search) and serves first come, first served
     unsupported = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-                   "include_stop_str_in_output": (False,), "use_beam_search": (False,), "length_penalty": (1.0,),
-                   "priority": (0,), "truncate_prompt_tokens": ()}
+                   "use_beam_search": (False,), "length_penalty": (1.0,), "priority": (0,),
+                   "truncate_prompt_tokens": ()}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -218,6 +218,8 @@ class _Request(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: generate max_tokens tokens, past the end of sequence")
+    include_stop_str_in_output: bool = Field(False, description="extension (vLLM's): the stop string found ends "
+                                                                  "the text rather than being cut from it")
 
     user: str | None = Field(None, description=_IGNORED)
     metadata: dict[str, str] | None = Field(None, description=_IGNORED)

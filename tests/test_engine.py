@@ -80,6 +80,9 @@ def test_stop_strings_and_finish_reasons(engine, smollm2_int4):
     assert "Paris" in full.text and full.finish_reason == "stop"  # EOS
     cut = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=("Paris",)))
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("Paris")]
+    kept = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=("Paris",),
+                                                  include_stop_str=True))
+    assert kept.finish_reason == "stop" and kept.text == cut.text + "Paris"
     short = engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0))
     assert short.finish_reason == "length" and short.completion_tokens == 3
 
@@ -195,6 +198,13 @@ def test_text_stream_holds_back_partial_stop_strings():
     assert s.add(5) == " EN more"  # not a stop string after all: released
     s = TextStream(tok)
     assert s.add(6) == ""  # an incomplete UTF-8 character is never emitted mid-stream
+    # keep_stop: the stop string found ends the text (held back until complete, then released)
+    s = TextStream(tok, stop=(" END",), keep_stop=True)
+    assert [s.add(i) for i in (0, 1, 2, 3, 4)] == ["Hello", " wor", "ld", "", " END"]
+    assert s.stopped and s.finish() == "" and s.text == "Hello world END"
+    # of two found beginning at one place in one token, the longer
+    s = TextStream(tok, stop=(" w", " wor"), keep_stop=True)
+    assert s.add(0) == "Hello" and s.add(1) == " wor" and s.stopped and s.text == "Hello wor"
 
 
 def test_text_stream_and_token_bytes_on_split_characters(smollm2_dir):

@@ -52,14 +52,12 @@ UNSUPPORTED = [
     # vLLM's extensions, as its clients send them
     (CHAT, "skip_special_tokens", False, True),
     (CHAT, "spaces_between_special_tokens", False, True),
-    (CHAT, "include_stop_str_in_output", True, False),
     (CHAT, "use_beam_search", True, False),
     (CHAT, "length_penalty", 0.5, 1.0),
     (CHAT, "priority", 1, 0),
     (CHAT, "truncate_prompt_tokens", 8, None),
     (CHAT, "echo", True, False),
     (COMPLETIONS, "skip_special_tokens", False, True),
-    (COMPLETIONS, "include_stop_str_in_output", True, False),
 ]
 
 

@@ -100,6 +100,22 @@ def test_min_p_draws_only_tokens_near_the_most_likely(client):
     assert top_only.choices[0].message.content == greedy.choices[0].message.content
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    """vLLM's extension: the reply ends with the stop string rather than before it, streamed
+    or not; the text before it is the reply without the option's."""
+    prompt, kw = "The capital of France is", dict(model=MODEL, max_tokens=24, temperature=0)
+    full = client.completions.create(prompt=prompt, **kw).choices[0].text
+    stop = full.split()[2]  # (a word well inside the greedy reply)
+    cut = client.completions.create(prompt=prompt, stop=stop, **kw).choices[0]
+    kept = client.completions.create(prompt=prompt, stop=stop, extra_body={"include_stop_str_in_output": True},
+                                     **kw).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == cut.text + stop and full.startswith(kept.text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        prompt=prompt, stop=stop, stream=True, extra_body={"include_stop_str_in_output": True}, **kw))
+    assert streamed == kept.text
+
+
 def test_logit_bias_bans_and_forces_tokens(client, smollm2_dir):
     from transformers import AutoTokenizer
 
