@@ -24,29 +24,33 @@ def json_schema_grammar(schema: dict | str) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema)
 
 
-def _why_not(grammar: str) -> str | None:
-    """Why llguidance cannot compile ``grammar``, in one line (None: it can). No tokenizer
-    needed. A regex's parser gives its reason on an ``error:`` line, between a copy of the
-    regex and the wrapping grammar's text, which the client never wrote: only that line."""
-    import llguidance
+def _one_line(error: str) -> str:
+    """llguidance's error in one line. A regex's parser gives its reason on an ``error:``
+    line, between a copy of the regex and the wrapping grammar's text, which the client never
+    wrote: only that line."""
+    reason = [line.removeprefix("error: ") for line in error.splitlines() if line.startswith("error: ")]
+    return reason[0] if reason else " ".join(error.split())
 
-    msg = llguidance.LLMatcher.validate_grammar(grammar)
-    reason = [line.removeprefix("error: ") for line in msg.splitlines() if line.startswith("error: ")]
-    return reason[0] if reason else " ".join(msg.split()) or None
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot compile: the message is its whole error, ``reason`` one line."""
+
+    def __init__(self, error: str):
+        super().__init__(f"invalid grammar: {error}")
+        self.reason = _one_line(error)
 
 
 def json_schema_error(schema: dict) -> str | None:
-    return _why_not(json_schema_grammar(schema))
+    """Why llguidance cannot enforce ``schema``, in one line (None: it can). No tokenizer needed."""
+    import llguidance
+
+    return _one_line(llguidance.LLMatcher.validate_grammar(json_schema_grammar(schema))) or None
 
 
 def regex_grammar(regex: str) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_regex(regex)
-
-
-def regex_error(regex: str) -> str | None:
-    return _why_not(regex_grammar(regex))
 
 
 def lark_grammar(lark: str) -> str:
@@ -74,12 +78,12 @@ class GrammarMatchers:
             return self._tokenizer
 
     def matcher(self, grammar: str):
-        """A fresh matcher of ``grammar``; ValueError (with llguidance's message) if invalid."""
+        """A fresh matcher of ``grammar``; GrammarError (with llguidance's message) if invalid."""
         import llguidance
 
         m = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if m.is_error():
-            raise ValueError(f"invalid grammar: {m.get_error()}")
+            raise GrammarError(m.get_error())
         return m
 
     def masks(self, matchers: list) -> torch.Tensor:

@@ -21,12 +21,13 @@ from starlette.routing import Match
 from .. import __version__
 from ..engine.detokenizer import token_bytes
 from ..engine.engine import Engine, EngineStoppedError, QueueFullError, RequestTooLongError, StreamEvent
+from ..engine.grammar import GrammarError
 from ..engine.logits import TokenLogprob
 from ..engine.sampling import SamplingParams
 from .errors import APIError, error_body, error_response, install_handlers
 from .logs import request_id
 from .metrics import Metrics
-from .requests import chat_prompt, completion_prompt, sampling_params, text_encoder
+from .requests import chat_prompt, completion_prompt, grammar_refusal, sampling_params, text_encoder
 from .schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Usage, new_id,
                       now)
 from .tools import ToolStream, template_tools
@@ -55,16 +56,13 @@ class ServerState:
         self.text_encoder = text_encoder(self.tokenizer)
         self.tools = template_tools(self.tokenizer)  # (the template is fixed once the server starts)
 
-    async def prepare(self, fn: Callable, longest: Callable, req) -> tuple[list, SamplingParams]:
-        """``fn(self, req)`` (the prompt's token ids) and the request's sampling parameters
-        (for the prompt ``longest`` finds longest), in the tokenizer pool, once the request's
-        text is known to be Unicode (``_check_unicode``: a pass over the whole body, so there
-        too). The parameters are made there because they check the grammar a request asks
-        for, which takes llguidance long over a large JSON schema (serving.md)."""
-        def run() -> tuple[list, SamplingParams]:
+    async def tokenize(self, fn: Callable, req) -> list[int]:
+        """``fn(self, req)`` (a prompt's token ids) in the tokenizer pool, once the request's
+        text is known to be Unicode (``_check_unicode``: a pass over the whole body, so
+        there too)."""
+        def run() -> list[int]:
             _check_unicode(req)
-            prompt = fn(self, req)
-            return prompt, sampling_params(self, req, longest(prompt))
+            return fn(self, req)
 
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, run)
 
@@ -212,9 +210,9 @@ class _Submitted:
             self.state.engine.cancel(rid)
 
 
-async def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                  n: int = 1, grammar_param: str = "response_format") -> _Submitted:
-    """Queue each prompt's ``n`` choices."""
+async def _submit(state: ServerState, req, prompts: list[list[int]], params: SamplingParams,
+                  n: int = 1) -> _Submitted:
+    """Queue each prompt's ``n`` choices (of ``req``, which names the field of a refused grammar)."""
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
     queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
@@ -243,8 +241,10 @@ async def _submit(state: ServerState, prompts: list[list[int]], params: Sampling
         raise APIError(400, str(e), code="context_length_exceeded") from e
     except EngineStoppedError as e:
         raise APIError(503, str(e), "server_error") from e
-    except ValueError as e:  # (a grammar the engine cannot use; n above the batch)
-        raise APIError(400, str(e), param=grammar_param if params.grammar is not None else "n") from e
+    except GrammarError as e:  # (naming the field may compile the forced tools' schemas: off the loop too)
+        raise await loop.run_in_executor(state.tokenizer_pool, grammar_refusal, req, e) from e
+    except ValueError as e:  # (n above the batch)
+        raise APIError(400, str(e), param="n") from e
     return sub
 
 
@@ -454,12 +454,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", responses={**_GENERATE_ERRORS, **_GENERATED})
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         _check_model(state, req.model)
-        prompt, params = await state.prepare(chat_prompt, len, req)
+        prompt = await state.tokenize(chat_prompt, req)
+        params = sampling_params(state, req, len(prompt))
         n = req.n
         tools = req.called_tools()
         fmt = state.tools.fmt if tools else None
-        sub = await _submit(state, [prompt], params, n,
-                            "tools" if tools and req.tool_choice not in (None, "auto") else "response_format")
+        sub = await _submit(state, req, [prompt], params, n)
         cid, created = new_id("chatcmpl"), now()
         base = {"id": cid, "created": created, "model": state.model_name}
         tok = state.tokenizer
@@ -514,9 +514,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", responses={**_GENERATE_ERRORS, **_GENERATED})
     async def completions(req: CompletionRequest, request: Request):
         _check_model(state, req.model)
-        prompts, params = await state.prepare(completion_prompt, lambda ps: max(map(len, ps)), req)
+        prompts = await state.tokenize(completion_prompt, req)
+        params = sampling_params(state, req, max(len(p) for p in prompts))
         n = req.n
-        sub = await _submit(state, prompts, params, n)
+        sub = await _submit(state, req, prompts, params, n)
         base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": state.model_name}
         tok = state.tokenizer
         # each choice's echo: its prompt as text (token-id prompts too); choice i is prompt i // n's

@@ -8,7 +8,7 @@ import logging
 from typing import Callable, Protocol
 
 from ..engine.engine import Engine
-from ..engine.grammar import json_schema_error, json_schema_grammar, lark_grammar, regex_error, regex_grammar
+from ..engine.grammar import GrammarError, json_schema_error, json_schema_grammar, lark_grammar, regex_grammar
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -82,23 +82,21 @@ def sampling_params(state: ServerState, req, prompt_len: int) -> SamplingParams:
                           grammar=tool_grammar(state, req) or format_grammar(getattr(req, "response_format", None)))
 
 
-def tool_grammar(state: ServerState, req) -> str | None:
-    """The grammar that makes the reply a tool call (``tool_choice`` "required" or a named
-    function); None where the model decides ("auto") or there is no tool calling."""
+def _forced_tools(req) -> list[int]:
+    """The indices in ``tools`` of the functions a reply must call (``tool_choice`` "required"
+    or a named function); none where the model decides ("auto") or there is no tool calling."""
     if not isinstance(req, ChatCompletionRequest) or req.called_tools() is None:
-        return None
+        return []
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
-        forced = [i for i, t in enumerate(req.tools) if t.function.name == choice.function.name]
-    elif choice == "required":
-        forced = list(range(len(req.tools)))
-    else:
+        return [i for i, t in enumerate(req.tools) if t.function.name == choice.function.name]
+    return list(range(len(req.tools))) if choice == "required" else []
+
+
+def tool_grammar(state: ServerState, req) -> str | None:
+    """The grammar that makes the reply a call to one of the forced tools; None: no such tool."""
+    if not (forced := _forced_tools(req)):
         return None
-    # Each enforced function's schema alone, so that an error names the tool rather than the
-    # call grammar they make together (whose compiler error quotes that grammar, many lines).
-    for i in forced:
-        if (schema := req.tools[i].function.parameters) is not None:
-            _enforceable(json_schema_error(schema), f"tools[{i}].function.parameters", "a JSON schema")
     functions = [req.tools[i].function.model_dump(exclude_none=True) for i in forced]
     tools = state.tools
     try:
@@ -107,10 +105,26 @@ def tool_grammar(state: ServerState, req) -> str | None:
         raise APIError(400, f"a tool's parameters are no usable JSON schema: {e}", param="tools") from e
 
 
-def _enforceable(why: str | None, param: str, kind: str) -> None:
-    """A 400 naming ``param`` where llguidance cannot enforce what it holds (``why``: its reason)."""
-    if why:
-        raise APIError(400, f"'{param}' cannot be enforced as {kind}: {why}", param=param)
+def grammar_refusal(req, e: GrammarError) -> APIError:
+    """The 400 of a request whose grammar llguidance refused as it was submitted, naming the
+    field that holds what it cannot enforce, with its reason in one line. A forced tool call's
+    grammar joins every forced function's schema, so only here, once it has failed, is each
+    schema compiled alone to find the tool (a valid grammar is compiled once, at submit)."""
+    def refused(param: str, kind: str, why: str) -> APIError:
+        return APIError(400, f"'{param}' cannot be enforced as {kind}: {why}", param=param)
+
+    if forced := _forced_tools(req):
+        for i in forced:
+            schema = req.tools[i].function.parameters
+            if schema is not None and (why := json_schema_error(schema)):
+                return refused(f"tools[{i}].function.parameters", "a JSON schema", why)
+        return APIError(400, str(e), param="tools")
+    fmt = req.response_format
+    if fmt.type == "json_schema":
+        return refused("response_format.json_schema.schema", "a JSON schema", e.reason)
+    if fmt.type == "regex":
+        return refused("response_format.regex", "a regex", e.reason)
+    return APIError(400, str(e), param="response_format")  # (a Lark grammar: its error points into it)
 
 
 def format_grammar(fmt) -> str | None:
@@ -121,14 +135,9 @@ def format_grammar(fmt) -> str | None:
         if fmt.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if fmt.type == "json_schema":
-            _enforceable(json_schema_error(fmt.json_schema.schema_), "response_format.json_schema.schema",
-                         "a JSON schema")
             return json_schema_grammar(fmt.json_schema.schema_)
-        if fmt.type == "regex":
-            _enforceable(regex_error(fmt.regex), "response_format.regex", "a regex")
-            return regex_grammar(fmt.regex)
-        return lark_grammar(fmt.grammar)
-    except (ValueError, TypeError) as e:  # (llguidance refuses a grammar it cannot compile)
+        return regex_grammar(fmt.regex) if fmt.type == "regex" else lark_grammar(fmt.grammar)
+    except (ValueError, TypeError) as e:  # (llguidance refuses a schema it cannot compile)
         raise APIError(400, f"invalid {fmt.type}: {e}", param="response_format") from e
 
 
